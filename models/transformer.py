@@ -1,0 +1,169 @@
+"""The decoder forward as pure functions of (params, cfg, tokens, cache).
+
+- `forward`: T new tokens per sequence appended at `cache.lengths` (prefill, one-token decode, a
+  K+1-token verify at per-sequence offsets, a catch-up of the tokens the draft has no KV for).
+- `tree_step`: one step of SSD's branch decode (spec §2): one query per branch at RoPE position
+  `n+j+1+d`, seeing cache slots `0..n+j` and its own path, whose KV lives in a per-branch buffer
+  so branches never write the shared cache.
+
+Layers are a Python loop over per-layer caches: a `lax.scan` with the cache as scanned state copies
+the whole cache every step on XLA CPU (JAX_NOTES), while per-layer `scatter` under donation updates
+in place. `window` (static) bounds attention to the first `window` cache slots so short sequences do
+not pay for `max_len`.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from models.config import ModelConfig
+from models.kv_cache import KVCache
+from models.params import LayerParams, Params
+
+_NEG_INF = -1e30
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    # As HF: normalise in fp32, cast back, then scale (the order matters in bf16).
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return w * xf.astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """x [..., N, D] at positions [...] (rotate-half convention of HF Llama/Qwen)."""
+    inv = jnp.asarray(cfg.inv_freq())
+    ang = positions[..., None].astype(jnp.float32) * inv  # [..., D/2]
+    cos = jnp.cos(ang)[..., None, :].astype(x.dtype)
+    sin = jnp.sin(ang)[..., None, :].astype(x.dtype)
+    half = cfg.head_dim // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _qkv(lp: LayerParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array):
+    """x [B, T, E] -> q [B, T, H, D], k, v [B, T, KVH, D] (normed, rotated)."""
+    H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+    qkv = h @ lp.wqkv
+    if lp.bqkv is not None:
+        qkv = qkv + lp.bqkv
+    lead = x.shape[:-1]
+    q = qkv[..., : H * D].reshape(*lead, H, D)
+    k = qkv[..., H * D: (H + KVH) * D].reshape(*lead, KVH, D)
+    v = qkv[..., (H + KVH) * D:].reshape(*lead, KVH, D)
+    if lp.q_norm is not None:
+        q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
+    return apply_rope(q, positions, cfg), apply_rope(k, positions, cfg), v
+
+
+def _mlp(lp: LayerParams, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+    gu = h @ lp.w_gate_up
+    gate, up = gu[..., : cfg.intermediate_size], gu[..., cfg.intermediate_size:]
+    return (jax.nn.silu(gate) * up) @ lp.w_down
+
+
+def cache_attention(q, k, v, positions, cfg: ModelConfig):
+    """q [B, T, H, D] at positions [B, T] over cache k, v [B, W, KVH, D]: slot s visible iff s <= pos."""
+    B, T, H, D = q.shape
+    W = k.shape[1]
+    G = cfg.group_size
+    qg = q.reshape(B, T, cfg.num_kv_heads, G, D)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    s = s * (D ** -0.5)
+    mask = jnp.arange(W)[None, None, :] <= positions[:, :, None]  # [B, T, W]
+    s = jnp.where(mask[:, None, None], s, _NEG_INF)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(B, T, H * D).astype(q.dtype)
+
+
+def _logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    w = params.embed.T if params.lm_head is None else params.lm_head
+    return jnp.einsum("...e,ev->...v", x, w, preferred_element_type=jnp.float32)
+
+
+def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache,
+            num_new: jax.Array | None = None, *, window: int | None = None,
+            last_only: bool = False) -> tuple[jax.Array, KVCache]:
+    """Append `tokens` [B, T] at positions `cache.lengths + t`.
+
+    num_new [B]: how many of the T tokens are real (right padding beyond it writes stale KV past
+    the new length, which is masked and later overwritten). Returns logits [B, T, V] fp32 (or
+    [B, V] at each row's last real token with `last_only`) and the cache with lengths += num_new.
+    """
+    B, T = tokens.shape
+    if num_new is None:
+        num_new = jnp.full((B,), T, jnp.int32)
+    W = cache.max_len if window is None else min(int(window), cache.max_len)
+    positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    rows = jnp.arange(B)[:, None]
+    x = params.embed[tokens]
+    new_k, new_v = [], []
+    for lp, kc, vc in zip(params.layers, cache.k, cache.v):
+        q, k, v = _qkv(lp, cfg, x, positions)
+        kc = kc.at[rows, positions].set(k.astype(kc.dtype), mode="drop")
+        vc = vc.at[rows, positions].set(v.astype(vc.dtype), mode="drop")
+        att = cache_attention(q, kc[:, :W], vc[:, :W], positions, cfg)
+        x = x + att @ lp.wo
+        x = x + _mlp(lp, cfg, x)
+        new_k.append(kc)
+        new_v.append(vc)
+    if last_only:
+        x = jnp.take_along_axis(x, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
+    logits = _logits(params, cfg, x)
+    return logits, KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + num_new)
+
+
+@struct.dataclass
+class BranchKV:
+    """Own-path KV of every branch of the speculation tree, per layer [B, MQ, K, KVH, D]."""
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+
+def init_branch_kv(cfg: ModelConfig, batch: int, branches: int, depth: int) -> BranchKV:
+    shape = (batch, branches, depth, cfg.num_kv_heads, cfg.head_dim)
+    z = jnp.zeros(shape, cfg.dtype)
+    return BranchKV(k=(z,) * cfg.num_layers, v=(z,) * cfg.num_layers)
+
+
+def tree_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
+              cache: KVCache, prefix_len: jax.Array, branch: BranchKV, step: jax.Array,
+              valid: jax.Array, *, window: int | None = None,
+              attention: str = "reference") -> tuple[jax.Array, BranchKV]:
+    """One draft step for every branch.
+
+    tokens, positions, prefix_len [B, MQ]; step: int32 scalar (own-path slot written and the last
+    one visible); valid [B, MQ]. The shared cache is read, never written. Returns logits
+    [B, MQ, V] fp32 and the branch KV with slot `step` filled. `attention` picks the plain-jnp
+    reference or the Pallas kernel (both in pallas_kernels.tree_attention).
+    """
+    from pallas_kernels import tree_attention as ta
+
+    if attention == "reference":
+        attend = ta.tree_attention_reference
+    elif attention == "pallas":
+        attend = functools.partial(ta.tree_attention, interpret=jax.default_backend() == "cpu")
+    else:
+        raise ValueError(f"unknown tree attention {attention!r}: use 'reference' or 'pallas'")
+    W = cache.max_len if window is None else min(int(window), cache.max_len)
+    x = params.embed[tokens]  # [B, MQ, E]
+    new_k, new_v = [], []
+    for lp, kc, vc, bk, bv in zip(params.layers, cache.k, cache.v, branch.k, branch.v):
+        q, k, v = _qkv(lp, cfg, x, positions)
+        bk = jax.lax.dynamic_update_slice_in_dim(bk, k[:, :, None].astype(bk.dtype), step, axis=2)
+        bv = jax.lax.dynamic_update_slice_in_dim(bv, v[:, :, None].astype(bv.dtype), step, axis=2)
+        att = attend(q, kc[:, :W], vc[:, :W], prefix_len, bk, bv, step, valid)
+        B, MQ = tokens.shape
+        x = x + att.reshape(B, MQ, -1) @ lp.wo
+        x = x + _mlp(lp, cfg, x)
+        new_k.append(bk)
+        new_v.append(bv)
+    return _logits(params, cfg, x), BranchKV(k=tuple(new_k), v=tuple(new_v))
