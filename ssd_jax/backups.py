@@ -1,0 +1,72 @@
+"""Backup speculators for a cache miss (spec §5), each carrying its true proposal distribution.
+
+- neural ("jit"): the draft drafts K tokens from the real outcome, as plain SD would
+  (`ssd_jax.steps.draft_chain`); accurate, costs about one SD drafting time.
+- random: K uniform tokens over the tokenizer's vocabulary; rows are that uniform distribution.
+- ngram (prompt lookup): the K tokens that followed the latest earlier occurrence of the sequence's
+  last `n` tokens; deterministic, so rows are one-hot. Where nothing matches, uniform as `random`.
+A one-hot proposal is accepted with probability p(s), and its residual is p with s removed, so
+every backup keeps the output exactly the target's.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ssd_jax import sampling as smp
+
+BACKUPS = ("neural", "random", "ngram")
+
+
+@functools.partial(jax.jit, static_argnames=("k", "vocab_size", "row_vocab", "row_dtype"))
+def random_speculation(seed, request_ids, n, *, k: int, vocab_size: int, row_vocab: int,
+                       row_dtype: str = "float32"):
+    """Uniform tokens at positions n+1..n+k: tokens [B, K], rows [B, K, row_vocab] (uniform over the
+    first `vocab_size` rows, 0 on padded ones)."""
+    B = n.shape[0]
+    pos = n[:, None] + 1 + jnp.arange(k, dtype=jnp.int32)[None]
+    keys = smp.position_keys(seed, request_ids, pos, smp.STREAM_BACKUP)
+    toks = jax.vmap(jax.vmap(lambda key: jax.random.randint(key, (), 0, vocab_size)))(keys)
+    row = jnp.where(jnp.arange(row_vocab) < vocab_size, 1.0 / vocab_size, 0.0)
+    rows = jnp.broadcast_to(row, (B, k, row_vocab)).astype(row_dtype)
+    return toks.astype(jnp.int32), rows
+
+
+def ngram_guess(history: list[int], k: int, n: int = 2) -> list[int] | None:
+    """Prompt lookup: the k tokens after the latest earlier occurrence of history's last n tokens
+    (shorter suffixes are tried down to 1). None when nothing matches."""
+    h = np.asarray(history)
+    for m in range(min(n, len(h) - 1), 0, -1):
+        tail = h[-m:]
+        for start in range(len(h) - m - 1, -1, -1):
+            if np.array_equal(h[start:start + m], tail):
+                nxt = h[start + m:start + m + k].tolist()
+                if nxt:
+                    return (nxt + [nxt[-1]] * k)[:k]
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("row_vocab", "vocab_size", "row_dtype"))
+def _ngram_rows(guess, matched, *, row_vocab: int, vocab_size: int, row_dtype: str):
+    onehot = jax.nn.one_hot(guess, row_vocab, dtype=jnp.float32)
+    uniform = jnp.where(jnp.arange(row_vocab) < vocab_size, 1.0 / vocab_size, 0.0)
+    return jnp.where(matched[:, None, None], onehot, uniform).astype(row_dtype)
+
+
+def ngram_speculation(histories: list[list[int]], seed, request_ids, n, *, k: int,
+                      vocab_size: int, row_vocab: int, row_dtype: str = "float32", ngram: int = 2):
+    """Per sequence: an n-gram guess with one-hot rows, or uniform tokens and rows where none matches."""
+    rand_toks, _ = random_speculation(seed, request_ids, n, k=k, vocab_size=vocab_size,
+                                      row_vocab=row_vocab, row_dtype=row_dtype)
+    rand_toks = np.asarray(rand_toks)
+    guesses, matched = [], []
+    for b, hist in enumerate(histories):
+        g = ngram_guess(hist, k, ngram)
+        matched.append(g is not None)
+        guesses.append(g if g is not None else rand_toks[b].tolist())
+    guess = jnp.asarray(np.asarray(guesses, np.int32))
+    m = jnp.asarray(np.asarray(matched))
+    return guess, _ngram_rows(guess, m, row_vocab=row_vocab, vocab_size=vocab_size, row_dtype=row_dtype)

@@ -1,0 +1,105 @@
+"""Host-side state of a batch of requests: committed tokens, stop conditions, streaming.
+
+Sequences finish at different times; their rows keep their static slot on the device (inactive
+rows compute but commit nothing), and the host stops emitting for them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    texts: list[str]
+    token_ids: list[list[int]]  # generated ids per prompt (prompt excluded)
+    logprobs: list[list[float]]  # the target model's log-probability of each generated id
+    finish_reasons: list[str]  # "length" | "eos" | "stop"
+    metrics: "object"
+
+
+class Batch:
+    """prompt ids per row -> committed history; `emit` applies EOS / stop strings / exact budgets.
+
+    Invariants while a row is active: history = prompt + generated, the last entry is the bonus
+    token at position n = len(history) - 1 (in neither KV cache yet), prev = history[-2].
+    """
+
+    def __init__(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids: Sequence[int],
+                 stop: Sequence[str] = (), decode: Callable[[list[int]], str] | None = None,
+                 on_tokens: Callable[[int, list[int]], None] | None = None):
+        self.prompt_lens = np.array([len(p) for p in prompts], np.int32)
+        self.history = [list(map(int, p)) for p in prompts]
+        self.generated: list[list[int]] = [[] for _ in prompts]
+        self.logprobs: list[list[float]] = [[] for _ in prompts]
+        self.finish = ["" for _ in prompts]
+        self.max_new = int(max_new_tokens)
+        self.eos = set(int(e) for e in eos_ids)
+        self.stop = [s for s in stop if s]
+        if self.stop and decode is None:
+            raise ValueError("stop strings need a tokenizer to decode the generated text")
+        self.decode = decode
+        self.on_tokens = on_tokens
+
+    @property
+    def size(self) -> int:
+        return len(self.history)
+
+    @property
+    def active(self) -> np.ndarray:
+        return np.array([f == "" for f in self.finish])
+
+    @property
+    def n(self) -> np.ndarray:
+        """Position of each row's bonus token."""
+        return np.array([len(h) - 1 for h in self.history], np.int32)
+
+    @property
+    def bonus(self) -> np.ndarray:
+        return np.array([h[-1] for h in self.history], np.int32)
+
+    @property
+    def prev(self) -> np.ndarray:
+        return np.array([h[-2] if len(h) > 1 else h[-1] for h in self.history], np.int32)
+
+    def emit(self, row: int, tokens: Sequence[int], logprobs: Sequence[float]) -> int:
+        """Commit tokens for an active row until a stop condition; returns how many were kept."""
+        if self.finish[row]:
+            return 0
+        kept = []
+        for t, lp in zip(tokens, logprobs):
+            t = int(t)
+            self.history[row].append(t)
+            self.generated[row].append(t)
+            self.logprobs[row].append(float(lp))
+            kept.append(t)
+            if t in self.eos:
+                self.finish[row] = "eos"
+            elif len(self.generated[row]) >= self.max_new:
+                self.finish[row] = "length"
+            elif self.stop and any(s in self.decode(self.generated[row]) for s in self.stop):
+                self.finish[row] = "stop"
+            if self.finish[row]:
+                break
+        if kept and self.on_tokens is not None:
+            self.on_tokens(row, kept)
+        return len(kept)
+
+    def texts(self) -> list[str]:
+        if self.decode is None:
+            return ["" for _ in self.generated]
+        out = []
+        for gen, fin in zip(self.generated, self.finish):
+            text = self.decode(gen)
+            if fin == "stop":
+                cut = min((text.find(s) for s in self.stop if s in text), default=len(text))
+                text = text[:cut]
+            out.append(text)
+        return out
+
+    def result(self, metrics) -> GenerationResult:
+        return GenerationResult(texts=self.texts(), token_ids=[list(g) for g in self.generated],
+                                logprobs=[list(l) for l in self.logprobs],
+                                finish_reasons=list(self.finish), metrics=metrics)

@@ -1,0 +1,32 @@
+"""JAX's persistent compilation cache, on by default so a second run skips most compiles."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+
+_enabled: str | None = None
+
+
+def default_dir() -> Path:
+    root = os.environ.get("SSD_JAX_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "ssd_jax")
+    return Path(root) / "jax_compilation_cache"
+
+
+def enable_compilation_cache(setting: bool | str = True) -> str | None:
+    """True: the default dir (env SSD_JAX_COMPILE_CACHE overrides; '0' turns it off); a str: that dir;
+    False: leave JAX's settings alone. Returns the directory in use, if any."""
+    global _enabled
+    env = os.environ.get("SSD_JAX_COMPILE_CACHE")
+    if setting is True and env is not None:
+        setting = False if env in ("", "0", "false", "off") else env
+    if setting is False:
+        return _enabled
+    path = str(default_dir() if setting is True else setting)
+    if _enabled != path:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+        _enabled = path
+    return _enabled

@@ -1,0 +1,312 @@
+"""The round loop for `ar | sd | ssd`: the only place that knows about time, devices and rounds.
+
+    engine = Engine(target, draft)                      # models.Model (cfg, params, tokenizer)
+    out = engine.generate(["def fib(n):"], mode="ssd", max_new_tokens=64)
+    out.texts[0], out.metrics.hit_rate
+
+SSD round (spec §2): dispatch `verify` on the target mesh, dispatch `draft_tree` on the draft mesh
+right after (async dispatch overlaps them), block on the outcome only, look the outcome up in the
+speculation cache, back up the missed rows, commit. Output is exactly the target's distribution in
+every mode; modes differ only in speed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.kv_cache import init_cache
+from ssd_jax import fanout as fo
+from ssd_jax import steps
+from ssd_jax.batch import Batch, GenerationResult
+from ssd_jax.compile_cache import enable_compilation_cache
+from ssd_jax.draft_worker import DraftWorker
+from ssd_jax.metrics import CompileTimer, Metrics, RoundTimes
+from ssd_jax.placement import make_placement, to_mesh
+from ssd_jax.sampling import SamplingParams
+from ssd_jax.speculation_cache import check_budget
+
+MODES = ("ar", "sd", "ssd")
+
+
+@dataclasses.dataclass(frozen=True)
+class SSDConfig:
+    """SSD knobs. fanout: F_0..F_K after a hit (None: one candidate per position);
+    fanout_backup: after a backup round (None: same as fanout; must have the same sum)."""
+    fanout: tuple[int, ...] | None = None
+    fanout_backup: tuple[int, ...] | None = None
+    saguaro_c: float = 1.0
+    backup: str = "neural"  # neural | random | ngram
+    row_dtype: str = "float32"
+    cache_budget_bytes: int | None = None
+    attention: str = "reference"  # reference | pallas (tree attention)
+    gather_kernel: bool = False  # Pallas outcome-conditioned gather instead of the jnp reference
+
+    def lists(self, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        hit = tuple(self.fanout) if self.fanout is not None else fo.uniform(k, 1)
+        backup = tuple(self.fanout_backup) if self.fanout_backup is not None else hit
+        if len(hit) != k + 1 or len(backup) != k + 1:
+            raise ValueError(f"fan-out lists need K+1 = {k + 1} entries: got {hit} and {backup}")
+        if sum(hit) != sum(backup) or sum(hit) < 1 or min(hit + backup) < 0:
+            raise ValueError(f"fan-out lists must be >= 0 with equal positive sums (static MQ): "
+                             f"{hit} vs {backup}")
+        if not 0.0 < self.saguaro_c <= 1.0:
+            raise ValueError(f"saguaro_c must be in (0, 1], got {self.saguaro_c}")
+        if self.backup not in ("neural", "random", "ngram"):
+            raise ValueError(f"unknown backup {self.backup!r}: use neural, random or ngram")
+        return hit, backup
+
+
+def _bucket(n: int, quantum: int) -> int:
+    return max(quantum, -(-n // quantum) * quantum)
+
+
+def _prefill_bucket(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+class Engine:
+    """Holds the loaded target and draft, placed on their meshes, and runs generate calls."""
+
+    def __init__(self, target, draft=None, *, placement: str = "split", max_len: int = 4096,
+                 compilation_cache: bool | str = True):
+        enable_compilation_cache(compilation_cache)
+        self.placement = make_placement(placement)
+        self.target = target
+        self.draft = draft
+        self.max_len = int(max_len)
+        if draft is not None:
+            _check_pair(target, draft)
+        self.tparams = to_mesh(target.params, self.placement.target)
+        self.worker = (DraftWorker(draft, self.placement.draft, target.cfg.vocab_size)
+                       if draft is not None else None)
+        tok = target.tokenizer
+        self.vocab_size = tok.vocab_size if tok is not None else target.cfg.vocab_size
+        self.eos_ids = tuple(tok.eos_ids) if tok is not None else ()
+        self._t1: float | None = None  # last measured plain decode step (for the §6 prediction)
+
+    # ------------------------------------------------------------------ public API
+    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str, *, mode: str = "ssd",
+                 max_new_tokens: int = 64, sampling: SamplingParams = SamplingParams(),
+                 draft_sampling: SamplingParams | None = None, k: int = 4,
+                 ssd: SSDConfig = SSDConfig(), seed: int = 0, stop: Sequence[str] = (),
+                 chat: bool = False, eos_ids: Sequence[int] | None = None,
+                 request_ids: Sequence[int] | None = None,
+                 on_tokens: Callable[[int, list[int]], None] | None = None,
+                 verifier: Callable | None = None) -> GenerationResult:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
+        if mode != "ar" and self.draft is None:
+            raise ValueError(f"mode {mode!r} needs a draft model: Engine(target, draft)")
+        if int(max_new_tokens) < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if mode != "ar" and int(k) < 1:
+            raise ValueError(f"lookahead K must be >= 1, got {k}")
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError("sampling must be a ssd_jax.sampling.SamplingParams")
+        ids = self._encode(prompts, chat)
+        batch = Batch(ids, max_new_tokens, self.eos_ids if eos_ids is None else eos_ids, stop,
+                      self.target.tokenizer.decode if self.target.tokenizer else None, on_tokens)
+        rids = np.asarray(request_ids if request_ids is not None else range(batch.size), np.int32)
+        if rids.shape != (batch.size,):
+            raise ValueError(f"request_ids needs one id per prompt ({batch.size}), got {rids.shape}")
+        need = int(batch.prompt_lens.max()) + int(max_new_tokens) + int(k) + 2
+        if need > self.max_len:
+            raise ValueError(f"prompt ({batch.prompt_lens.max()} tokens) + max_new_tokens "
+                             f"({max_new_tokens}) + K + 2 = {need} exceeds the cache length "
+                             f"max_len={self.max_len}: shorten the prompt or budget, or raise max_len")
+        if need > self.target.cfg.max_position_embeddings:
+            raise ValueError(f"{need} positions exceed the target's max_position_embeddings "
+                             f"({self.target.cfg.max_position_embeddings})")
+        cache_len = min(self.max_len, _bucket(need, 256))
+        metrics = Metrics(mode=mode)
+        run = dict(seed=jnp.int32(seed), sampling=sampling,
+                   draft_sampling=draft_sampling or sampling, k=int(k),
+                   verifier=verifier or _default_verifier())
+        self._timer = timer = CompileTimer()
+        with timer.measure():
+            t0 = time.perf_counter()
+            self._prefill(batch, rids, cache_len, run, mode)
+            metrics.prefill_s = time.perf_counter() - t0
+            if mode == "ar":
+                self._run_ar(batch, rids, run, metrics)
+            elif mode == "sd":
+                self._run_sd(batch, rids, run, metrics)
+            else:
+                self._run_ssd(batch, rids, run, metrics, ssd)
+        metrics.compile_s = timer.seconds
+        metrics.new_tokens = sum(len(g) for g in batch.generated)
+        return batch.result(metrics)
+
+    # ------------------------------------------------------------------ set-up
+    def _encode(self, prompts, chat: bool) -> list[list[int]]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
+            prompts = [prompts]
+        if not prompts:
+            raise ValueError("no prompts given")
+        tok = self.target.tokenizer
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                if tok is None:
+                    raise ValueError("text prompts need a tokenizer: pass token ids or load one")
+                if chat:
+                    p = tok.apply_chat_template([{"role": "user", "content": p}])
+                ids = tok.encode(p)
+            else:
+                ids = [int(t) for t in p]
+            if not ids:
+                raise ValueError("empty prompt: every prompt needs at least one token")
+            if max(ids) >= self.vocab_size or min(ids) < 0:
+                raise ValueError(f"prompt token id out of range [0, {self.vocab_size})")
+            out.append(ids)
+        return out
+
+    def _prefill(self, batch: Batch, rids, cache_len: int, run: dict, mode: str):
+        B = batch.size
+        T = _prefill_bucket(int(batch.prompt_lens.max()))
+        toks = np.zeros((B, T), np.int32)
+        for b, h in enumerate(batch.history):
+            toks[b, : len(h)] = h
+        tgt = self.placement.target
+        cfg = self.target.cfg
+        self.tcache = init_cache(cfg, B, cache_len, sharding=tgt)
+        first, lp, self.tcache = steps.prefill(
+            self.tparams, cfg, self.tcache, to_mesh(toks, tgt), to_mesh(batch.prompt_lens, tgt),
+            run["seed"], to_mesh(rids, tgt), run["sampling"], self.vocab_size)
+        if mode != "ar":
+            self.worker.start(toks, batch.prompt_lens, cache_len)
+        first, lp = np.asarray(first), np.asarray(lp)
+        for b in range(B):
+            batch.emit(b, [first[b]], [lp[b]])
+
+    # ------------------------------------------------------------------ loops
+    def _run_ar(self, batch: Batch, rids, run, m: Metrics):
+        tgt, cfg = self.placement.target, self.target.cfg
+        rids_t = to_mesh(rids, tgt)
+        while batch.active.any():
+            t0, c0, n0 = self._round_start(batch)
+            active = batch.active
+            tok, lp, self.tcache = steps.decode(
+                self.tparams, cfg, self.tcache, to_mesh(batch.bonus, tgt), to_mesh(active, tgt),
+                run["seed"], rids_t, run["sampling"], self.vocab_size)
+            tok, lp = np.asarray(tok), np.asarray(lp)
+            for b in np.flatnonzero(active):
+                batch.emit(b, [tok[b]], [lp[b]])
+            m.add_round(self._round_end(batch, RoundTimes(active=int(active.sum())), t0, c0, n0))
+        steady = [r.round_s for r in m.timeline if not r.compiled]
+        if steady:
+            self._t1 = float(np.median(steady))
+
+    def _round_start(self, batch: Batch):
+        return time.perf_counter(), self._timer.seconds, sum(len(g) for g in batch.generated)
+
+    def _round_end(self, batch: Batch, r: RoundTimes, t0, c0, n0) -> RoundTimes:
+        r.round_s = time.perf_counter() - t0
+        r.tokens = sum(len(g) for g in batch.generated) - n0
+        r.compiled = self._timer.seconds > c0
+        return r
+
+    def _verify(self, batch: Batch, spec, rows, rids_t, run):
+        tgt, cfg = self.placement.target, self.target.cfg
+        res, lp, self.tcache = steps.verify(
+            self.tparams, cfg, self.tcache, to_mesh(batch.bonus, tgt), to_mesh(spec, tgt),
+            to_mesh(rows, tgt), to_mesh(batch.active, tgt), run["seed"], rids_t, run["sampling"],
+            self.vocab_size, run["verifier"])
+        return res, lp
+
+    def _commit(self, batch: Batch, res, lp, m: Metrics, from_backup=None) -> np.ndarray:
+        """Block on the outcome, emit accepted tokens + bonus; returns accepted counts [B].
+        from_backup [B] (SSD): whether each row's speculation came from a backup or a cache hit."""
+        k_acc, toks, lps = np.asarray(res.num_accepted), np.asarray(res.tokens), np.asarray(lp)
+        for b in np.flatnonzero(batch.active):
+            m.accept_hist[k_acc[b]] += 1  # per active sequence and round
+            if from_backup is not None:
+                hist = m.accept_hist_after_miss if from_backup[b] else m.accept_hist_after_hit
+                hist[k_acc[b]] += 1
+            batch.emit(b, toks[b, : k_acc[b] + 1], lps[b, : k_acc[b] + 1])
+        return k_acc
+
+    def _run_sd(self, batch: Batch, rids, run, m: Metrics):
+        m.init_hist(run["k"])
+        rids_t = to_mesh(rids, self.placement.target)
+        while batch.active.any():
+            t0, c0, n0 = self._round_start(batch)
+            active = int(batch.active.sum())
+            spec, rows = self.worker.propose(batch, rids, run)
+            jax.block_until_ready(rows)
+            t1 = time.perf_counter()
+            res, lp = self._verify(batch, spec, rows, rids_t, run)
+            self._commit(batch, res, lp, m)
+            t2 = time.perf_counter()
+            m.draft_s += t1 - t0
+            m.verify_s += t2 - t1
+            m.add_round(self._round_end(batch, RoundTimes(verify_s=t2 - t1, draft_s=t1 - t0,
+                                                          active=active), t0, c0, n0))
+
+    def _run_ssd(self, batch: Batch, rids, run, m: Metrics, ssd: SSDConfig):
+        k = run["k"]
+        m.init_hist(k)
+        f_hit, f_backup = ssd.lists(k)
+        vocab_rows = self.target.cfg.vocab_size
+        check_budget(batch.size, sum(f_hit), k, vocab_rows, ssd.row_dtype, ssd.cache_budget_bytes)
+        rids_t = to_mesh(rids, self.placement.target)
+        run = dict(run, f_hit=f_hit, f_backup=f_backup, ssd=ssd)
+        # Round 1 has no cache: its speculation comes from the backup.
+        spec, rows = self.worker.backup(ssd.backup, batch, rids, run, f_backup)
+        from_backup = np.ones(batch.size, bool)
+        first = True
+        while batch.active.any():
+            t0, c0, n0 = self._round_start(batch)
+            was_active = batch.active
+            res, lp = self._verify(batch, spec, rows, rids_t, run)  # async on the target mesh
+            self.worker.dispatch_tree(batch, spec, from_backup, rids, run)  # async on the draft mesh
+            k_acc = self._commit(batch, res, lp, m, from_backup=from_backup)
+            t1 = time.perf_counter()
+            hit = self.worker.lookup(k_acc, np.asarray(res.bonus))
+            t2 = time.perf_counter()
+            if not first:
+                m.hits += int((hit & was_active).sum())
+                m.lookups += int(was_active.sum())
+            missed = ~hit & batch.active
+            spec, rows = self.worker.next_speculation()
+            tb = 0.0
+            if missed.any():
+                tb0 = time.perf_counter()
+                bspec, brows = self.worker.backup(ssd.backup, batch, rids, run, f_backup)
+                spec = jnp.where(jnp.asarray(missed)[:, None], bspec, spec)
+                rows = jnp.where(jnp.asarray(missed)[:, None, None], brows, rows)
+                jax.block_until_ready(rows)
+                tb = time.perf_counter() - tb0
+                m.backups[ssd.backup] = m.backups.get(ssd.backup, 0) + int(missed.sum())
+            from_backup = missed
+            first = False
+            m.verify_s += t1 - t0
+            m.draft_s += t2 - t0
+            m.backup_s += tb
+            m.add_round(self._round_end(batch, RoundTimes(
+                verify_s=t1 - t0, draft_s=t2 - t0, backup_s=tb, hit=int((hit & was_active).sum()),
+                active=int(was_active.sum())), t0, c0, n0))
+
+
+def _default_verifier():
+    from ssd_jax.verify import rejection_sample
+    return rejection_sample
+
+
+def _check_pair(target, draft):
+    tt, dt = target.tokenizer, draft.tokenizer
+    if tt is not None and dt is not None and tt.fingerprint() != dt.fingerprint():
+        raise ValueError("draft and target have different tokenizers: speculative decoding needs "
+                         "one shared vocabulary")
+    if (tt is None) != (dt is None):
+        raise ValueError("give both target and draft a tokenizer, or neither")
+    if draft.cfg.vocab_size != target.cfg.vocab_size:
+        vs = tt.vocab_size if tt is not None else None
+        if vs is None or vs > min(draft.cfg.vocab_size, target.cfg.vocab_size):
+            raise ValueError(f"draft embedding rows ({draft.cfg.vocab_size}) and target rows "
+                             f"({target.cfg.vocab_size}) differ and the tokenizer does not fit both")

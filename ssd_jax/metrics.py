@@ -1,0 +1,162 @@
+"""Metrics of one generate call, returned (never printed) as a dataclass with `to_dict()` for JSON.
+
+Hit rates count from round 2 on, per active sequence and round (round 1 has no speculation cache).
+Times are wall-clock seconds on the host; `compile_s` is measured apart (JAX's own compile events)
+and excluded from `decode_s`, so tokens/s is a steady-state figure.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+
+_COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
+
+
+@dataclasses.dataclass
+class RoundTimes:
+    """One round's timeline (seconds from the round's start)."""
+    verify_s: float = 0.0  # dispatch -> outcome on the host
+    draft_s: float = 0.0  # SD drafting, or SSD tree dispatch -> tree ready
+    backup_s: float = 0.0  # time spent producing a backup speculation after a miss
+    exchange_s: float = 0.0  # moving outcome / speculation between meshes or processes
+    round_s: float = 0.0
+    hit: int = -1  # SSD: hits among active sequences this round (-1 when not counted)
+    active: int = 0
+    tokens: int = 0  # tokens committed this round (all sequences)
+    compiled: bool = False  # a compile happened inside this round: excluded from tokens/s
+
+
+@dataclasses.dataclass
+class Metrics:
+    mode: str
+    k: int = 0
+    rounds: int = 0
+    new_tokens: int = 0
+    timed_tokens: int = 0  # tokens of the rounds that decode_s covers
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    compile_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    backup_s: float = 0.0
+    # acceptance: accept_hist[j] = rounds (per active sequence) that accepted exactly j draft tokens
+    accept_hist: list[int] = dataclasses.field(default_factory=list)
+    accept_hist_after_hit: list[int] = dataclasses.field(default_factory=list)
+    accept_hist_after_miss: list[int] = dataclasses.field(default_factory=list)
+    hits: int = 0
+    lookups: int = 0
+    backups: dict[str, int] = dataclasses.field(default_factory=dict)
+    timeline: list[RoundTimes] = dataclasses.field(default_factory=list)
+    predicted_speedup: float | None = None
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def init_hist(self, k: int) -> None:
+        self.k = k
+        self.accept_hist = [0] * (k + 1)
+        self.accept_hist_after_hit = [0] * (k + 1)
+        self.accept_hist_after_miss = [0] * (k + 1)
+
+    def add_round(self, r: RoundTimes) -> None:
+        self.timeline.append(r)
+        self.rounds += 1
+        if not r.compiled:
+            self.decode_s += r.round_s
+            self.timed_tokens += r.tokens
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Steady state: tokens over time of the rounds in which nothing compiled."""
+        return self.timed_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+    @property
+    def tokens_per_round(self) -> float:
+        """Tokens emitted per sequence-round (accepted + bonus), from the accepted-length histogram."""
+        total = sum(self.accept_hist)
+        return sum((j + 1) * c for j, c in enumerate(self.accept_hist)) / total if total else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        """P(draft token i accepted | tokens before it accepted), i = 1..K."""
+        out = []
+        for i in range(1, self.k + 1):
+            reached = sum(self.accept_hist[i - 1:])
+            out.append(sum(self.accept_hist[i:]) / reached if reached else float("nan"))
+        return out
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Mean accepted draft tokens over K (per sequence-round)."""
+        total = sum(self.accept_hist)
+        if not total or not self.k:
+            return 0.0
+        return sum(j * c for j, c in enumerate(self.accept_hist)) / (total * self.k)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else float("nan")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.update(tokens_per_s=self.tokens_per_s, tokens_per_round=self.tokens_per_round,
+                 acceptance_per_position=self.acceptance_per_position,
+                 acceptance_rate=self.acceptance_rate, hit_rate=self.hit_rate)
+        return _jsonable(d)
+
+    def summary(self) -> str:
+        s = f"{self.mode}: {self.new_tokens} tokens, {self.tokens_per_s:.2f} tok/s"
+        if self.mode != "ar":
+            s += f", {self.tokens_per_round:.2f} tokens/round"
+        if self.lookups:
+            s += f", hit rate {self.hit_rate:.2f}"
+        return s + f" (compile {self.compile_s:.1f}s apart)"
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (np.floating, float)):
+        return None if np.isnan(x) else float(x)
+    if isinstance(x, np.integer):
+        return int(x)
+    return x
+
+
+class CompileTimer:
+    """Sums JAX's compile-event durations (trace, lower, backend compile) while active."""
+
+    _lock = threading.Lock()
+    _active: list["CompileTimer"] = []
+    _registered = False
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    @classmethod
+    def _listener(cls, event: str, duration: float, **_):
+        if event in _COMPILE_EVENTS:
+            for t in list(cls._active):
+                t.seconds += duration
+
+    @contextlib.contextmanager
+    def measure(self):
+        with self._lock:
+            if not CompileTimer._registered:
+                jax.monitoring.register_event_duration_secs_listener(CompileTimer._listener)
+                CompileTimer._registered = True
+            CompileTimer._active.append(self)
+        try:
+            yield self
+        finally:
+            with self._lock:
+                CompileTimer._active.remove(self)

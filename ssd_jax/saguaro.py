@@ -1,0 +1,54 @@
+"""The proposal q' a draft samples its speculation from, with Saguaro scaling (spec §4).
+
+After a rejection the bonus comes from max(0, p - q'), which suppresses exactly the tokens the
+draft likes most — the ones the next fork caches. Saguaro drafts from
+
+    q'(t) ∝ C * q(t)  for t among the top `top_n` tokens of the raw draft row,  q(t) otherwise,
+
+so residual mass moves onto the cached candidates (more hits, slightly lower acceptance). Every
+proposal is rounded to the speculation cache's row dtype *before* the draw, and the token is drawn
+from those rounded numbers, so the rows the verifier sees are exactly the rows sampled from.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ssd_jax.sampling import SamplingParams, probs_from_logits, sample_from_probs
+
+
+def saguaro_scale(q: jax.Array, raw_logits: jax.Array, top_n: int, c: float) -> jax.Array:
+    """q [..., V] -> q' [..., V] (unnormalised is fine for drawing; callers normalise for verify).
+
+    The top `top_n` tokens of `raw_logits` (ties at the boundary included) are scaled by `c`.
+    """
+    if c == 1.0 or top_n <= 0:
+        return q
+    V = raw_logits.shape[-1]
+    kth = jax.lax.top_k(raw_logits, min(top_n, V))[0][..., -1:]
+    scaled = jnp.where(raw_logits >= kth, q * jnp.float32(c), q)
+    total = jnp.sum(scaled, axis=-1, keepdims=True)
+    return scaled / jnp.where(total > 0, total, 1.0)
+
+
+def propose(logits: jax.Array, sampling: SamplingParams, keys: jax.Array, *,
+            vocab_size: int | None = None, saguaro_top_n: int = 0, saguaro_c: float = 1.0,
+            row_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+    """Draft one token per row from its proposal.
+
+    logits [..., V] (raw draft logits), keys [...] -> (tokens [...] int32, rows [..., V] in
+    `row_dtype`: the exact numbers the token was drawn from; normalise them before verifying).
+    """
+    q = probs_from_logits(logits, sampling, vocab_size)
+    q = saguaro_scale(q, logits, saguaro_top_n, saguaro_c)
+    rows = q.astype(row_dtype)
+    if sampling.greedy:
+        return jnp.argmax(rows, axis=-1).astype(jnp.int32), rows
+    return sample_from_probs(rows.astype(jnp.float32), keys), rows
+
+
+def normalise_rows(rows: jax.Array) -> jax.Array:
+    """Stored (possibly rounded, unnormalised) proposal rows -> the probabilities they sample from."""
+    r = rows.astype(jnp.float32)
+    total = jnp.sum(r, axis=-1, keepdims=True)
+    return r / jnp.where(total > 0, total, 1.0)

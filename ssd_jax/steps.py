@@ -1,0 +1,122 @@
+"""The jit-compiled steps of AR, SD and SSD, each a pure function of (params, cache, inputs).
+
+Each step runs where its inputs live: target params and cache on the target mesh, draft ones on the
+draft mesh; only token ids, outcome integers and proposal rows cross between them. Caches are
+donated so XLA updates KV in place. Static arguments (model config, sampling, K, fan-out, the
+verifier function) are hashable, so one compile serves every round.
+
+Positions and keys: a sequence with `n` committed tokens has its bonus token `b` at position `n`
+(not yet in either KV cache). Every random draw is keyed by (request id, position of the token it
+decides, stream) — see `ssd_jax.sampling.position_keys`.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+from models.kv_cache import KVCache
+from models.params import Params
+from models.transformer import forward
+from ssd_jax import sampling as smp
+from ssd_jax.saguaro import normalise_rows, propose
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """The model's log-probability (raw logits, temperature 1) of `tokens` [...]; -1 tokens -> 0."""
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    got = jnp.take_along_axis(lp, jnp.maximum(tokens, 0)[..., None], axis=-1)[..., 0]
+    return jnp.where(tokens >= 0, got, 0.0)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "vocab_size"),
+                   donate_argnames=("cache",))
+def prefill(params: Params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array, lens: jax.Array,
+            seed: jax.Array, request_ids: jax.Array, sampling: smp.SamplingParams,
+            vocab_size: int):
+    """Prompts [B, T] (right-padded to a bucket), lens [B] -> the first generated token [B] (the
+    first bonus, at position lens), its log-prob [B], and the cache with lengths = lens."""
+    cache = cache.with_lengths(jnp.zeros_like(lens))
+    logits, cache = forward(params, cfg, tokens, cache, lens, last_only=True)
+    keys = smp.position_keys(seed, request_ids, lens, smp.STREAM_SAMPLE)
+    tok, _ = smp.sample(logits, sampling, keys, vocab_size)
+    return tok, token_logprobs(logits, tok), cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def prefill_cache(params: Params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array,
+                  lens: jax.Array) -> KVCache:
+    """Draft-side prefill: KV for the prompt only (the draft never picks the first token)."""
+    cache = cache.with_lengths(jnp.zeros_like(lens))
+    _, cache = forward(params, cfg, tokens, cache, lens, last_only=True)
+    return cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "vocab_size"),
+                   donate_argnames=("cache",))
+def decode(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Array, active: jax.Array,
+           seed: jax.Array, request_ids: jax.Array, sampling: smp.SamplingParams, vocab_size: int):
+    """Plain decoding: forward the bonus [B] at position n = cache.lengths, sample position n+1."""
+    n = cache.lengths
+    logits, cache = forward(params, cfg, bonus[:, None], cache, active.astype(jnp.int32))
+    keys = smp.position_keys(seed, request_ids, n + 1, smp.STREAM_SAMPLE)
+    tok, _ = smp.sample(logits[:, 0], sampling, keys, vocab_size)
+    return tok, token_logprobs(logits[:, 0], tok), cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "vocab_size", "verifier"),
+                   donate_argnames=("cache",))
+def verify(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Array, spec: jax.Array,
+           rows: jax.Array, active: jax.Array, seed: jax.Array, request_ids: jax.Array,
+           sampling: smp.SamplingParams, vocab_size: int, verifier: Callable):
+    """One target pass over [b, s_1..s_K] at positions n..n+K, then lossless rejection sampling.
+
+    spec [B, K] int32, rows [B, K, V] the proposal rows s_i was drawn from (any dtype; normalised
+    here). Returns (VerifyResult, log-probs [B, K+1] of its tokens, cache with lengths n + k + 1).
+    """
+    n = cache.lengths
+    K = spec.shape[1]
+    logits, cache = forward(params, cfg, jnp.concatenate([bonus[:, None], spec], 1), cache)
+    p = smp.probs_from_logits(logits, sampling, vocab_size)
+    q = normalise_rows(rows)
+    ar = jnp.arange(K + 1, dtype=jnp.int32)[None, :]
+    acc_keys = smp.position_keys(seed, request_ids, n[:, None] + 1 + ar[:, :K], smp.STREAM_ACCEPT)
+    res_keys = smp.position_keys(seed, request_ids, n[:, None] + 1 + ar, smp.STREAM_RESIDUAL)
+    res = verifier(p, q, spec, acc_keys, res_keys)
+    lp = token_logprobs(logits, res.tokens)
+    new_len = jnp.where(active, n + res.num_accepted + 1, n)
+    return res, lp, cache.with_lengths(new_len)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "vocab_size", "k", "saguaro_top_n",
+                                             "saguaro_c", "row_dtype"),
+                   donate_argnames=("cache",))
+def draft_chain(params: Params, cfg: ModelConfig, cache: KVCache, prev: jax.Array, bonus: jax.Array,
+                n: jax.Array, seed: jax.Array, request_ids: jax.Array, sampling: smp.SamplingParams,
+                vocab_size: int, k: int, saguaro_top_n: tuple[int, ...] = (),
+                saguaro_c: float = 1.0, row_dtype: str = "float32"):
+    """SD drafting (and the neural backup): K sequential draft steps from bonus b at position n.
+
+    The first forward covers [token at n-1, b] so a committed token the draft has no KV for (s_K
+    after an all-accept round) is caught up in the same pass. Draft token i (position n+i) is keyed
+    by (request, n+i, STREAM_DRAFT): the same draw a tree branch makes for that position.
+    Returns tokens [B, K], rows [B, K, V] (row_dtype), cache with KV for positions n-1..n+K-1.
+    """
+    cache = cache.with_lengths(n - 1)
+    logits, cache = forward(params, cfg, jnp.stack([prev, bonus], 1), cache)
+    last = logits[:, 1]
+    toks, rows = [], []
+    for i in range(k):
+        keys = smp.position_keys(seed, request_ids, n + 1 + i, smp.STREAM_DRAFT)
+        top_n = saguaro_top_n[i] if saguaro_top_n else 0
+        t, r = propose(last, sampling, keys, vocab_size=vocab_size, saguaro_top_n=top_n,
+                       saguaro_c=saguaro_c, row_dtype=jnp.dtype(row_dtype))
+        toks.append(t)
+        rows.append(r)
+        if i < k - 1:
+            logits, cache = forward(params, cfg, t[:, None], cache)
+            last = logits[:, 0]
+    return jnp.stack(toks, 1), jnp.stack(rows, 1), cache

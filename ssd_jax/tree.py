@@ -1,0 +1,94 @@
+"""`draft_tree`: glue pass, fork and K-step tree decode (spec §2, step 2) as one jitted function.
+
+It needs only what the draft already has (the speculation in flight), so it is dispatched on the
+draft mesh right after `verify` is dispatched on the target mesh, and runs while the target verifies.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+from models.kv_cache import KVCache
+from models.params import Params
+from models.transformer import forward, init_branch_kv, tree_step
+from ssd_jax import sampling as smp
+from ssd_jax.saguaro import propose
+from ssd_jax.speculation_cache import SpeculationCache
+
+
+def fork(glue_logits: jax.Array, spec: jax.Array, fanout: tuple[int, ...],
+         vocab_size: int) -> tuple[jax.Array, jax.Array]:
+    """Cache keys from the glue rows.
+
+    glue_logits [B, K+1, V]: row j is the draft's next-token row after b, s_1..s_j.
+    For j < K the drafted s_{j+1} is masked out (a rejected token is never the bonus), then the
+    top F_j tokens are taken. Returns (j [B, MQ], c [B, MQ]) with MQ = sum(fanout).
+    """
+    B, K1, V = glue_logits.shape
+    K = K1 - 1
+    if len(fanout) != K1:
+        raise ValueError(f"fan-out needs K+1 = {K1} entries, got {fanout}")
+    js, cs = [], []
+    for j, f in enumerate(fanout):
+        if f == 0:
+            continue
+        row = glue_logits[:, j]
+        if vocab_size < V:
+            row = jnp.where(jnp.arange(V) < vocab_size, row, -jnp.inf)
+        if j < K:
+            row = row.at[jnp.arange(B), spec[:, j]].set(-jnp.inf)
+        cs.append(jax.lax.top_k(row, f)[1].astype(jnp.int32))
+        js.append(jnp.full((B, f), j, jnp.int32))
+    return jnp.concatenate(js, 1), jnp.concatenate(cs, 1)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("cfg", "sampling", "vocab_size", "fanout_hit", "fanout_backup",
+                     "saguaro_top_n", "saguaro_c", "row_dtype", "attention"),
+    donate_argnames=("cache",))
+def draft_tree(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Array, spec: jax.Array,
+               n: jax.Array, active: jax.Array, from_backup: jax.Array, seed: jax.Array,
+               request_ids: jax.Array, sampling: smp.SamplingParams, vocab_size: int,
+               fanout_hit: tuple[int, ...], fanout_backup: tuple[int, ...],
+               saguaro_top_n: tuple[int, ...] = (), saguaro_c: float = 1.0,
+               row_dtype: str = "float32", attention: str = "reference"):
+    """bonus [B] at position n [B], speculation in flight spec [B, K] -> (SpeculationCache, cache).
+
+    Rows whose speculation came from a backup fork with `fanout_backup`, the others with
+    `fanout_hit` (equal sums, so MQ is static). Branch (j, c): token c at position n+j+1, its d-th
+    drafted token at n+j+1+d, drawn with key (request, position, STREAM_DRAFT) — the same draw a
+    direct draft from outcome (j, c) makes, so a hit equals a direct draft. The glue pass leaves KV
+    for positions n..n+K in the cache (lengths n+K+1).
+    """
+    B, K = spec.shape
+    cache = cache.with_lengths(n)
+    glue, cache = forward(params, cfg, jnp.concatenate([bonus[:, None], spec], 1), cache)
+    j_hit, c_hit = fork(glue, spec, fanout_hit, vocab_size)
+    if fanout_backup != fanout_hit:
+        j_b, c_b = fork(glue, spec, fanout_backup, vocab_size)
+        j_hit = jnp.where(from_backup[:, None], j_b, j_hit)
+        c_hit = jnp.where(from_backup[:, None], c_b, c_hit)
+    kj, kc = j_hit, c_hit
+    MQ = kj.shape[1]
+    valid = jnp.broadcast_to(active[:, None], (B, MQ))
+    prefix_len = n[:, None] + kj + 1  # slots 0..n+j: prefix, b, s_1..s_j (never s_{j+1})
+    branch = init_branch_kv(cfg, B, MQ, K)
+    tok = kc
+    toks, rows = [], []
+    for d in range(K):
+        pos = n[:, None] + kj + 1 + d
+        logits, branch = tree_step(params, cfg, tok, pos, cache, prefix_len, branch,
+                                   jnp.int32(d), valid, attention=attention)
+        keys = smp.position_keys(seed, request_ids, pos + 1, smp.STREAM_DRAFT)
+        top_n = saguaro_top_n[d] if saguaro_top_n else 0
+        tok, r = propose(logits, sampling, keys, vocab_size=vocab_size, saguaro_top_n=top_n,
+                         saguaro_c=saguaro_c, row_dtype=jnp.dtype(row_dtype))
+        toks.append(tok)
+        rows.append(r)
+    spec_cache = SpeculationCache(keys=jnp.stack([kj, kc], -1), tokens=jnp.stack(toks, 2),
+                                  rows=jnp.stack(rows, 2), valid=valid)
+    return spec_cache, cache
