@@ -1,0 +1,14 @@
+"""Pallas GPU kernels for SSD (Triton backend), each with a plain-jnp reference beside it.
+
+  * `tree_attention` / `tree_attention_reference`: the draft's branch decode attention.
+  * `cache_gather` / `cache_gather_reference`: the outcome-conditioned speculation-cache lookup.
+
+Kernels take arrays and static sizes only (nothing from ssd_jax/ or models/). On the CPU run them
+with `interpret=True`. See pallas_kernels/BENCHMARKS.md for the GPU benchmark.
+"""
+from pallas_kernels.cache_gather import cache_gather, cache_gather_reference
+from pallas_kernels.tree_attention import (tree_attention, tree_attention_reference,
+                                           tree_attention_xla)
+
+__all__ = ["cache_gather", "cache_gather_reference", "tree_attention", "tree_attention_reference",
+           "tree_attention_xla"]

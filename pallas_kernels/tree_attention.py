@@ -1,0 +1,344 @@
+"""Tree attention for SSD's draft branch decode (SSD.md section 2, "tree decode").
+
+At one tree step every branch of a sequence has exactly one query. Branch `(j, c)` sees
+
+  * the shared prefix: slots `0 .. prefix_len - 1` of the draft's per-layer KV cache (`n + j + 1`
+    in SSD: committed tokens, the bonus `b` and `s_1..s_j`), and
+  * its own path: entries `0 .. step` of its private KV buffer (token `c` and the tokens it has
+    drafted so far).
+
+Two implementations with the same signature and result:
+
+  * `tree_attention_reference` - plain jnp, float32 softmax, dense over the whole cache. It pins the
+    semantics (tests compare it with a per-branch numpy loop) and is the XLA baseline.
+  * `tree_attention` - a Pallas (Triton backend) kernel for the prefix, merged with the small dense
+    own-path part in XLA.
+
+Kernel design. The prefix dominates the bytes (S x KVH x D per sequence against Kb x KVH x D per
+branch), and it is shared by every branch of a sequence. So one program handles one (sequence,
+kv head, split): it stacks the MQ branches x G query heads that use this kv head into the R rows of
+one block computation ("folding the tree into the GQA group"), walks its share of the live prefix in
+`block_s` blocks with an online softmax and writes a normalised partial output plus its log-sum-exp.
+Every prefix KV block is therefore read from HBM exactly once per sequence and kv head, and used for
+all MQ x G queries. Splits (split-k) cut the live prefix - not the cache capacity - into equal whole
+blocks, so short prefixes launch cheap empty programs and long ones spread over more SMs. XLA then
+merges the splits and the own-path logits by log-sum-exp; that part reads only Kb x KVH x D per
+branch and the small partial outputs.
+
+Triton rules honoured here: tensors in the kernel have power-of-2 sizes (R = next power of 2 >= 16
+of MQ x G, e.g. 24 x 4 = 96 -> 128 and 24 x 7 = 168 -> 256; `block_s` a power of 2 >= 16; D a power
+of 2), dots are at least 16 x 16 x 16, no scalar prefetch (lengths are data read inside the kernel),
+and partial blocks are handled by masked loads, never by out-of-bounds reads.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels._compat import is_pow2, masked_load, next_pow2, require_triton, triton_params
+
+# Enough programs for ~2 waves on a 132-SM H200; the split count is derived from this.
+_TARGET_PROGRAMS = 264
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def _check_shapes(q, k_cache, v_cache, prefix_len, branch_k, branch_v, branch_valid):
+    B, MQ, H, D = q.shape
+    _, S, KVH, _ = k_cache.shape
+    if k_cache.shape != (B, S, KVH, D) or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k/v cache must be [B, S, KVH, D]; got {k_cache.shape}, {v_cache.shape}")
+    if H % KVH:
+        raise ValueError(f"query heads {H} must be a multiple of kv heads {KVH}")
+    Kb = branch_k.shape[2]
+    if branch_k.shape != (B, MQ, Kb, KVH, D) or branch_v.shape != branch_k.shape:
+        raise ValueError(f"branch_k/v must be [B, MQ, Kb, KVH, D]; got {branch_k.shape}")
+    if prefix_len.shape != (B, MQ) or branch_valid.shape != (B, MQ):
+        raise ValueError("prefix_len and branch_valid must be [B, MQ]")
+    return B, MQ, H, D, S, KVH, H // KVH, Kb
+
+
+def _own_path(qf, branch_k, branch_v, step, scale):
+    """Dense attention of each branch's query over its own path entries 0..step.
+
+    qf: [B, MQ, KVH, G, D] float32; branch_k/v: [B, MQ, Kb, KVH, D].
+    Returns (o [B, MQ, KVH, G, D] float32 normalised, lse [B, MQ, KVH, G] float32). Entry 0 is always
+    visible (0 <= step), so lse is finite whenever q and the buffer are.
+    """
+    Kb = branch_k.shape[2]
+    visible = jnp.arange(Kb) <= step  # [Kb]
+    bk = branch_k.astype(jnp.float32)
+    # Entries past `step` are not written yet (may hold anything): zero them so 0 * garbage cannot
+    # turn into NaN in p @ v.
+    bv = jnp.where(visible[None, None, :, None, None], branch_v.astype(jnp.float32), 0.0)
+    s = jnp.einsum("bmhgd,bmkhd->bmhgk", qf, bk, precision=_HIGHEST) * scale
+    s = jnp.where(visible, s, -jnp.inf)
+    m = jnp.max(s, axis=-1)
+    p = jnp.exp(s - m[..., None])
+    l = jnp.sum(p, axis=-1)
+    o = jnp.einsum("bmhgk,bmkhd->bmhgd", p, bv, precision=_HIGHEST) / l[..., None]
+    return o, m + jnp.log(l)
+
+
+# --------------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("scale",))
+def tree_attention_reference(q, k_cache, v_cache, prefix_len, branch_k, branch_v, step,
+                             branch_valid, *, scale=None):
+    """Plain-jnp tree attention (float32 softmax).
+
+    q: [B, MQ, H, D] one query per branch; k_cache/v_cache: [B, S, KVH, D] shared by the branches of
+    a sequence; prefix_len: [B, MQ] int32 (slots 0..prefix_len-1 visible, 0 allowed); branch_k/v:
+    [B, MQ, Kb, KVH, D]; step: int32 scalar, own-path entries 0..step visible (0 <= step < Kb);
+    branch_valid: [B, MQ] bool. Returns [B, MQ, H, D] in q's dtype; invalid branches are zeros.
+    GQA: query head h uses kv head h // G, G = H // KVH.
+    """
+    B, MQ, H, D, S, KVH, G, Kb = _check_shapes(q, k_cache, v_cache, prefix_len, branch_k,
+                                               branch_v, branch_valid)
+    scale = D ** -0.5 if scale is None else scale
+    qf = q.astype(jnp.float32).reshape(B, MQ, KVH, G, D)
+    kf = k_cache.astype(jnp.float32)
+    vf = v_cache.astype(jnp.float32)
+    # Prefix logits [B, MQ, KVH, G, S]; slot s visible to branch m iff s < prefix_len[b, m].
+    s_pre = jnp.einsum("bmhgd,bshd->bmhgs", qf, kf, precision=_HIGHEST) * scale
+    vis_pre = jnp.arange(S)[None, None, :] < prefix_len[:, :, None]  # [B, MQ, S]
+    s_pre = jnp.where(vis_pre[:, :, None, None, :], s_pre, -jnp.inf)
+    # Own-path logits [B, MQ, KVH, G, Kb]; entries 0..step visible.
+    vis_own = jnp.arange(Kb) <= step
+    bvf = jnp.where(vis_own[None, None, :, None, None], branch_v.astype(jnp.float32), 0.0)
+    s_own = jnp.einsum("bmhgd,bmkhd->bmhgk", qf, branch_k.astype(jnp.float32),
+                       precision=_HIGHEST) * scale
+    s_own = jnp.where(vis_own, s_own, -jnp.inf)
+    # One softmax over the concatenation [prefix | own path].
+    m = jnp.maximum(jnp.max(s_pre, axis=-1), jnp.max(s_own, axis=-1))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # fully masked row: keep exp() NaN-free
+    p_pre = jnp.exp(s_pre - m[..., None])
+    p_own = jnp.exp(s_own - m[..., None])
+    l = jnp.sum(p_pre, axis=-1) + jnp.sum(p_own, axis=-1)
+    o = (jnp.einsum("bmhgs,bshd->bmhgd", p_pre, vf, precision=_HIGHEST)
+         + jnp.einsum("bmhgk,bmkhd->bmhgd", p_own, bvf, precision=_HIGHEST))
+    o = o / jnp.where(l > 0, l, 1.0)[..., None]
+    o = jnp.where(branch_valid[:, :, None, None, None], o, 0.0)
+    return o.reshape(B, MQ, H, D).astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def tree_attention_xla(q, k_cache, v_cache, prefix_len, branch_k, branch_v, step, branch_valid,
+                       *, scale=None):
+    """The best plain-XLA formulation we have (benchmark baseline, same result as the reference).
+
+    Differences from the reference, all for speed: the cache stays in its dtype (bf16 x bf16 dots
+    with float32 accumulation, no float32 copy of the cache), the GQA group and the branches are
+    folded into the rows of one batched dot per (sequence, kv head), the probabilities are cast to
+    the cache dtype for p @ v (like the kernel), and the own path is merged by log-sum-exp.
+    """
+    B, MQ, H, D, S, KVH, G, Kb = _check_shapes(q, k_cache, v_cache, prefix_len, branch_k,
+                                               branch_v, branch_valid)
+    scale = D ** -0.5 if scale is None else scale
+    prec = _HIGHEST if k_cache.dtype == jnp.float32 else None
+    qr = q.reshape(B, MQ, KVH, G, D).astype(k_cache.dtype)
+    s = jnp.einsum("bmhgd,bshd->bhmgs", qr, k_cache, precision=prec,
+                   preferred_element_type=jnp.float32) * scale
+    vis = jnp.arange(S)[None, None, :] < prefix_len[:, :, None]  # [B, MQ, S]
+    s = jnp.where(vis[:, None, :, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m_safe[..., None])
+    l = jnp.sum(p, axis=-1)
+    o = jnp.einsum("bhmgs,bshd->bmhgd", p.astype(v_cache.dtype), v_cache, precision=prec,
+                   preferred_element_type=jnp.float32)
+    o_pre = o / jnp.where(l > 0, l, 1.0).transpose(0, 2, 1, 3)[..., None]
+    lse_pre = jnp.where(l > 0, m_safe + jnp.log(l), -jnp.inf).transpose(0, 2, 1, 3)
+    o_own, lse_own = _own_path(q.astype(jnp.float32).reshape(B, MQ, KVH, G, D), branch_k,
+                               branch_v, step, scale)
+    out = _merge_two(o_pre, lse_pre, o_own, lse_own)
+    out = jnp.where(branch_valid[:, :, None, None, None], out, 0.0)
+    return out.reshape(B, MQ, H, D).astype(q.dtype)
+
+
+def _merge_two(o_a, lse_a, o_b, lse_b):
+    """Combine two normalised partial attentions by log-sum-exp (either may be empty: lse -inf)."""
+    m = jnp.maximum(lse_a, lse_b)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    wa = jnp.exp(lse_a - m)
+    wb = jnp.exp(lse_b - m)
+    den = wa + wb
+    den = jnp.where(den > 0, den, 1.0)
+    return (wa[..., None] * o_a + wb[..., None] * o_b) / den[..., None]
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------
+def _prefix_kernel(q_ref, plen_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, block_s, num_splits,
+                   precision):
+    """One program = one (sequence b, kv head h, split).
+
+    q_ref:    [R, D]      the MQ x G queries that use kv head h (branch-major, padded rows zero)
+    plen_ref: [R] int32   visible prefix length of each row (0 for padding / invalid branches)
+    k_ref, v_ref: [S_blk, D]  the whole cache of (b, h); only blocks of the live prefix are read
+    o_ref:    [R, D]      this split's output, normalised by its own softmax sum (0 if empty)
+    lse_ref:  [R] f32     this split's log-sum-exp (-inf if the row saw nothing here)
+    """
+    split = pl.program_id(2)
+    q = q_ref[...]
+    plen = plen_ref[...]
+    rows, head_dim = q.shape
+    # Live prefix of this sequence: the longest branch's. Slots past it are never read (they may be
+    # stale or uninitialised), which is also what makes the work follow the prefix, not S.
+    live = jnp.max(plen)
+    n_blocks = (live + block_s - 1) // block_s
+    per_split = (n_blocks + num_splits - 1) // num_splits
+    first = split * per_split
+    count = jnp.clip(n_blocks - first, 0, per_split)
+    col = lax.broadcasted_iota(jnp.int32, (block_s,), 0)
+
+    def body(i, carry):
+        o, m, l = carry
+        start = (first + i) * block_s
+        cols = start + col  # [block_s] cache slots of this block
+        # Masked loads: the last block may run past the live prefix (<= S, clipped in the wrapper)
+        # and past S; those slots read 0, so stale or padded values never meet p = 0 as NaN.
+        in_live = (cols < live)[:, None]
+        k = masked_load(k_ref.at[pl.ds(start, block_s), :], mask=in_live, other=0)
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32) * scale  # [R, block_s]
+        s = jnp.where(cols[None, :] < plen[:, None], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        # A row with nothing visible so far keeps m = -inf; shift by 0 there so exp() stays NaN-free.
+        m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp(m - m_shift)
+        p = jnp.exp(s - m_shift[:, None])
+        l = alpha * l + jnp.sum(p, axis=1)
+        v = masked_load(v_ref.at[pl.ds(start, block_s), :], mask=in_live, other=0)
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)  # [R, D]
+        return alpha[:, None] * o + pv, m_new, l
+
+    o0 = jnp.zeros((rows, head_dim), jnp.float32)
+    m0 = jnp.full((rows,), -jnp.inf, jnp.float32)
+    l0 = jnp.zeros((rows,), jnp.float32)
+    o, m, l = lax.fori_loop(0, count, body, (o0, m0, l0))
+    seen = l > 0
+    o_ref[...] = jnp.where(seen[:, None], o / jnp.where(seen, l, 1.0)[:, None], 0.0).astype(
+        o_ref.dtype)
+    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+
+
+def default_num_splits(batch: int, kv_heads: int, seq_len: int, block_s: int) -> int:
+    """Split-k count: enough programs for ~2 waves on an H200, never more splits than blocks."""
+    want = -(-_TARGET_PROGRAMS // max(1, batch * kv_heads))
+    return int(max(1, min(want, -(-seq_len // block_s), 64)))
+
+
+def default_tiling(rows: int, head_dim: int) -> tuple[int, int]:
+    """(block_s, num_warps) by the size of the per-program accumulators (untuned guesses).
+
+    The [R, D] output accumulator and the [R, block_s] logits live in registers; keep them near
+    64 float32 registers per thread each: 4 warps for R x D <= 128 x 64, else 8 warps, and halve
+    block_s when R x D exceeds 256 x 64 (e.g. MQ 24 x G 7 -> R 256 with D 128).
+    """
+    acc = rows * head_dim
+    num_warps = 4 if acc <= 128 * 64 else 8
+    block_s = 64 if acc <= 256 * 64 else 32
+    return block_s, num_warps
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_s", "num_splits", "num_warps",
+                                             "num_stages", "interpret"))
+def tree_attention(q, k_cache, v_cache, prefix_len, branch_k, branch_v, step, branch_valid, *,
+                   scale=None, block_s=None, num_splits=None, num_warps=None, num_stages=2,
+                   interpret=False):
+    """Pallas tree attention; same arguments and result as `tree_attention_reference`.
+
+    Static: shapes, scale, block_s (power of 2 >= 16), num_splits (split-k count over the live
+    prefix), Triton num_warps / num_stages, interpret (run the kernel in the Pallas interpreter,
+    e.g. on CPU). None picks `default_tiling` / `default_num_splits`. Data: prefix_len, step,
+    branch_valid.
+    """
+    require_triton()
+    B, MQ, H, D, S, KVH, G, Kb = _check_shapes(q, k_cache, v_cache, prefix_len, branch_k,
+                                               branch_v, branch_valid)
+    # Rows: the MQ x G queries of one kv head, padded to a power of 2 >= 16 (Triton tensor and dot
+    # minimum). Padded rows get prefix length 0 and are sliced off.
+    MG = MQ * G
+    R = max(16, next_pow2(MG))
+    auto_block_s, auto_warps = default_tiling(R, D)
+    block_s = auto_block_s if block_s is None else block_s
+    num_warps = auto_warps if num_warps is None else num_warps
+    if not (is_pow2(block_s) and block_s >= 16):
+        raise ValueError(f"block_s must be a power of 2 >= 16 (Triton), got {block_s}")
+    if not (is_pow2(D) and D >= 16):
+        raise ValueError(f"head dim must be a power of 2 >= 16 (Triton), got {D}")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError("k_cache and v_cache must share a dtype")
+    scale = float(D ** -0.5 if scale is None else scale)
+    if num_splits is None:
+        num_splits = default_num_splits(B, KVH, S, block_s)
+    s_blk = -(-S // block_s) * block_s  # cache block: S rounded up to whole blocks (masked loads)
+
+    valid = branch_valid.astype(bool)
+    q_c = jnp.where(valid[:, :, None, None], q, 0)  # invalid branches: no garbage into the dots
+    q_rows = q_c.astype(k_cache.dtype).reshape(B, MQ, KVH, G, D).transpose(0, 2, 1, 3, 4)
+    # [B, KVH, R, D], row = m * G + g (branch-major, so row // G is the branch)
+    q_rows = jnp.pad(q_rows.reshape(B, KVH, MG, D), ((0, 0), (0, 0), (0, R - MG), (0, 0)))
+    plen = jnp.where(valid, jnp.clip(prefix_len.astype(jnp.int32), 0, S), 0)
+    plen_rows = jnp.pad(jnp.repeat(plen, G, axis=1), ((0, 0), (0, R - MG)))  # [B, R], same rows
+
+    precision = _HIGHEST if k_cache.dtype == jnp.float32 else None
+    kernel = functools.partial(_prefix_kernel, scale=scale, block_s=block_s,
+                               num_splits=num_splits, precision=precision)
+    o_split, lse_split = pl.pallas_call(
+        kernel,
+        grid=(B, KVH, num_splits),
+        in_specs=[
+            pl.BlockSpec((None, None, R, D), lambda b, h, s: (b, h, 0, 0)),
+            pl.BlockSpec((None, R), lambda b, h, s: (b, 0)),
+            pl.BlockSpec((None, s_blk, None, D), lambda b, h, s: (b, 0, h, 0)),
+            pl.BlockSpec((None, s_blk, None, D), lambda b, h, s: (b, 0, h, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, R, D), lambda b, h, s: (b, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, R), lambda b, h, s: (b, h, s, 0)),
+        ],
+        out_shape=[
+            # Partial outputs are normalised per split, so storing them in the cache dtype loses
+            # no range; the log-sum-exp stays float32.
+            jax.ShapeDtypeStruct((B, KVH, num_splits, R, D), k_cache.dtype),
+            jax.ShapeDtypeStruct((B, KVH, num_splits, R), jnp.float32),
+        ],
+        compiler_params=triton_params(num_warps, num_stages),
+        interpret=interpret,
+        name="ssd_tree_attention_prefix",
+    )(q_rows, plen_rows, k_cache, v_cache)
+
+    # Merge the splits by log-sum-exp: [B, KVH, NS, R, *] -> [B, KVH, R, *].
+    lse_max = jnp.max(lse_split, axis=2)
+    lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
+    w = jnp.exp(lse_split - lse_max[:, :, None])  # 0 for empty splits
+    w_sum = jnp.sum(w, axis=2)
+    o_pre = (jnp.sum(w[..., None] * o_split.astype(jnp.float32), axis=2)
+             / jnp.where(w_sum > 0, w_sum, 1.0)[..., None])
+    lse_pre = jnp.where(w_sum > 0, lse_max + jnp.log(jnp.where(w_sum > 0, w_sum, 1.0)), -jnp.inf)
+    # Back to branch layout [B, MQ, KVH, G, *].
+    o_pre = o_pre[:, :, :MG].reshape(B, KVH, MQ, G, D).transpose(0, 2, 1, 3, 4)
+    lse_pre = lse_pre[:, :, :MG].reshape(B, KVH, MQ, G).transpose(0, 2, 1, 3)
+
+    o_own, lse_own = _own_path(q_c.astype(jnp.float32).reshape(B, MQ, KVH, G, D), branch_k,
+                               branch_v, step, scale)
+    out = _merge_two(o_pre, lse_pre, o_own, lse_own)
+    out = jnp.where(valid[:, :, None, None, None], out, 0.0)
+    return out.reshape(B, MQ, H, D).astype(q.dtype)
+
+
+def prefix_bytes(batch: int, live_prefix: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """HBM bytes the kernel must read for the prefix: K and V of the live prefix, once."""
+    return 2 * batch * live_prefix * kv_heads * head_dim * itemsize
+
+
+__all__ = ["tree_attention", "tree_attention_reference", "tree_attention_xla",
+           "default_num_splits", "default_tiling", "prefix_bytes"]
