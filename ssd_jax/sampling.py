@@ -1,0 +1,271 @@
+"""Sampling for ssd_jax: the user's distribution, position-indexed keys, and the exponential race.
+
+Everything here is a pure function of arrays and is jit-friendly: shapes are static and the only
+Python-level branching is on `SamplingParams`, which is hashable and passed to `jit` as a static
+argument.
+
+Exactness depends on two things defined here (see docs/SSD.md §3):
+- `probs_from_logits` is THE distribution the user asked for. The target's `p` and every proposal's
+  `q'` must come from it (or from a rule whose rows are exactly what was sampled from), so that the
+  verifier compares the same numbers that decoding would have sampled from.
+- `position_keys` indexes randomness by (request id, position, stream), never by batch row, so draws
+  are independent of batch layout, cache hits/misses and how far the draft ran ahead.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Streams separate the independent random draws made at one (request, position): drafting a token,
+# the accept coin for it, the residual/bonus draw, plain sampling, and a backup speculator's draws.
+# Reusing one key for two of these would correlate, e.g., a draft token with its own accept coin.
+STREAM_SAMPLE = 0
+STREAM_DRAFT = 1
+STREAM_ACCEPT = 2
+STREAM_RESIDUAL = 3
+STREAM_BACKUP = 4
+
+__all__ = [
+    "STREAM_SAMPLE",
+    "STREAM_DRAFT",
+    "STREAM_ACCEPT",
+    "STREAM_RESIDUAL",
+    "STREAM_BACKUP",
+    "SamplingParams",
+    "position_keys",
+    "probs_from_logits",
+    "sample_from_probs",
+    "sample",
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# Keys
+# ----------------------------------------------------------------------------------------------
+def _is_typed_key(x) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _base_key(seed):
+    """A typed scalar key from an int seed (Python or traced), a typed key, or a raw uint32[2] key."""
+    if isinstance(seed, (int, np.integer)):
+        return jax.random.key(int(seed))
+    if _is_typed_key(seed):
+        if seed.shape != ():
+            raise ValueError(f"seed key must be a scalar key, got shape {seed.shape}")
+        return seed
+    seed = jnp.asarray(seed)
+    if seed.dtype == jnp.uint32 and seed.shape == (2,):
+        return jax.random.wrap_key_data(seed)
+    if jnp.issubdtype(seed.dtype, jnp.integer) and seed.shape == ():
+        return jax.random.key(seed)
+    raise ValueError(f"seed must be an int, a scalar typed key or a raw uint32[2] key; got "
+                     f"dtype {seed.dtype} shape {seed.shape}")
+
+
+def _as_keys(keys, batch_shape: tuple[int, ...]):
+    """Typed keys of shape `batch_shape`, from typed keys or raw uint32 keys `[*batch_shape, 2]`."""
+    if not _is_typed_key(keys):
+        keys = jnp.asarray(keys)
+        if keys.dtype != jnp.uint32 or keys.shape[-1:] != (2,):
+            raise ValueError(f"keys must be typed PRNG keys or raw uint32[..., 2]; got dtype "
+                             f"{keys.dtype} shape {keys.shape}")
+        keys = jax.random.wrap_key_data(keys)
+    if tuple(keys.shape) != tuple(batch_shape):
+        raise ValueError(f"keys have shape {keys.shape}, expected {tuple(batch_shape)}")
+    return keys
+
+
+def position_keys(seed, request_ids, positions, stream: int):
+    """Keys indexed by (request id, position, stream), independent of batch rows.
+
+    key[b, t] = fold_in(fold_in(fold_in(base, request_ids[b]), positions[b, t]), stream)
+
+    Args:
+      seed: a Python/traced int (-> `jax.random.key(seed)`), a scalar typed key, or a raw uint32[2] key.
+      request_ids: `[B]` int32, a per-request id (not the batch row: the same request must get the
+        same draws whichever row it sits in).
+      positions: `[B, T]` int32 token positions (also accepted: `[B]`, giving `[B]` keys).
+      stream: one of the STREAM_* constants (int, may be traced).
+    Returns:
+      typed keys `[B, T]` (or `[B]`).
+    """
+    base = _base_key(seed)
+    request_ids = jnp.asarray(request_ids, jnp.int32)
+    positions = jnp.asarray(positions, jnp.int32)
+    if request_ids.ndim != 1 or positions.ndim not in (1, 2) or positions.shape[0] != request_ids.shape[0]:
+        raise ValueError(f"expected request_ids [B] and positions [B, T]; got {request_ids.shape} "
+                         f"and {positions.shape}")
+    stream = jnp.asarray(stream, jnp.int32)
+
+    def one(rid, pos):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(base, rid), pos), stream)
+
+    if positions.ndim == 1:
+        return jax.vmap(one)(request_ids, positions)
+    return jax.vmap(lambda rid, row: jax.vmap(lambda pos: one(rid, pos))(row))(request_ids, positions)
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameters
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """What the user asked for. Hashable: it is a static `jit` argument.
+
+    temperature: 0 means greedy (one-hot at the argmax); > 0 divides the logits.
+    top_k: keep the k largest logits (ties with the k-th are kept too); 0 = off.
+    top_p: nucleus; keep the smallest set of most likely tokens whose mass reaches top_p
+      (at least one token; ties with the last kept probability are kept too); 1.0 = off.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)):
+            raise ValueError(f"temperature must be a real number, got {t!r}")
+        if math.isnan(t) or t < 0 or math.isinf(t):
+            raise ValueError(f"temperature must be finite and >= 0, got {t!r}")
+        k = self.top_k
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+            raise ValueError(f"top_k must be an int, got {k!r}")
+        if k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {k!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float, np.integer, np.floating)):
+            raise ValueError(f"top_p must be a real number, got {p!r}")
+        if not (0.0 < p <= 1.0):  # also rejects NaN
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# The distribution
+# ----------------------------------------------------------------------------------------------
+def _valid_rows(V: int, vocab_size: int | None):
+    """`[V]` bool mask of real vocabulary rows, or None when every row is real."""
+    if vocab_size is None or vocab_size == V:
+        return None
+    if not (1 <= vocab_size <= V):
+        raise ValueError(f"vocab_size must be in [1, {V}] for logits with {V} rows, got {vocab_size}")
+    return jnp.arange(V) < vocab_size
+
+
+def probs_from_logits(logits, params: SamplingParams, vocab_size: int | None = None):
+    """The distribution the user asked for.
+
+    Args:
+      logits: `[..., V]` (any float dtype; computed in float32). -inf entries are fine; +inf/NaN
+        logits are not supported.
+      params: temperature / top-k / top-p.
+      vocab_size: rows `>= vocab_size` are padded embedding rows and always get probability 0.
+    Returns:
+      `[..., V]` float32 rows summing to 1 (never NaN).
+
+    Order: mask padded rows, temperature, top-k, top-p (on the top-k-renormalised distribution, as
+    HF applies its warpers in sequence), renormalise. Temperature 0 -> one-hot at `jnp.argmax` of the
+    masked logits (first maximum, as plain greedy decoding breaks ties). A row with no finite logit
+    also falls back to that one-hot (instead of 0/0 = NaN).
+    """
+    logits = jnp.asarray(logits, jnp.float32)
+    V = logits.shape[-1]
+    valid = _valid_rows(V, vocab_size)
+    if valid is not None:
+        logits = jnp.where(valid, logits, -jnp.inf)
+    # Greedy fallback token: first maximum of the masked logits, like jnp.argmax in plain decoding.
+    argmax_onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
+    if params.greedy:
+        return argmax_onehot
+
+    # Subtract the row max before dividing by a small temperature so nothing overflows to +inf.
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    x = (logits - m) / jnp.float32(params.temperature)
+
+    if 0 < params.top_k < V:
+        # Threshold semantics (keep everything >= the k-th largest): ties at the boundary are all
+        # kept, which makes the result independent of sort stability. If fewer than k logits are
+        # finite, the threshold is -inf and -inf entries still get probability exp(-inf) = 0.
+        kth = jax.lax.top_k(x, params.top_k)[0][..., -1:]
+        x = jnp.where(x >= kth, x, -jnp.inf)
+
+    e = jnp.exp(x)  # max entry is exp(0) = 1 whenever the row has a finite logit
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    probs = e / jnp.where(total > 0, total, 1.0)
+
+    if params.top_p < 1.0:
+        # Sort descending, keep a token if the mass strictly before it is < top_p: the smallest
+        # prefix whose cumulative mass reaches top_p (the first token is always kept). The kept set
+        # is then expressed as a probability threshold so tied probabilities are kept together.
+        sorted_p = -jnp.sort(-probs, axis=-1)
+        cum = jnp.cumsum(sorted_p, axis=-1)
+        before = jnp.concatenate([jnp.zeros_like(cum[..., :1]), cum[..., :-1]], axis=-1)
+        n_keep = jnp.sum(before < jnp.float32(params.top_p), axis=-1, keepdims=True)
+        n_keep = jnp.maximum(n_keep, 1)
+        cutoff = jnp.take_along_axis(sorted_p, n_keep - 1, axis=-1)
+        probs = jnp.where(probs >= cutoff, probs, 0.0)
+        total = jnp.sum(probs, axis=-1, keepdims=True)
+        probs = probs / jnp.where(total > 0, total, 1.0)
+
+    ok = jnp.sum(probs, axis=-1, keepdims=True) > 0
+    probs = jnp.where(ok, probs, argmax_onehot)
+    if valid is not None:  # belt and braces: padded rows are already exactly 0 (exp(-inf))
+        probs = jnp.where(valid, probs, 0.0)
+    return probs
+
+
+# ----------------------------------------------------------------------------------------------
+# Drawing
+# ----------------------------------------------------------------------------------------------
+def sample_from_probs(probs, keys):
+    """One token per row by the exponential race `argmax(probs / Exponential(1))`.
+
+    The race needs no normalisation and no sort: with E_i iid Exp(1), `E_i / p_i` is Exp(rate p_i)
+    and the smallest wins with probability p_i / sum(p). Computed as `log p - log E` for range.
+    Zero-probability entries score -inf, so they can never win (unless the whole row is zero, which
+    callers must not pass: it returns index 0).
+
+    Args:
+      probs: `[..., V]` non-negative weights (need not sum to 1).
+      keys: `[...]` typed keys (or raw uint32 `[..., 2]`), one per row.
+    Returns:
+      `[...]` int32 tokens.
+    """
+    probs = jnp.asarray(probs, jnp.float32)
+    batch_shape, V = probs.shape[:-1], probs.shape[-1]
+    keys = _as_keys(keys, batch_shape)
+    flat_keys = keys.reshape(-1)
+    flat_p = probs.reshape(-1, V)
+    e = jax.vmap(lambda k: jax.random.exponential(k, (V,), jnp.float32))(flat_keys)
+    score = jnp.where(flat_p > 0, jnp.log(flat_p) - jnp.log(e), -jnp.inf)
+    return jnp.argmax(score, axis=-1).astype(jnp.int32).reshape(batch_shape)
+
+
+def sample(logits, params: SamplingParams, keys, vocab_size: int | None = None):
+    """Sample from the user's distribution.
+
+    Args:
+      logits: `[..., V]`; keys: `[...]`; vocab_size: see `probs_from_logits`.
+    Returns:
+      (tokens `[...]` int32, probs `[..., V]` float32 — the rows the tokens were drawn from, which a
+      proposer must carry to the verifier as q').
+    """
+    probs = probs_from_logits(logits, params, vocab_size)
+    if params.greedy:
+        # One-hot rows: the race would pick the same token; skip the random draws.
+        _as_keys(keys, probs.shape[:-1])
+        return jnp.argmax(probs, axis=-1).astype(jnp.int32), probs
+    return sample_from_probs(probs, keys), probs

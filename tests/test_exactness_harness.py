@@ -1,0 +1,236 @@
+"""The exactness harness on a synthetic speculative decoder.
+
+Target and draft are random trigram logits tables over a vocabulary of 4 real tokens plus one padded
+embedding row (with the largest logit, so any masking bug shows up as token 4). A vectorised SD
+simulation written here runs N = 100_000 independent requests for WINDOW = 4 = K + 2 tokens (so every
+sample crosses a round boundary), drafting from the draft's processed rows q', verifying with the
+verifier under test, with keys indexed by (request id, position, stream). The exact verifier must pass
+`distribution_test`; every planted bug must fail it; and the test must have power >= 0.95 against
+total-variation-0.02 alternatives at this size.
+"""
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ssd_jax.sampling import (STREAM_ACCEPT, STREAM_DRAFT, STREAM_RESIDUAL, SamplingParams,
+                              position_keys, probs_from_logits, sample_from_probs)
+from ssd_jax.testing import (ALL_PLANTED_BUGS, PLANTED_BUG_VERIFIERS, PLANTED_PROPOSER_BUGS,
+                             correct_proposal_rows, detection_power, detection_power_by_alternative,
+                             distribution_test, enumerate_window_distribution, window_counts)
+from ssd_jax.verify import rejection_sample
+
+V = 4            # real vocabulary
+V_MODEL = 5      # embedding rows; row 4 is padding
+K = 2            # lookahead
+WINDOW = K + 2   # 4**4 = 256 cells
+N = 100_000
+PROMPT = (1, 3)
+SEED = 1234
+
+
+def _tables():
+    rng = np.random.default_rng(7)
+    target = 1.5 * rng.normal(size=(V, V, V_MODEL))
+    # The draft is correlated with the target (acceptance ~0.6-0.7, so rounds of every length occur)
+    # but clearly different (so rejections, residuals and bonus rows all matter).
+    draft = 0.7 * target + 0.9 * rng.normal(size=(V, V, V_MODEL))
+    # Padded row: larger than every real logit, so forgetting to mask it would make it the favourite.
+    target[..., V:] = 6.0
+    draft[..., V:] = 6.0
+    return jnp.asarray(target, jnp.float32), jnp.asarray(draft, jnp.float32)
+
+
+TARGET_TABLE, DRAFT_TABLE = _tables()
+
+
+def trigram_logits_fn(table):
+    """Full cache-free forward: tokens [N, T] -> logits [N, T, V_MODEL]; row t predicts token t+1
+    from tokens t-1 and t (token -1 := 0)."""
+    def logits_fn(tokens):
+        prev2 = jnp.concatenate([jnp.zeros_like(tokens[:, :1]), tokens[:, :-1]], axis=1)
+        return table[prev2, tokens]
+    return logits_fn
+
+
+def _logits_for(table, buf, pos):
+    """Logits predicting the token at position `pos` [N] of `buf` [N, L] (the forward's row pos-1)."""
+    rows = jnp.arange(buf.shape[0])
+    prev1 = buf[rows, pos - 1]
+    prev2 = jnp.where(pos >= 2, buf[rows, jnp.maximum(pos - 2, 0)], 0)
+    return table[prev2, prev1]
+
+
+def _write(buf, pos, tok, mask=True):
+    """buf[b, pos[b]] = tok[b] where mask[b]."""
+    hit = (jnp.arange(buf.shape[1])[None, :] == pos[:, None]) & jnp.asarray(mask)[..., None]
+    return jnp.where(hit, tok[:, None], buf)
+
+
+@partial(jax.jit, static_argnames=("target_params", "draft_params", "verifier", "proposal",
+                                   "proposal_rows", "n"))
+def simulate_sd(target_table, draft_table, seed, *, target_params, draft_params, verifier,
+                proposal="draft", proposal_rows=correct_proposal_rows, n=N):
+    """n independent requests of chain SD; returns their first WINDOW generated tokens [n, WINDOW].
+
+    proposal="draft": s_d ~ q' = probs_from_logits(draft logits, draft_params) with the draft stream
+      key at its position; the verifier gets proposal_rows(q, q') with q the draft at temperature 1.
+    proposal="guess": a deterministic n-gram-like guess s_d = (previous token + 1) % V, q' one-hot.
+    """
+    P = len(PROMPT)
+    L = P + WINDOW * (K + 1) + 1
+    buf = jnp.zeros((n, L), jnp.int32).at[:, :P].set(jnp.asarray(PROMPT, jnp.int32))
+    length = jnp.full((n,), P, jnp.int32)
+    rids = jnp.arange(n, dtype=jnp.int32)
+    raw_params = SamplingParams(temperature=1.0)
+
+    def one_round(_, state):
+        buf, length = state
+        spec = buf
+        drafts, rows = [], []
+        for d in range(K):
+            pos = length + d
+            if proposal == "draft":
+                lg = _logits_for(draft_table, spec, pos)
+                q_prime = probs_from_logits(lg, draft_params, V)
+                s = sample_from_probs(q_prime, position_keys(seed, rids, pos[:, None], STREAM_DRAFT)[:, 0])
+                rows.append(proposal_rows(probs_from_logits(lg, raw_params, V), q_prime))
+            else:
+                s = (spec[jnp.arange(n), pos - 1] + 1) % V
+                rows.append(jax.nn.one_hot(s, V_MODEL, dtype=jnp.float32))
+            drafts.append(s)
+            spec = _write(spec, pos, s)
+        target_logits = jnp.stack([_logits_for(target_table, spec, length + j) for j in range(K + 1)], 1)
+        p = probs_from_logits(target_logits, target_params, V)
+        offs = jnp.arange(K + 1, dtype=jnp.int32)[None, :]
+        akeys = position_keys(seed, rids, length[:, None] + offs[:, :K], STREAM_ACCEPT)
+        rkeys = position_keys(seed, rids, length[:, None] + offs, STREAM_RESIDUAL)
+        res = verifier(p, jnp.stack(rows, 1), jnp.stack(drafts, 1), akeys, rkeys)
+        for j in range(K + 1):
+            buf = _write(buf, length + j, res.tokens[:, j], j <= res.num_accepted)
+        return buf, length + res.num_accepted + 1
+
+    # Each round commits >= 1 token, so WINDOW rounds always cover the window.
+    buf, _ = jax.lax.fori_loop(0, WINDOW, one_round, (buf, length))
+    return buf[:, P:P + WINDOW]
+
+
+_EXACT_CACHE = {}
+
+
+def exact_window(params):
+    if params not in _EXACT_CACHE:
+        _EXACT_CACHE[params] = enumerate_window_distribution(
+            trigram_logits_fn(TARGET_TABLE), list(PROMPT), WINDOW, params, V)
+    return _EXACT_CACHE[params]
+
+
+def run_case(target_params, draft_params=SamplingParams(1.0), verifier=rejection_sample, **kw):
+    tokens = np.asarray(simulate_sd(TARGET_TABLE, DRAFT_TABLE, SEED, target_params=target_params,
+                                    draft_params=draft_params, verifier=verifier, **kw))
+    return distribution_test(window_counts(tokens, V), exact_window(target_params))
+
+
+# ---------------------------------------------------------------------------------------------
+# The harness's own pieces
+# ---------------------------------------------------------------------------------------------
+def test_enumeration_matches_chain_rule():
+    params = SamplingParams(0.8, top_k=3)
+    exact = exact_window(params)
+    assert exact.shape == (V ** WINDOW,)
+    assert abs(exact.sum() - 1) < 1e-12
+    fn = trigram_logits_fn(TARGET_TABLE)
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        w = rng.integers(0, V, WINDOW)
+        toks, prob = list(PROMPT), 1.0
+        for t in w:
+            row = np.asarray(probs_from_logits(fn(jnp.asarray([toks]))[:, -1], params, V))[0]
+            prob *= row[t] / row.sum()
+            toks.append(int(t))
+        idx = int("".join(map(str, w)), V)
+        assert np.isclose(exact[idx], prob, rtol=1e-5, atol=1e-12)
+    # top-k=3 of 4 removes one token per step: zero cells exist
+    assert (exact == 0).sum() > 0
+
+
+def test_window_counts_indexing():
+    counts = window_counts(np.array([[0, 0, 0, 1], [3, 0, 0, 0], [3, 0, 0, 0]]), V)
+    assert counts[1] == 1 and counts[3 * V ** 3] == 2 and counts.sum() == 3
+    with pytest.raises(ValueError):
+        window_counts(np.array([[0, 4, 0, 0]]), V)  # a padded token leaked
+    with pytest.raises(ValueError):
+        window_counts(np.array([[0, -1, 0, 0]]), V)  # a placeholder leaked
+
+
+def test_false_alarm_rate_is_calibrated():
+    """Direct multinomial samples from the exact distribution: at false_alarm=0.05 (cheap to
+    check) the rejection rate over 600 null trials is 0.05 within sampling error."""
+    exact = exact_window(SamplingParams(1.0))
+    rng = np.random.default_rng(3)
+    fails = sum(not distribution_test(rng.multinomial(N, exact), exact, false_alarm=0.05)
+                for _ in range(600))
+    assert 12 <= fails <= 50, fails  # mean 30, sd 5.3
+
+
+def test_detection_power():
+    """Power against TV-0.02 alternatives for this exact distribution at n = 1e5, 256 cells."""
+    for params in (SamplingParams(1.0), SamplingParams(0.7)):
+        exact = exact_window(params)
+        per_alt = detection_power_by_alternative(exact, N, tv=0.02, trials=200)
+        power = detection_power(exact, N, tv=0.02, trials=800)
+        print(params, per_alt, power)
+        assert power >= 0.95, (params, per_alt)
+        assert min(per_alt.values()) >= 0.9, (params, per_alt)
+
+
+# ---------------------------------------------------------------------------------------------
+# The exact verifier passes
+# ---------------------------------------------------------------------------------------------
+EXACT_CASES = {
+    "t1.0": dict(target_params=SamplingParams(1.0)),
+    "t0.7": dict(target_params=SamplingParams(0.7)),
+    "t1.0_topk3": dict(target_params=SamplingParams(1.0, top_k=3)),
+    "t0.9_topp0.8": dict(target_params=SamplingParams(0.9, top_p=0.8)),
+    # Draft with its own temperature and top-k (q' != q): exact as long as q' is verified.
+    "t1.0_draft_t0.5_topk2": dict(target_params=SamplingParams(1.0),
+                                  draft_params=SamplingParams(0.5, top_k=2)),
+    # One-hot proposals: a deterministic guess, and a greedy draft.
+    "t1.0_guess": dict(target_params=SamplingParams(1.0), proposal="guess"),
+    "t0.8_greedy_draft": dict(target_params=SamplingParams(0.8), draft_params=SamplingParams(0.0)),
+    # Greedy target: the exact distribution is one cell.
+    "t0": dict(target_params=SamplingParams(0.0)),
+}
+
+
+@pytest.mark.parametrize("case", list(EXACT_CASES))
+def test_exact_verifier_passes(case):
+    result = run_case(**EXACT_CASES[case])
+    print(case, result)
+    assert result.passed, f"{case}: {result}"
+    assert result.impossible == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Every planted bug fails
+# ---------------------------------------------------------------------------------------------
+def test_planted_bug_names():
+    assert set(ALL_PLANTED_BUGS) == {"residual_from_p", "argmax_match", "no_q_zero_after_all_accept",
+                                     "verify_q_not_q_prime"}
+
+
+@pytest.mark.parametrize("bug", list(PLANTED_BUG_VERIFIERS))
+def test_planted_verifier_bug_fails(bug):
+    result = run_case(SamplingParams(1.0), verifier=PLANTED_BUG_VERIFIERS[bug])
+    print(bug, result)
+    assert not result.passed, f"{bug} went undetected: {result}"
+
+
+def test_planted_proposer_bug_fails():
+    # q' (temperature 0.5, top-k 2) differs from q (temperature 1): verifying against q is wrong.
+    result = run_case(SamplingParams(1.0), draft_params=SamplingParams(0.5, top_k=2),
+                      proposal_rows=PLANTED_PROPOSER_BUGS["verify_q_not_q_prime"])
+    print("verify_q_not_q_prime", result)
+    assert not result.passed, f"verify_q_not_q_prime went undetected: {result}"
