@@ -145,12 +145,12 @@ def tree_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: ja
     [B, MQ, V] fp32 and the branch KV with slot `step` filled. `attention` picks the plain-jnp
     reference or the Pallas kernel (both in pallas_kernels.tree_attention).
     """
-    from pallas_kernels import tree_attention as ta
+    from pallas_kernels.tree_attention import tree_attention, tree_attention_reference
 
     if attention == "reference":
-        attend = ta.tree_attention_reference
+        attend = tree_attention_reference
     elif attention == "pallas":
-        attend = functools.partial(ta.tree_attention, interpret=jax.default_backend() == "cpu")
+        attend = functools.partial(tree_attention, interpret=jax.default_backend() == "cpu")
     else:
         raise ValueError(f"unknown tree attention {attention!r}: use 'reference' or 'pallas'")
     W = cache.max_len if window is None else min(int(window), cache.max_len)

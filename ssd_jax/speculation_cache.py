@@ -42,12 +42,12 @@ def check_budget(batch: int, branches: int, k: int, vocab: int, row_dtype, budge
 def lookup(cache: SpeculationCache, num_accepted: jax.Array, bonus: jax.Array, *,
            kernel: bool = False):
     """Outcome [B] x 2 -> (hit [B] bool, tokens [B, K], rows [B, K, V]); zeros on a miss."""
-    from pallas_kernels import cache_gather as cg
+    from pallas_kernels.cache_gather import cache_gather, cache_gather_reference
 
     outcome = jnp.stack([num_accepted, bonus], axis=-1).astype(jnp.int32)
     if kernel:
-        fn = lambda *a: cg.cache_gather(*a, interpret=jax.default_backend() == "cpu")  # noqa: E731
+        fn = lambda *a: cache_gather(*a, interpret=jax.default_backend() == "cpu")  # noqa: E731
     else:
-        fn = cg.cache_gather_reference
+        fn = cache_gather_reference
     hit, _, tokens, rows = fn(cache.keys, cache.valid, cache.tokens, cache.rows, outcome)
     return hit, tokens, rows

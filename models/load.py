@@ -1,0 +1,45 @@
+"""`load_model(name_or_path)`: a fetched default, a GGUF file or an HF folder -> Model.
+
+The first load dequantises / converts and saves the params with orbax; later loads restore them.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from models import checkpoint, registry
+from models.config import ModelConfig, canonical_dtype
+from models.model import Model
+from models.params import params_from_hf
+
+
+def _read(path: Path):
+    if path.is_dir():
+        from models.loading.hf import load_hf_folder
+        return load_hf_folder(path)
+    from models.loading.gguf import load_gguf
+    return load_gguf(path)
+
+
+def _tokenizer(path: Path):
+    from models.tokenizer import Tokenizer
+    return Tokenizer.from_hf_folder(path) if path.is_dir() else Tokenizer.from_gguf(path)
+
+
+def load_model(name_or_path: str | Path, dtype: str = "float32", *, use_cache: bool = True,
+               cache_dir: str | Path | None = None, with_tokenizer: bool = True) -> Model:
+    dtype = canonical_dtype(dtype)
+    path = registry.resolve(name_or_path, cache_dir)
+    root = Path(cache_dir) if cache_dir is not None else registry.cache_dir()
+    ckpt = checkpoint.checkpoint_dir(path, dtype, root)
+    restored = checkpoint.restore(ckpt) if use_cache else None
+    if restored is not None:
+        params, cfg = restored
+    else:
+        config, tensors = _read(path)
+        cfg = ModelConfig.from_hf(config, dtype)
+        params = params_from_hf(tensors, cfg)
+        del tensors
+        if use_cache:
+            checkpoint.save(ckpt, params, cfg)
+    tok = _tokenizer(path) if with_tokenizer else None
+    return Model(cfg=cfg, params=params, tokenizer=tok, name=str(name_or_path))

@@ -1,0 +1,119 @@
+"""`ssd-jax`: fetch the default models, generate text with ar | sd | ssd.
+
+Errors a user can trigger (missing model, bad flag values, unfetched weights, mismatched
+tokenizers) print one line and exit non-zero, without a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from models import registry
+
+EXIT_USAGE = 2
+
+
+def _fanout(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"fan-out must be comma-separated integers, got {text!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ssd-jax", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    f = sub.add_parser("fetch", help="download, verify and cache default models")
+    f.add_argument("names", nargs="*", default=[registry.DEFAULT_TARGET, registry.DEFAULT_DRAFT],
+                   help=f"default models: {', '.join(registry.MODELS)} (default: the Qwen pair)")
+    f.add_argument("--cache-dir", default=None)
+
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    g.add_argument("--target", default=registry.DEFAULT_TARGET,
+                   help="a default model name, a .gguf file or an HF folder")
+    g.add_argument("--draft", default=registry.DEFAULT_DRAFT)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="raw prompt text (use --chat to apply the chat template)")
+    src.add_argument("--prompt-file", help="a file holding the prompt")
+    g.add_argument("--chat", action="store_true")
+    g.add_argument("--mode", choices=("ar", "sd", "ssd"), default="ssd")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--dtype", default="float32", help="float32/fp32 or bfloat16/bf16")
+    g.add_argument("--k", type=int, default=4, help="lookahead K (draft tokens per round)")
+    g.add_argument("--fanout", type=_fanout, default=None, help="F_0..F_K, e.g. 2,2,1,1,1")
+    g.add_argument("--saguaro-c", type=float, default=1.0)
+    g.add_argument("--backup", choices=("neural", "random", "ngram"), default="neural")
+    g.add_argument("--placement", choices=("split", "colocated"), default="split")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--max-len", type=int, default=4096)
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON object {text, token_ids, metrics} instead of streaming")
+    g.add_argument("--cache-dir", default=None)
+    return p
+
+
+def _fetch(args) -> int:
+    for name in args.names:
+        path = registry.fetch(name, cache_dir=args.cache_dir)
+        print(f"{name}: {path}")
+    return 0
+
+
+def _generate(args) -> int:
+    from models.load import load_model
+    from ssd_jax.engine import Engine, SSDConfig
+    from ssd_jax.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    prompt = args.prompt
+    if args.prompt_file is not None:
+        with open(args.prompt_file, encoding="utf-8") as fh:
+            prompt = fh.read()
+    target = load_model(args.target, args.dtype, cache_dir=args.cache_dir)
+    draft = load_model(args.draft, args.dtype, cache_dir=args.cache_dir) if args.mode != "ar" else None
+    engine = Engine(target, draft, placement=args.placement, max_len=args.max_len)
+    tok = target.tokenizer
+    streamed: list[int] = []
+    printed = [0]
+
+    def on_tokens(row: int, ids: list[int]) -> None:
+        streamed.extend(ids)
+        text = tok.decode(streamed)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            sys.stdout.write(text[printed[0]:])
+            sys.stdout.flush()
+            printed[0] = len(text)
+
+    out = engine.generate(
+        [prompt], mode=args.mode, max_new_tokens=args.max_new_tokens, sampling=sampling, k=args.k,
+        ssd=SSDConfig(fanout=args.fanout, saguaro_c=args.saguaro_c, backup=args.backup),
+        seed=args.seed, stop=args.stop, chat=args.chat, on_tokens=None if args.json else on_tokens)
+    if args.json:
+        print(json.dumps({"text": out.texts[0], "token_ids": out.token_ids[0],
+                          "metrics": out.metrics.to_dict()}))
+    else:
+        sys.stdout.write("\n")
+        print(out.metrics.summary(), file=sys.stderr)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return {"fetch": _fetch, "generate": _generate}[args.command](args)
+    except (ValueError, registry.FetchError, FileNotFoundError, OSError) as e:
+        print(f"ssd-jax: error: {e}", file=sys.stderr)
+        return EXIT_USAGE if isinstance(e, ValueError) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
