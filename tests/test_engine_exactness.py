@@ -1,0 +1,134 @@
+"""Distribution exactness of the real engine (SD and SSD rounds, tiny transformers, vocabulary 4).
+
+100,000 independent requests (distinct request ids, so independent keys) generate a window of
+K + 2 = 4 tokens from one prompt; the empirical window distribution must pass the calibrated
+chi-square test of `ssd_jax.testing` against the exact target distribution enumerated from the
+target's forward. Planted bugs in the verifier and in the proposer must fail the same test.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ssd_jax.steps
+import ssd_jax.tree
+from models.config import tiny_config
+from models.kv_cache import init_cache
+from models.model import Model
+from models.params import perturb, random_params
+from models.transformer import forward
+from ssd_jax import saguaro
+from ssd_jax.engine import Engine, SSDConfig
+from ssd_jax.sampling import SamplingParams
+from ssd_jax.testing import (PLANTED_BUG_VERIFIERS, distribution_test, enumerate_window_distribution,
+                             window_counts)
+
+pytestmark = pytest.mark.slow
+
+V = 4
+K = 2
+WINDOW = K + 2
+N = 100_000
+CHUNK = 25_000
+PROMPT = [1, 3, 0]
+CFG = tiny_config("qwen2", vocab_size=V, hidden_size=32, intermediate_size=64, num_heads=2,
+                  num_kv_heads=1, head_dim=16, num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = Model(CFG, random_params(CFG, 3, scale=2.0))
+    draft = Model(CFG, perturb(target.params, jax.random.key(5), 0.6))
+    return target, draft
+
+
+@functools.lru_cache(maxsize=None)
+def exact(sampling: SamplingParams):
+    target = Model(CFG, random_params(CFG, 3, scale=2.0))
+
+    @jax.jit
+    def logits_fn(tokens):
+        return forward(target.params, CFG, tokens, init_cache(CFG, tokens.shape[0], tokens.shape[1]))[0]
+
+    return enumerate_window_distribution(logits_fn, PROMPT, WINDOW, sampling, V)
+
+
+def sample_windows(pair, mode, sampling, **kw):
+    eng = Engine(*pair, max_len=16, compilation_cache=False)
+    windows, metrics = [], []
+    for c in range(N // CHUNK):
+        out = eng.generate([PROMPT] * CHUNK, mode=mode, max_new_tokens=WINDOW, k=K,
+                           sampling=sampling, request_ids=range(c * CHUNK, (c + 1) * CHUNK),
+                           seed=11, **kw)
+        windows.append(np.asarray(out.token_ids))
+        metrics.append(out.metrics)
+    return np.concatenate(windows), metrics
+
+
+def verdict(pair, mode, sampling, **kw):
+    toks, metrics = sample_windows(pair, mode, sampling, **kw)
+    return distribution_test(window_counts(toks, V), exact(sampling)), metrics
+
+
+T07 = SamplingParams(temperature=0.7)
+T10 = SamplingParams(temperature=1.0)
+EXACT_CASES = {
+    "sd-t1.0": ("sd", T10, {}),
+    "sd-t0.7-topk3": ("sd", SamplingParams(temperature=0.7, top_k=3), {}),
+    "sd-t1.0-topp0.8": ("sd", SamplingParams(temperature=1.0, top_p=0.8), {}),
+    "sd-draft-t0.5-topk2": ("sd", T10, dict(draft_sampling=SamplingParams(temperature=0.5, top_k=2))),
+    "ssd-t0.7-saguaro0.5": ("ssd", T07, dict(ssd=SSDConfig(fanout=(2, 2, 1), saguaro_c=0.5))),
+    "ssd-t1.0-random-backup": ("ssd", T10, dict(ssd=SSDConfig(fanout=(2, 1, 1), backup="random"))),
+    "ssd-t1.0-ngram-onehot": ("ssd", T10, dict(ssd=SSDConfig(fanout=(1, 1, 1), backup="ngram"))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXACT_CASES))
+def test_engine_output_has_the_target_distribution(pair, case):
+    mode, sampling, kw = EXACT_CASES[case]
+    res, metrics = verdict(pair, mode, sampling, **kw)
+    assert res.passed, str(res)
+    hist = np.sum([m.accept_hist for m in metrics], axis=0)
+    assert np.all(hist > 0), f"every accept length 0..K must occur: {hist}"
+    if mode == "ssd":
+        hits = sum(m.hits for m in metrics)
+        lookups = sum(m.lookups for m in metrics)
+        assert 0 < hits < lookups, (hits, lookups)
+
+
+@pytest.mark.parametrize("bug", sorted(PLANTED_BUG_VERIFIERS))
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_planted_verifier_bugs_fail(pair, bug, mode):
+    kw = dict(ssd=SSDConfig(fanout=(2, 1, 1))) if mode == "ssd" else {}
+    res, _ = verdict(pair, mode, T10, verifier=PLANTED_BUG_VERIFIERS[bug], **kw)
+    assert not res.passed, f"planted bug {bug} passed the exactness test: {res}"
+
+
+@pytest.fixture
+def q_not_q_prime(monkeypatch):
+    """Planted proposer bug: sample from q' but hand the verifier q (before the draft's own
+    temperature / top-k and Saguaro scaling)."""
+    def wrong(logits, sampling, keys, *, vocab_size=None, saguaro_top_n=0, saguaro_c=1.0,
+              row_dtype=jnp.float32):
+        tok, _ = saguaro.propose(logits, sampling, keys, vocab_size=vocab_size,
+                                 saguaro_top_n=saguaro_top_n, saguaro_c=saguaro_c, row_dtype=row_dtype)
+        return tok, saguaro.probs_from_logits(logits, T10, vocab_size).astype(row_dtype)
+
+    jax.clear_caches()  # the jitted steps captured the correct proposer
+    monkeypatch.setattr(ssd_jax.steps, "propose", wrong)
+    monkeypatch.setattr(ssd_jax.tree, "propose", wrong)
+    yield
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
+def test_planted_q_not_q_prime_fails_sd(pair, q_not_q_prime):
+    res, _ = verdict(pair, "sd", T10, draft_sampling=SamplingParams(temperature=0.5, top_k=2))
+    assert not res.passed, str(res)
+
+
+def test_planted_saguaro_q_verified_fails_ssd(pair, q_not_q_prime):
+    res, _ = verdict(pair, "ssd", T10, ssd=SSDConfig(fanout=(2, 2, 1), saguaro_c=0.2))
+    assert not res.passed, str(res)
