@@ -1,0 +1,322 @@
+"""Target decode-step and K=4 verify time: ssd_jax (JAX, fp32) vs HF transformers (torch, fp32 and bf16),
+each in its own subprocess pinned to the same cores, plus the memory bandwidth those cores reach.
+
+    python benchmarks/decode_vs_hf.py                      # cores "0" then "0,1", all frameworks
+    python benchmarks/decode_vs_hf.py --cores 0,1 --iters 8
+
+Both frameworks run on the same weights: the GGUF dequantized by `models.loading.gguf.load_gguf`
+(ssd_jax restores its orbax copy of those; HF gets them as a state dict). The KV cache holds
+`--context` (default 200) tokens; every timed call starts from that length (the cache is rolled back /
+cropped between calls). ssd_jax times `ssd_jax.steps.decode` (forward + greedy sample) and
+`ssd_jax.steps.verify` (5-token forward + rejection sampling); HF times `model(...)` + argmax with a
+DynamicCache. Decode weight-read bandwidth = parameter bytes (in the framework's dtype) / step time,
+reported as a fraction of a numpy-copy bandwidth (bytes read + written / s) on the same cores.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = "qwen2.5-coder-1.5b"
+
+
+# ---------------------------------------------------------------------------- shared helpers
+def hf_model(name: str, dtype: str = "float32"):
+    """An HF transformers model (torch, eval mode) on the weights of our GGUF `name`."""
+    import torch
+    import transformers
+
+    from models import registry
+    from models.config import ModelConfig
+    from models.loading.gguf import load_gguf
+
+    config, tensors = load_gguf(registry.resolve(name))
+    cfg = ModelConfig.from_hf(config, "float32")
+    hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf())
+    tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+    state = {k: torch.from_numpy(v) for k, v in tensors.items()}
+    if cfg.tie_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    del tensors, state
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    # Non-persistent buffers (rotary inv_freq) were created on the meta device: rebuild those modules.
+    for parent in list(model.modules()):
+        for cname, child in list(parent.named_children()):
+            if any(b.is_meta for b in child.buffers(recurse=False)):
+                setattr(parent, cname, type(child)(model.config))
+    assert not any(t.is_meta for t in list(model.parameters()) + list(model.buffers())), "meta tensors left"
+    model = model.to(tdtype).eval()
+    return model, cfg
+
+
+def param_bytes_torch(model) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def machine_info() -> dict:
+    import numpy as np
+    info = dict(platform=platform.platform(), python=platform.python_version(),
+                cpu_count=os.cpu_count(), numpy=np.__version__)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    for mod in ("jax", "jaxlib", "flax", "torch", "transformers"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            pass
+    return info
+
+
+def run_worker(script: Path, cores: str, args: list[str], threads: int) -> dict:
+    """Run `script --worker ...` under `taskset -c cores`; its last stdout line is a JSON object."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+               JAX_PLATFORMS="cpu")
+    cmd = ["taskset", "-c", cores, sys.executable, str(script), "--worker", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"worker {' '.join(cmd)} failed (rc {proc.returncode}):\n"
+                           f"{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def _times(fn, iters: int, warmup: int = 2) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _stats(ts: list[float]) -> dict:
+    return dict(median_s=statistics.median(ts), min_s=min(ts), n=len(ts))
+
+
+# ---------------------------------------------------------------------------- workers
+def worker_bandwidth(threads: int, mib: int, iters: int) -> dict:
+    """numpy copy of a `mib` MiB array per thread; (read + write) bytes / s over all threads."""
+    import numpy as np
+    srcs = [np.ones(mib << 18, np.float32) for _ in range(threads)]
+    dsts = [np.empty_like(s) for s in srcs]
+    barrier = threading.Barrier(threads)
+    best = [float("inf")]
+
+    def body(i, rounds):
+        for _ in range(rounds):
+            barrier.wait()
+            t0 = time.perf_counter()
+            np.copyto(dsts[i], srcs[i])
+            barrier.wait()
+            if i == 0:
+                best[0] = min(best[0], time.perf_counter() - t0)
+
+    for rounds, reset in ((1, True), (iters, False)):
+        if reset:
+            best[0] = float("inf")
+        ths = [threading.Thread(target=body, args=(i, rounds)) for i in range(threads)]
+        [t.start() for t in ths]
+        [t.join() for t in ths]
+    nbytes = 2 * sum(s.nbytes for s in srcs)
+    return dict(kind="bandwidth", threads=threads, bytes_per_s=nbytes / best[0], best_s=best[0])
+
+
+def worker_jax(context: int, iters: int, k: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from models.kv_cache import init_cache
+    from models.load import load_model
+    from ssd_jax import steps
+    from ssd_jax.sampling import SamplingParams
+    from ssd_jax.verify import rejection_sample
+
+    model = load_model(TARGET, "float32")
+    cfg, params = model.cfg, jax.device_put(model.params)
+    nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+    V = model.tokenizer.vocab_size
+    sp = SamplingParams()
+    rng = np.random.default_rng(0)
+    bucket = 1 << (context - 1).bit_length()
+    toks = np.zeros((1, bucket), np.int32)
+    toks[0, :context] = rng.integers(0, V, context)
+    seed, rids = jnp.int32(0), jnp.zeros((1,), jnp.int32)
+    cache = init_cache(cfg, 1, 256 * (-(-(context + k + 2) // 256)))
+    _, _, cache = steps.prefill(params, cfg, cache, jnp.asarray(toks), jnp.asarray([context], jnp.int32),
+                                seed, rids, sp, V)
+    state = dict(cache=cache)
+    bonus = jnp.asarray([int(rng.integers(V))], jnp.int32)
+    active = jnp.ones((1,), bool)
+    spec = jnp.asarray(rng.integers(0, V, (1, k)), jnp.int32)
+    rows = jax.nn.softmax(jnp.asarray(rng.normal(size=(1, k, cfg.vocab_size)), jnp.float32), -1)
+    ctx = np.asarray([context], np.int32)  # numpy: a fresh device buffer each call (the cache is donated)
+
+    def decode():
+        tok, lp, c = steps.decode(params, cfg, state["cache"].with_lengths(ctx), bonus, active, seed,
+                                  rids, sp, V)
+        jax.block_until_ready(tok)
+        state["cache"] = c
+
+    def verify():
+        res, lp, c = steps.verify(params, cfg, state["cache"].with_lengths(ctx), bonus, spec, rows,
+                                  active, seed, rids, sp, V, rejection_sample)
+        jax.block_until_ready(res.tokens)
+        state["cache"] = c
+
+    t0 = time.process_time(), time.perf_counter()
+    d = _times(decode, iters)
+    v = _times(verify, iters)
+    cpu = (time.process_time() - t0[0]) / (time.perf_counter() - t0[1])
+    return dict(kind="jax", dtype="float32", param_bytes=nbytes, decode=_stats(d), verify=_stats(v),
+                cores_used=cpu, cache_len=cache.max_len)
+
+
+def worker_torch(context: int, iters: int, k: int, dtype: str, threads: int) -> dict:
+    import torch
+    from transformers import DynamicCache
+
+    torch.set_num_threads(threads)
+    model, cfg = hf_model(TARGET, dtype)
+    nbytes = param_bytes_torch(model)
+    g = torch.Generator().manual_seed(0)
+    V = cfg.vocab_size
+    prompt = torch.randint(0, V, (1, context), generator=g)
+    one = torch.randint(0, V, (1, 1), generator=g)
+    five = torch.randint(0, V, (1, k + 1), generator=g)
+    with torch.inference_mode():
+        pkv = DynamicCache(config=model.config)
+        model(prompt, past_key_values=pkv, use_cache=True)
+
+        def step(x):
+            out = model(x, past_key_values=pkv, use_cache=True)
+            out.logits.argmax(-1)
+            pkv.crop(context - pkv.get_seq_length())  # negative: tokens to drop
+
+        t0 = time.process_time(), time.perf_counter()
+        d = _times(lambda: step(one), iters)
+        v = _times(lambda: step(five), iters)
+        cpu = (time.process_time() - t0[0]) / (time.perf_counter() - t0[1])
+    return dict(kind="torch", dtype=dtype, param_bytes=nbytes, decode=_stats(d), verify=_stats(v),
+                cores_used=cpu, threads=torch.get_num_threads(),
+                attn=getattr(model.config, "_attn_implementation", None))
+
+
+# ---------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cores", default="0;0,1", help="core sets separated by ';' (default '0;0,1')")
+    ap.add_argument("--context", type=int, default=200, help="tokens in the KV cache (default 200)")
+    ap.add_argument("--iters", type=int, default=8, help="timed calls per measurement (default 8)")
+    ap.add_argument("--k", type=int, default=4, help="draft tokens per verify (default 4: 5 tokens)")
+    ap.add_argument("--torch-dtypes", default="bfloat16,float32")
+    ap.add_argument("--bw-mib", type=int, default=512, help="MiB per copy thread (default 512)")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
+    ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+
+    if a.worker:
+        sys.path.insert(0, str(ROOT))
+        if a.worker == "bw":
+            r = worker_bandwidth(a.threads, a.bw_mib, a.iters)
+        elif a.worker == "jax":
+            r = worker_jax(a.context, a.iters, a.k)
+        else:
+            r = worker_torch(a.context, a.iters, a.k, a.dtype, a.threads)
+        print(json.dumps(r))
+        return 0
+
+    script = Path(__file__).resolve()
+    common = ["--context", str(a.context), "--iters", str(a.iters), "--k", str(a.k)]
+    results = []
+    for cores in a.cores.split(";"):
+        n = len(cores.split(","))
+        row = dict(cores=cores, threads=n)
+        print(f"[cores {cores}] bandwidth ...", file=sys.stderr, flush=True)
+        row["bandwidth"] = run_worker(script, cores, ["bw", "--threads", str(n), "--bw-mib",
+                                                      str(a.bw_mib), "--iters", "5"], n)
+        print(f"[cores {cores}] jax ...", file=sys.stderr, flush=True)
+        row["jax"] = run_worker(script, cores, ["jax", *common], n)
+        for dt in [d for d in a.torch_dtypes.split(",") if d]:
+            print(f"[cores {cores}] torch {dt} ...", file=sys.stderr, flush=True)
+            row[f"torch_{dt}"] = run_worker(script, cores, ["torch", "--dtype", dt, "--threads",
+                                                            str(n), *common], n)
+        results.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+
+    report = dict(machine=machine_info(), command=" ".join([Path(sys.executable).name, *sys.argv]),
+                  context=a.context, k=a.k, iters=a.iters, results=results)
+    print(render(report))
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def render(report: dict) -> str:
+    k = report["k"]
+    out = [f"Target {TARGET}, KV cache {report['context']} tokens, verify = {k + 1} tokens, "
+           f"median of {report['iters']} calls (ms).", "",
+           f"| cores | framework | dtype | decode ms | verify ms | verify/decode | ours/HF decode "
+           f"| ours/HF verify | decode GB/s (weights) | copy GB/s | fraction of copy BW |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in report["results"]:
+        bw = row["bandwidth"]["bytes_per_s"]
+        j = row["jax"]
+        for key in ["jax"] + [x for x in row if x.startswith("torch_")]:
+            r = row[key]
+            d, v = r["decode"]["median_s"], r["verify"]["median_s"]
+            wbw = r["param_bytes"] / d
+            ours_d = "—" if key == "jax" else f"{j['decode']['median_s'] / d:.2f}"
+            ours_v = "—" if key == "jax" else f"{j['verify']['median_s'] / v:.2f}"
+            fw = "ssd_jax" if key == "jax" else "HF torch"
+            out.append(f"| {row['cores']} | {fw} | {r['dtype']} | {d * 1e3:.1f} | {v * 1e3:.1f} | "
+                       f"{v / d:.2f} | {ours_d} | {ours_v} | {wbw / 1e9:.1f} | {bw / 1e9:.1f} | "
+                       f"{wbw / bw:.0%} |")
+    out += ["", "ours/HF < 1 means ssd_jax is faster. Goals: decode no slower than HF at equal cores "
+            "(ours/HF decode <= 1 against HF's fastest dtype); decode weight reads >= 70% of copy "
+            "bandwidth; verify <= 1.5x decode."]
+    for row in report["results"]:
+        j = row["jax"]
+        hf_best = min((row[x]["decode"]["median_s"], row[x]["dtype"]) for x in row if x.startswith("torch_"))
+        bw = row["bandwidth"]["bytes_per_s"]
+        frac = j["param_bytes"] / j["decode"]["median_s"] / bw
+        vd = j["verify"]["median_s"] / j["decode"]["median_s"]
+        out.append(f"- cores {row['cores']}: decode ours/HF-best({hf_best[1]}) = "
+                   f"{j['decode']['median_s'] / hf_best[0]:.2f} "
+                   f"({'met' if j['decode']['median_s'] <= hf_best[0] else 'NOT met'}); "
+                   f"bandwidth fraction {frac:.0%} ({'met' if frac >= 0.7 else 'NOT met'}); "
+                   f"verify/decode {vd:.2f} ({'met' if vd <= 1.5 else 'NOT met'}); "
+                   f"JAX process used {j['cores_used']:.2f} cores")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

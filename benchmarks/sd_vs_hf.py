@@ -1,0 +1,217 @@
+"""End-to-end greedy generation on the benchmark set: ssd_jax AR and SD (colocated) vs HF transformers AR
+and assisted generation, each framework in its own subprocess pinned to the same cores.
+
+    python benchmarks/sd_vs_hf.py --cores 0 --prompts 4 --max-new-tokens 48
+    python benchmarks/sd_vs_hf.py --cores 0,1            # all prompts, 128 new tokens
+
+Target Qwen2.5-Coder-1.5B, draft Qwen2.5-Coder-0.5B, both fp32 in both frameworks, on the same
+weights (the dequantized GGUFs). Prompts are raw text (`ssd_jax.benchmark_set`), tokenized once by
+our tokenizer and given to both frameworks as ids; both stop at the tokenizer's EOS ids.
+
+Tokens/s is steady state for both: ssd_jax's `metrics.tokens_per_s` (rounds after prefill in which
+nothing compiled; a warm-up generate runs first). HF: one warm-up generate, then per prompt
+(new tokens - 1) / (generate time - prefill time), the prefill time being a separately timed
+forward of the prompt through the target (and, for assisted generation, the draft too), so both
+count the same tokens over the same phase. HF assisted generation is configured to match SD with K:
+`num_assistant_tokens=K`, schedule "constant", `assistant_confidence_threshold=0`.
+The JSON of the run (machine, versions, command, per-prompt figures) goes to benchmarks/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_vs_hf import ROOT, hf_model, machine_info, run_worker  # noqa: E402
+
+TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
+
+
+def _prompt_ids(n: int | None) -> tuple[list[dict], list[list[int]], tuple[int, ...]]:
+    from models import registry
+    from models.tokenizer import Tokenizer
+    from ssd_jax.benchmark_set import load_prompts
+
+    prompts = load_prompts()
+    prompts = prompts[:n] if n else prompts
+    tok = Tokenizer.from_gguf(registry.resolve(TARGET))
+    return prompts, [tok.encode(p["text"]) for p in prompts], tuple(tok.eos_ids)
+
+
+def worker_jax(n, max_new, k) -> dict:
+    import numpy as np
+
+    from models.load import load_model
+    from ssd_jax.engine import Engine
+    from ssd_jax.sampling import SamplingParams
+
+    prompts, ids, _ = _prompt_ids(n)
+    engine = Engine(load_model(TARGET, "float32"), load_model(DRAFT, "float32"),
+                    placement="colocated")
+    sp = SamplingParams(temperature=0.0)
+    out = dict(kind="jax")
+    for mode in ("ar", "sd"):
+        engine.generate([ids[0]], mode=mode, max_new_tokens=min(8, max_new), k=k, sampling=sp)  # warm-up
+        per, tok_sum, time_sum, hist = [], 0, 0.0, [0] * (k + 1)
+        for p, x in zip(prompts, ids):
+            r = engine.generate([x], mode=mode, max_new_tokens=max_new, k=k, sampling=sp)
+            m = r.metrics
+            tok_sum += m.timed_tokens
+            time_sum += m.decode_s
+            if mode == "sd":
+                hist = [a + b for a, b in zip(hist, m.accept_hist)]
+            per.append(dict(id=p["id"], prompt_tokens=len(x), new_tokens=m.new_tokens,
+                            tokens_per_s=m.tokens_per_s, timed_tokens=m.timed_tokens,
+                            decode_s=m.decode_s, compile_s=m.compile_s, prefill_s=m.prefill_s,
+                            tokens_per_round=m.tokens_per_round if mode == "sd" else None,
+                            acceptance_rate=m.acceptance_rate if mode == "sd" else None,
+                            token_ids=[int(t) for t in r.token_ids[0]]))
+        agg = dict(tokens_per_s=tok_sum / time_sum if time_sum else float("nan"),
+                   timed_tokens=tok_sum, decode_s=time_sum, prompts=per)
+        if mode == "sd":
+            total = sum(hist)
+            agg.update(accept_hist=hist,
+                       tokens_per_round=sum((j + 1) * c for j, c in enumerate(hist)) / total,
+                       acceptance_rate=sum(j * c for j, c in enumerate(hist)) / (total * k))
+        out[mode] = agg
+    return out
+
+
+def worker_torch(n, max_new, k, threads, dtype) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    prompts, ids, eos = _prompt_ids(n)
+    target, _ = hf_model(TARGET, dtype)
+    draft, _ = hf_model(DRAFT, dtype)
+    for m in (target, draft):
+        m.generation_config.pad_token_id = eos[0]
+        m.generation_config.eos_token_id = list(eos)
+    draft.generation_config.num_assistant_tokens = k
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0
+
+    def gen(x, new, assisted):
+        kw = dict(max_new_tokens=new, do_sample=False, eos_token_id=list(eos), pad_token_id=eos[0],
+                  attention_mask=torch.ones_like(x))
+        if assisted:
+            kw["assistant_model"] = draft
+        return target.generate(x, **kw)
+
+    def prefill_s(model, x):
+        t0 = time.perf_counter()
+        model(x, use_cache=True)
+        return time.perf_counter() - t0
+
+    out = dict(kind="torch", dtype=dtype, threads=torch.get_num_threads())
+    with torch.inference_mode():
+        for mode, assisted in (("ar", False), ("assisted", True)):
+            x0 = torch.tensor([ids[0]])
+            gen(x0, min(8, max_new), assisted)  # warm-up
+            per, tok_sum, time_sum = [], 0, 0.0
+            for p, x in zip(prompts, ids):
+                x = torch.tensor([x])
+                pre = prefill_s(target, x) + (prefill_s(draft, x) if assisted else 0.0)
+                t0 = time.perf_counter()
+                y = gen(x, max_new, assisted)
+                total = time.perf_counter() - t0
+                new = int(y.shape[1] - x.shape[1])
+                steady = max(total - pre, 1e-9)
+                tok_sum += new - 1
+                time_sum += steady
+                per.append(dict(id=p["id"], prompt_tokens=int(x.shape[1]), new_tokens=new,
+                                total_s=total, prefill_s=pre, tokens_per_s=(new - 1) / steady,
+                                token_ids=[int(t) for t in y[0, x.shape[1]:]]))
+            out[mode] = dict(tokens_per_s=tok_sum / time_sum, timed_tokens=tok_sum,
+                             decode_s=time_sum, prompts=per)
+    return out
+
+
+def _agree(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def render(rep: dict) -> str:
+    out = []
+    for row in rep["results"]:
+        j, h = row["jax"], row["torch"]
+        out += [f"Cores {row['cores']}: {rep['prompts']} prompts, max {rep['max_new_tokens']} new "
+                f"tokens, K={rep['k']}, greedy, fp32 (ssd_jax) / {h['dtype']} (HF).", "",
+                "| framework | AR tok/s | SD / assisted tok/s | SD/AR speed-up | tokens/round "
+                "| acceptance |", "|---|---|---|---|---|---|",
+                f"| ssd_jax (colocated) | {j['ar']['tokens_per_s']:.2f} | {j['sd']['tokens_per_s']:.2f} "
+                f"| {j['sd']['tokens_per_s'] / j['ar']['tokens_per_s']:.2f}x | "
+                f"{j['sd']['tokens_per_round']:.2f} | {j['sd']['acceptance_rate']:.2f} |",
+                f"| HF transformers | {h['ar']['tokens_per_s']:.2f} | {h['assisted']['tokens_per_s']:.2f} "
+                f"| {h['assisted']['tokens_per_s'] / h['ar']['tokens_per_s']:.2f}x | — | — |", "",
+                f"- ssd_jax SD / HF assisted tok/s: "
+                f"{j['sd']['tokens_per_s'] / h['assisted']['tokens_per_s']:.2f}; ssd_jax AR / HF AR: "
+                f"{j['ar']['tokens_per_s'] / h['ar']['tokens_per_s']:.2f}",
+                f"- greedy agreement (leading tokens equal, ssd_jax SD vs HF AR): "
+                f"{row['agreement']}", ""]
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cores", default="0", help="taskset core list for both frameworks, e.g. 0 or 0,1; "
+                    "several sets separated by ';'")
+    ap.add_argument("--prompts", type=int, default=0, help="use the first N prompts (default all)")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="default benchmark_set.MAX_NEW_TOKENS")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--hf-dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/sd_vs_hf-<time>.json)")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.max_new_tokens is None:
+        from ssd_jax.benchmark_set import MAX_NEW_TOKENS
+        a.max_new_tokens = MAX_NEW_TOKENS
+    n = a.prompts or None
+
+    if a.worker:
+        sys.path.insert(0, str(ROOT))
+        r = (worker_jax(n, a.max_new_tokens, a.k) if a.worker == "jax"
+             else worker_torch(n, a.max_new_tokens, a.k, a.threads, a.hf_dtype))
+        print(json.dumps(r))
+        return 0
+
+    from ssd_jax.benchmark_set import load_prompts
+    n_prompts = len(load_prompts()[:n] if n else load_prompts())
+    script = Path(__file__).resolve()
+    common = ["--prompts", str(a.prompts), "--max-new-tokens", str(a.max_new_tokens), "--k", str(a.k)]
+    results = []
+    for cores in a.cores.split(";"):
+        th = len(cores.split(","))
+        print(f"[cores {cores}] ssd_jax ...", file=sys.stderr, flush=True)
+        j = run_worker(script, cores, ["jax", *common], th)
+        print(f"[cores {cores}] HF ...", file=sys.stderr, flush=True)
+        h = run_worker(script, cores, ["torch", "--threads", str(th), "--hf-dtype", a.hf_dtype, *common], th)
+        agree = [f"{_agree(x['token_ids'], y['token_ids'])}/{len(y['token_ids'])}"
+                 for x, y in zip(j["sd"]["prompts"], h["ar"]["prompts"])]
+        results.append(dict(cores=cores, threads=th, jax=j, torch=h, agreement=agree))
+    rep = dict(machine=machine_info(), command=" ".join(["python", *sys.argv]),
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               target=TARGET, draft=DRAFT, prompts=n_prompts, max_new_tokens=a.max_new_tokens, k=a.k,
+               results=results)
+    text = render(rep)
+    print(text)
+    path = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / (
+        f"sd_vs_hf-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rep, indent=1))
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

