@@ -147,3 +147,11 @@ def perturb(params: Params, key: jax.Array, rel: float) -> Params:
 
 def param_bytes(params: Params) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+
+
+def truncate_layers(params: Params, cfg: ModelConfig, num_layers: int) -> tuple[Params, ModelConfig]:
+    """A self-speculative draft derived from a model: its first `num_layers` layers, same embedding,
+    final norm and head (shares the tokenizer by construction)."""
+    if not 1 <= num_layers <= cfg.num_layers:
+        raise ValueError(f"num_layers must be in [1, {cfg.num_layers}], got {num_layers}")
+    return params.replace(layers=params.layers[:num_layers]), cfg.replace(num_layers=num_layers)

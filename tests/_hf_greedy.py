@@ -1,0 +1,27 @@
+"""Oracle worker (run in a subprocess to keep torch's memory apart): HF transformers greedy
+`generate` on the weights our GGUF loader reads. argv: gguf path, JSON list of prompts (ids), n."""
+import json
+import sys
+
+import torch
+import transformers
+
+from models.config import ModelConfig
+from models.loading.gguf import load_gguf
+
+path, prompts, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+config, tensors = load_gguf(path)
+cfg = ModelConfig.from_hf(config)
+hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf())
+model = transformers.AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.float32).eval()
+model.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()}, strict=False)
+if cfg.tie_embeddings:
+    model.tie_weights()
+del tensors
+out = []
+with torch.no_grad():
+    for ids in prompts:
+        g = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                           eos_token_id=None, pad_token_id=0)
+        out.append(g[0, len(ids):].tolist())
+print(json.dumps(out))
