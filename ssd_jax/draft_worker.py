@@ -1,10 +1,13 @@
 """Everything the draft does, on the draft mesh: prefill, SD drafting, the SSD tree, lookup, backups.
 
-The engine talks to the draft only through these methods, with host values (token ids, outcome
-integers) in and device arrays (speculation tokens and proposal rows) out — the same calls a
-transport to another process or host carries.
+The engine talks to the draft only through these methods, with host values (a `RoundState` of token
+ids and positions, outcome integers) in and speculation tokens / proposal rows out — the calls a
+transport to another process carries unchanged (`ssd_jax.transport`).
 """
 from __future__ import annotations
+
+import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -12,10 +15,39 @@ import numpy as np
 
 from models.kv_cache import init_cache
 from ssd_jax import backups, steps
-from ssd_jax.batch import Batch
 from ssd_jax.placement import to_mesh
 from ssd_jax.speculation_cache import lookup
 from ssd_jax.tree import draft_tree
+
+
+@dataclasses.dataclass
+class RoundState:
+    """Per-row host state at a round boundary (see `ssd_jax.batch.Batch`)."""
+    n: np.ndarray  # [B] position of the bonus token
+    prev: np.ndarray  # [B] committed token at n-1
+    bonus: np.ndarray  # [B]
+    active: np.ndarray  # [B] bool
+    history: list[list[int]]  # prompt + generated per row (for prompt-lookup backups)
+
+    @classmethod
+    def of(cls, batch) -> "RoundState":
+        return cls(batch.n, batch.prev, batch.bonus, batch.active, batch.history)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftRun:
+    """What the draft needs to know about one generate call (host values; picklable)."""
+    seed: int
+    request_ids: tuple[int, ...]
+    sampling: object  # SamplingParams of the draft
+    k: int
+    fanout_hit: tuple[int, ...] = ()
+    fanout_backup: tuple[int, ...] = ()
+    saguaro_c: float = 1.0
+    backup: str = "neural"
+    row_dtype: str = "float32"
+    attention: str = "reference"
+    gather_kernel: bool = False
 
 
 class DraftWorker:
@@ -29,8 +61,6 @@ class DraftWorker:
         self.vocab_size = tok.vocab_size if tok is not None else min(self.cfg.vocab_size, row_vocab)
         self.cache = None
         self._tree = None
-        self._next = None
-        self._gather_kernel = False
 
     def _put(self, x):
         return to_mesh(np.asarray(x), self.sharding)
@@ -49,52 +79,60 @@ class DraftWorker:
         self.cache = steps.prefill_cache(self.params, self.cfg, self.cache, self._put(prompt_tokens),
                                          self._put(prompt_lens))
 
-    def propose(self, batch: Batch, rids, run, saguaro_top_n: tuple[int, ...] = (),
-                saguaro_c: float = 1.0, row_dtype: str = "float32"):
+    def propose(self, s: RoundState, run: DraftRun, saguaro_top_n: tuple[int, ...] = (),
+                saguaro_c: float = 1.0):
         """K draft tokens from each row's bonus (SD drafting; also the neural backup)."""
         spec, rows, self.cache = steps.draft_chain(
-            self.params, self.cfg, self.cache, self._put(batch.prev), self._put(batch.bonus),
-            self._put(batch.n), run["seed"], self._put(rids), run["draft_sampling"],
-            self.vocab_size, run["k"], saguaro_top_n, saguaro_c, row_dtype)
+            self.params, self.cfg, self.cache, self._put(s.prev), self._put(s.bonus), self._put(s.n),
+            jnp.int32(run.seed), self._put(run.request_ids), run.sampling, self.vocab_size, run.k,
+            saguaro_top_n, saguaro_c, run.row_dtype)
         return spec, self._fit_rows(rows)
 
-    def backup(self, kind: str, batch: Batch, rids, run, fanout_backup):
-        """A speculation from each row's real outcome (spec §5). Saguaro scales the top F^b_{i}+1
+    def backup(self, s: RoundState, run: DraftRun):
+        """A speculation from each row's real outcome (spec §5). Saguaro scales the top F^b_i + 1
         tokens of draft token i+1: the candidates the fork after this backup round will cache."""
-        ssd = run["ssd"]
-        if kind == "neural":
-            top_n = tuple(f + 1 for f in fanout_backup[:-1])
-            return self.propose(batch, rids, run, top_n, ssd.saguaro_c, ssd.row_dtype)
-        n = self._put(batch.n)
-        if kind == "random":
-            return backups.random_speculation(run["seed"], self._put(rids), n, k=run["k"],
-                                              vocab_size=self.vocab_size, row_vocab=self.row_vocab,
-                                              row_dtype=ssd.row_dtype)
-        if kind == "ngram":
-            spec, rows = backups.ngram_speculation(
-                batch.history, run["seed"], self._put(rids), n, k=run["k"],
-                vocab_size=self.vocab_size, row_vocab=self.row_vocab, row_dtype=ssd.row_dtype)
-            return self._put(spec), rows
-        raise ValueError(f"unknown backup {kind!r}")
+        if run.backup == "neural":
+            top_n = tuple(f + 1 for f in run.fanout_backup[:-1])
+            return self.propose(s, run, top_n, run.saguaro_c)
+        seed, rids, n = jnp.int32(run.seed), self._put(run.request_ids), self._put(s.n)
+        kw = dict(k=run.k, vocab_size=self.vocab_size, row_vocab=self.row_vocab,
+                  row_dtype=run.row_dtype)
+        if run.backup == "random":
+            return backups.random_speculation(seed, rids, n, **kw)
+        if run.backup == "ngram":
+            spec, rows = backups.ngram_speculation(s.history, seed, rids, n, **kw)
+            return self._put(spec), self._put(rows)
+        raise ValueError(f"unknown backup {run.backup!r}")
 
-    def dispatch_tree(self, batch: Batch, spec, from_backup: np.ndarray, rids, run):
+    def dispatch_tree(self, s: RoundState, spec, from_backup: np.ndarray, run: DraftRun):
         """Glue + fork + tree decode for the speculation in flight (async: returns at once)."""
-        ssd = run["ssd"]
-        self._gather_kernel = ssd.gather_kernel
-        top_n = tuple(f + 1 for f in run["f_hit"][:-1])
+        top_n = tuple(f + 1 for f in run.fanout_hit[:-1])
         self._tree, self.cache = draft_tree(
-            self.params, self.cfg, self.cache, self._put(batch.bonus), to_mesh(spec, self.sharding),
-            self._put(batch.n), self._put(batch.active), self._put(from_backup), run["seed"],
-            self._put(rids), run["draft_sampling"], self.vocab_size, run["f_hit"], run["f_backup"],
-            top_n, ssd.saguaro_c, ssd.row_dtype, ssd.attention)
+            self.params, self.cfg, self.cache, self._put(s.bonus), to_mesh(spec, self.sharding),
+            self._put(s.n), self._put(s.active), self._put(from_backup), jnp.int32(run.seed),
+            self._put(run.request_ids), run.sampling, self.vocab_size, run.fanout_hit,
+            run.fanout_backup, top_n, run.saguaro_c, run.row_dtype, run.attention)
 
-    def lookup(self, num_accepted: np.ndarray, bonus: np.ndarray) -> np.ndarray:
-        """Outcome-conditioned gather from the tree just computed; returns hit [B] (host)."""
-        hit, tokens, rows = lookup(self._tree, self._put(num_accepted), self._put(bonus),
-                                   kernel=self._gather_kernel)
-        self._next = (tokens, self._fit_rows(rows))
+    def resolve(self, num_accepted: np.ndarray, bonus: np.ndarray, s: RoundState, run: DraftRun):
+        """Lookup of the realised outcome in the tree just computed; a backup for the rows that
+        missed (rows that hit keep their cached speculation). Returns (spec, rows, hit [B], times)."""
+        t0 = time.perf_counter()
+        hit, spec, rows = lookup(self._tree, self._put(num_accepted), self._put(bonus),
+                                 kernel=run.gather_kernel)
         self._tree = None
-        return np.asarray(hit)
+        hit = np.asarray(hit)
+        t1 = time.perf_counter()
+        rows = self._fit_rows(rows)
+        missed = ~hit & s.active
+        backup_s = 0.0
+        if missed.any():
+            bspec, brows = self.backup(s, run)
+            m = self._put(missed)
+            spec = jnp.where(m[:, None], bspec, spec)
+            rows = jnp.where(m[:, None, None], brows, rows)
+            jax.block_until_ready(rows)
+            backup_s = time.perf_counter() - t1
+        return spec, rows, hit, {"tree_wait_s": t1 - t0, "backup_s": backup_s}
 
-    def next_speculation(self):
-        return self._next
+    def finish(self):
+        """End of a generate call (a remote worker is told to stop waiting for outcomes)."""

@@ -19,15 +19,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.kv_cache import init_cache
 from ssd_jax import fanout as fo
 from ssd_jax import steps
 from ssd_jax.batch import Batch, GenerationResult
 from ssd_jax.compile_cache import enable_compilation_cache
-from ssd_jax.draft_worker import DraftWorker
+from ssd_jax.draft_worker import DraftRun, DraftWorker, RoundState
 from ssd_jax.metrics import CompileTimer, Metrics, RoundTimes
-from ssd_jax.placement import make_placement, to_mesh
+from ssd_jax.placement import Placement, make_placement, to_mesh
 from ssd_jax.sampling import SamplingParams
+from ssd_jax.sharding import init_target_cache, shard_target
 from ssd_jax.speculation_cache import check_budget
 
 MODES = ("ar", "sd", "ssd")
@@ -72,16 +72,21 @@ def _prefill_bucket(n: int) -> int:
 class Engine:
     """Holds the loaded target and draft, placed on their meshes, and runs generate calls."""
 
-    def __init__(self, target, draft=None, *, placement: str = "split", max_len: int = 4096,
-                 compilation_cache: bool | str = True):
+    def __init__(self, target, draft=None, *, placement: str | Placement = "split",
+                 max_len: int = 4096, compilation_cache: bool | str = True):
+        # placement: "split" | "colocated" | a layout "T+D" such as "4+1" (T-way tensor-parallel
+        # target, D-way data-parallel draft; ssd_jax.sharding) | a ready Placement.
         enable_compilation_cache(compilation_cache)
-        self.placement = make_placement(placement)
+        self.placement = (placement if isinstance(placement, Placement)
+                          else make_placement(placement))
         self.target = target
         self.draft = draft
         self.max_len = int(max_len)
         if draft is not None:
             _check_pair(target, draft)
-        self.tparams = to_mesh(target.params, self.placement.target)
+        # tcfg: the target's config as its (possibly tensor-parallel) weights are laid out
+        self.tcfg, self.tparams = shard_target(target.params, target.cfg,
+                                               self.placement.target_mesh)
         self.worker = (DraftWorker(draft, self.placement.draft, target.cfg.vocab_size)
                        if draft is not None else None)
         tok = target.tokenizer
@@ -173,8 +178,8 @@ class Engine:
         for b, h in enumerate(batch.history):
             toks[b, : len(h)] = h
         tgt = self.placement.target
-        cfg = self.target.cfg
-        self.tcache = init_cache(cfg, B, cache_len, sharding=tgt)
+        cfg = self.tcfg
+        self.tcache = init_target_cache(cfg, B, cache_len, self.placement.target_mesh)
         first, lp, self.tcache = steps.prefill(
             self.tparams, cfg, self.tcache, to_mesh(toks, tgt), to_mesh(batch.prompt_lens, tgt),
             run["seed"], to_mesh(rids, tgt), run["sampling"], self.vocab_size)
@@ -186,7 +191,7 @@ class Engine:
 
     # ------------------------------------------------------------------ loops
     def _run_ar(self, batch: Batch, rids, run, m: Metrics):
-        tgt, cfg = self.placement.target, self.target.cfg
+        tgt, cfg = self.placement.target, self.tcfg
         rids_t = to_mesh(rids, tgt)
         while batch.active.any():
             t0, c0, n0 = self._round_start(batch)
@@ -212,10 +217,11 @@ class Engine:
         return r
 
     def _verify(self, batch: Batch, spec, rows, rids_t, run):
-        tgt, cfg = self.placement.target, self.target.cfg
+        tgt, cfg = self.placement.target, self.tcfg
         res, lp, self.tcache = steps.verify(
             self.tparams, cfg, self.tcache, to_mesh(batch.bonus, tgt), to_mesh(spec, tgt),
-            to_mesh(rows, tgt), to_mesh(batch.active, tgt), run["seed"], rids_t, run["sampling"],
+            to_mesh(rows, self.placement.target_rows(rows.shape[-1])), to_mesh(batch.active, tgt),
+            run["seed"], rids_t, run["sampling"],
             self.vocab_size, run["verifier"])
         return res, lp
 
@@ -231,13 +237,23 @@ class Engine:
             batch.emit(b, toks[b, : k_acc[b] + 1], lps[b, : k_acc[b] + 1])
         return k_acc
 
+    def _draft_run(self, rids, run, ssd: SSDConfig | None = None) -> DraftRun:
+        kw = {}
+        if ssd is not None:
+            kw = dict(fanout_hit=run["f_hit"], fanout_backup=run["f_backup"],
+                      saguaro_c=ssd.saguaro_c, backup=ssd.backup, row_dtype=ssd.row_dtype,
+                      attention=ssd.attention, gather_kernel=ssd.gather_kernel)
+        return DraftRun(seed=int(run["seed"]), request_ids=tuple(int(r) for r in rids),
+                        sampling=run["draft_sampling"], k=run["k"], **kw)
+
     def _run_sd(self, batch: Batch, rids, run, m: Metrics):
         m.init_hist(run["k"])
         rids_t = to_mesh(rids, self.placement.target)
+        drun = self._draft_run(rids, run)
         while batch.active.any():
             t0, c0, n0 = self._round_start(batch)
             active = int(batch.active.sum())
-            spec, rows = self.worker.propose(batch, rids, run)
+            spec, rows = self.worker.propose(RoundState.of(batch), drun)
             jax.block_until_ready(rows)
             t1 = time.perf_counter()
             res, lp = self._verify(batch, spec, rows, rids_t, run)
@@ -255,42 +271,39 @@ class Engine:
         vocab_rows = self.target.cfg.vocab_size
         check_budget(batch.size, sum(f_hit), k, vocab_rows, ssd.row_dtype, ssd.cache_budget_bytes)
         rids_t = to_mesh(rids, self.placement.target)
-        run = dict(run, f_hit=f_hit, f_backup=f_backup, ssd=ssd)
+        run = dict(run, f_hit=f_hit, f_backup=f_backup)
+        drun = self._draft_run(rids, run, ssd)
+        draft = self.worker
         # Round 1 has no cache: its speculation comes from the backup.
-        spec, rows = self.worker.backup(ssd.backup, batch, rids, run, f_backup)
+        spec, rows = draft.backup(RoundState.of(batch), drun)
         from_backup = np.ones(batch.size, bool)
         first = True
         while batch.active.any():
             t0, c0, n0 = self._round_start(batch)
-            was_active = batch.active
+            before = RoundState.of(batch)
             res, lp = self._verify(batch, spec, rows, rids_t, run)  # async on the target mesh
-            self.worker.dispatch_tree(batch, spec, from_backup, rids, run)  # async on the draft mesh
-            k_acc = self._commit(batch, res, lp, m, from_backup=from_backup)
+            draft.dispatch_tree(before, spec, from_backup, drun)  # async on the draft mesh
+            k_acc = self._commit(batch, res, lp, m, from_backup=from_backup)  # blocks on the outcome
             t1 = time.perf_counter()
-            hit = self.worker.lookup(k_acc, np.asarray(res.bonus))
+            spec, rows, hit, times = draft.resolve(k_acc, np.asarray(res.bonus), RoundState.of(batch),
+                                                   drun)
             t2 = time.perf_counter()
-            if not first:
-                m.hits += int((hit & was_active).sum())
-                m.lookups += int(was_active.sum())
             missed = ~hit & batch.active
-            spec, rows = self.worker.next_speculation()
-            tb = 0.0
+            if not first:
+                m.hits += int((hit & before.active).sum())
+                m.lookups += int(before.active.sum())
             if missed.any():
-                tb0 = time.perf_counter()
-                bspec, brows = self.worker.backup(ssd.backup, batch, rids, run, f_backup)
-                spec = jnp.where(jnp.asarray(missed)[:, None], bspec, spec)
-                rows = jnp.where(jnp.asarray(missed)[:, None, None], brows, rows)
-                jax.block_until_ready(rows)
-                tb = time.perf_counter() - tb0
                 m.backups[ssd.backup] = m.backups.get(ssd.backup, 0) + int(missed.sum())
             from_backup = missed
             first = False
             m.verify_s += t1 - t0
-            m.draft_s += t2 - t0
-            m.backup_s += tb
+            m.draft_s += t1 - t0 + times["tree_wait_s"]
+            m.backup_s += times["backup_s"]
             m.add_round(self._round_end(batch, RoundTimes(
-                verify_s=t1 - t0, draft_s=t2 - t0, backup_s=tb, hit=int((hit & was_active).sum()),
-                active=int(was_active.sum())), t0, c0, n0))
+                verify_s=t1 - t0, draft_s=t1 - t0 + times["tree_wait_s"],
+                backup_s=times["backup_s"], exchange_s=times.get("exchange_s", 0.0),
+                hit=int((hit & before.active).sum()), active=int(before.active.sum())), t0, c0, n0))
+        draft.finish()
 
 
 def _default_verifier():
