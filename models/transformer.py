@@ -44,6 +44,12 @@ def apply_rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Arra
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+def _tp_groups(cfg: ModelConfig) -> int:
+    """How many tensor-parallel groups the fused wqkv / w_gate_up columns are laid out in: 1 for
+    the checkpoint layout, the TP degree for `ssd_jax.sharding.TPConfig` (see ssd_jax/sharding.py)."""
+    return int(getattr(cfg, "tp_groups", 1))
+
+
 def _qkv(lp: LayerParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array):
     """x [B, T, E] -> q [B, T, H, D], k, v [B, T, KVH, D] (normed, rotated)."""
     H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -52,9 +58,17 @@ def _qkv(lp: LayerParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array):
     if lp.bqkv is not None:
         qkv = qkv + lp.bqkv
     lead = x.shape[:-1]
-    q = qkv[..., : H * D].reshape(*lead, H, D)
-    k = qkv[..., H * D: (H + KVH) * D].reshape(*lead, KVH, D)
-    v = qkv[..., (H + KVH) * D:].reshape(*lead, KVH, D)
+    g = _tp_groups(cfg)
+    if g == 1:
+        q = qkv[..., : H * D].reshape(*lead, H, D)
+        k = qkv[..., H * D: (H + KVH) * D].reshape(*lead, KVH, D)
+        v = qkv[..., (H + KVH) * D:].reshape(*lead, KVH, D)
+    else:  # columns [g, (H + 2 KVH) / g, D]: group s holds whole heads of q, k and v
+        hg, kg = H // g, KVH // g
+        qkv = qkv.reshape(*lead, g, hg + 2 * kg, D)
+        q = qkv[..., :hg, :].reshape(*lead, H, D)
+        k = qkv[..., hg: hg + kg, :].reshape(*lead, KVH, D)
+        v = qkv[..., hg + kg:, :].reshape(*lead, KVH, D)
     if lp.q_norm is not None:
         q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
         k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
@@ -64,7 +78,13 @@ def _qkv(lp: LayerParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array):
 def _mlp(lp: LayerParams, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
     gu = h @ lp.w_gate_up
-    gate, up = gu[..., : cfg.intermediate_size], gu[..., cfg.intermediate_size:]
+    g = _tp_groups(cfg)
+    if g == 1:
+        gate, up = gu[..., : cfg.intermediate_size], gu[..., cfg.intermediate_size:]
+    else:  # columns [g, 2, I / g]: group s holds gate and up columns of the same w_down rows
+        gu = gu.reshape(*gu.shape[:-1], g, 2, cfg.intermediate_size // g)
+        gate = gu[..., 0, :].reshape(*gu.shape[:-3], cfg.intermediate_size)
+        up = gu[..., 1, :].reshape(*gu.shape[:-3], cfg.intermediate_size)
     return (jax.nn.silu(gate) * up) @ lp.w_down
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from models.kv_cache import init_cache
 from ssd_jax import backups, steps
-from ssd_jax.placement import to_mesh
+from ssd_jax.placement import to_host, to_mesh
 from ssd_jax.speculation_cache import lookup
 from ssd_jax.tree import draft_tree
 
@@ -54,7 +54,9 @@ class DraftWorker:
     def __init__(self, draft, sharding, row_vocab: int):
         self.model = draft
         self.cfg = draft.cfg
-        self.sharding = sharding
+        self.sharding = sharding  # replicated on the draft mesh: weights and scalars
+        self.rows = sharding  # per-sequence arrays: batch-sharded on a 2+ device mesh (see start)
+        self._batch = None
         self.params = to_mesh(draft.params, sharding)
         self.row_vocab = int(row_vocab)  # the target's rows: proposals are padded/cut to match
         tok = draft.tokenizer
@@ -63,7 +65,9 @@ class DraftWorker:
         self._tree = None
 
     def _put(self, x):
-        return to_mesh(np.asarray(x), self.sharding)
+        x = np.asarray(x)
+        per_row = x.ndim >= 1 and x.shape[0] == self._batch
+        return to_mesh(x, self.rows if per_row else self.sharding)
 
     def _fit_rows(self, rows):
         V = rows.shape[-1]
@@ -75,7 +79,8 @@ class DraftWorker:
 
     def start(self, prompt_tokens: np.ndarray, prompt_lens: np.ndarray, cache_len: int):
         B = prompt_tokens.shape[0]
-        self.cache = init_cache(self.cfg, B, cache_len, sharding=self.sharding)
+        self._batch, self.rows = B, _batch_sharding(self.sharding, B)
+        self.cache = init_cache(self.cfg, B, cache_len, sharding=self.rows)
         self.cache = steps.prefill_cache(self.params, self.cfg, self.cache, self._put(prompt_tokens),
                                          self._put(prompt_lens))
 
@@ -108,7 +113,7 @@ class DraftWorker:
         """Glue + fork + tree decode for the speculation in flight (async: returns at once)."""
         top_n = tuple(f + 1 for f in run.fanout_hit[:-1])
         self._tree, self.cache = draft_tree(
-            self.params, self.cfg, self.cache, self._put(s.bonus), to_mesh(spec, self.sharding),
+            self.params, self.cfg, self.cache, self._put(s.bonus), to_mesh(spec, self.rows),
             self._put(s.n), self._put(s.active), self._put(from_backup), jnp.int32(run.seed),
             self._put(run.request_ids), run.sampling, self.vocab_size, run.fanout_hit,
             run.fanout_backup, top_n, run.saguaro_c, run.row_dtype, run.attention)
@@ -120,7 +125,7 @@ class DraftWorker:
         hit, spec, rows = lookup(self._tree, self._put(num_accepted), self._put(bonus),
                                  kernel=run.gather_kernel)
         self._tree = None
-        hit = np.asarray(hit)
+        hit = to_host(hit)
         t1 = time.perf_counter()
         rows = self._fit_rows(rows)
         missed = ~hit & s.active
@@ -136,3 +141,13 @@ class DraftWorker:
 
     def finish(self):
         """End of a generate call (a remote worker is told to stop waiting for outcomes)."""
+
+
+def _batch_sharding(sharding, batch: int):
+    """Data parallelism on a 2+ device draft mesh: shard the batch axis when it divides evenly."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = sharding.mesh
+    if mesh.devices.size > 1 and batch % mesh.devices.size == 0:
+        return NamedSharding(mesh, P(mesh.axis_names))
+    return sharding

@@ -3,16 +3,23 @@
 "split" puts the target on the first device(s) and the draft on the next ones (the user's design:
 overlap through async dispatch); "colocated" puts both on the same device (the SD baseline the
 paper compares against). Arrays cross meshes only through `to_mesh` (an async `device_put`).
+
+Scale-out (docs/SCALE_OUT.md): a layout string "T+D" (e.g. "4+1", "2+2") or `target_devices` /
+`draft_devices` give the target a T-device mesh with axis `model` (tensor parallelism, see
+`ssd_jax.sharding`) and the draft a D-device mesh with axis `data` (data parallelism over the batch).
+Meshes use `AxisType.Auto` axes so GSPMD partitions the jitted steps from the argument shardings.
 """
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 PLACEMENTS = ("split", "colocated")
+_LAYOUT = re.compile(r"^\s*(\d+)\s*\+\s*(\d+)\s*$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,15 +39,100 @@ class Placement:
     def split(self) -> bool:
         return set(self.target_mesh.devices.flat).isdisjoint(self.draft_mesh.devices.flat)
 
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel degree of the target (its mesh size)."""
+        return int(self.target_mesh.devices.size)
 
-def make_placement(kind: str = "split", devices=None) -> Placement:
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree of the draft (its mesh size)."""
+        return int(self.draft_mesh.devices.size)
+
+    @property
+    def layout(self) -> str:
+        return f"{self.tp}+{self.dp}"
+
+    def target_rows(self, vocab: int) -> NamedSharding:
+        """Where proposal rows [B, K, V] land on the target: sharded over the vocabulary (each byte
+        crosses meshes once) when the TP degree divides it, else replicated."""
+        if self.tp > 1 and int(vocab) % self.tp == 0:
+            return NamedSharding(self.target_mesh, P(None, None, self.target_mesh.axis_names[0]))
+        return self.target
+
+    def draft_rows(self, batch: int) -> NamedSharding:
+        """Per-sequence draft arrays: sharded over the batch when the draft mesh divides it."""
+        if self.dp > 1 and int(batch) % self.dp == 0:
+            return NamedSharding(self.draft_mesh, P(self.draft_mesh.axis_names[0]))
+        return self.draft
+
+
+def _mesh(devices, axis: str) -> Mesh:
+    return Mesh(np.array(devices), (axis,), axis_types=(AxisType.Auto,))
+
+
+def make_placement(kind: str = "split", devices=None, *, target_devices: int | None = None,
+                   draft_devices: int | None = None) -> Placement:
+    """kind: "split" | "colocated" | a layout "T+D" (split, T target and D draft devices).
+
+    Devices are taken in order from `devices` (default `jax.devices()`, every process's devices
+    after `jax.distributed.initialize`): target first, then the draft ("split"), or both from the
+    start ("colocated"). Plain "split" on a single device falls back to sharing it, as before."""
+    m = _LAYOUT.match(str(kind))
+    if m:
+        t, d = int(m.group(1)), int(m.group(2))
+        if (target_devices not in (None, t)) or (draft_devices not in (None, d)):
+            raise ValueError(f"layout {kind!r} conflicts with target_devices={target_devices}, "
+                             f"draft_devices={draft_devices}")
+        kind, target_devices, draft_devices = "split", t, d
     if kind not in PLACEMENTS:
-        raise ValueError(f"unknown placement {kind!r}: use one of {', '.join(PLACEMENTS)}")
-    devices = list(devices if devices is not None else jax.devices())
-    t = devices[0]
-    d = devices[1] if kind == "split" and len(devices) > 1 else devices[0]
-    return Placement(Mesh(np.array([t]), ("model",)), Mesh(np.array([d]), ("model",)))
+        raise ValueError(f"unknown placement {kind!r}: use one of {', '.join(PLACEMENTS)} or a "
+                         f"layout 'T+D' such as '4+1'")
+    devices = list(devices if devices is not None else jax.local_devices())
+    explicit = target_devices is not None or draft_devices is not None
+    t = int(target_devices or 1)
+    d = int(draft_devices or 1)
+    if t < 1 or d < 1:
+        raise ValueError(f"target_devices and draft_devices must be >= 1, got {t} and {d}")
+    if kind == "split":
+        if len(devices) >= t + d:
+            tgt, drf = devices[:t], devices[t:t + d]
+        elif not explicit and len(devices) == 1:
+            tgt, drf = devices[:1], devices[:1]
+        else:
+            raise ValueError(f"layout {t}+{d} needs {t + d} devices, found {len(devices)}")
+    else:
+        if len(devices) < max(t, d):
+            raise ValueError(f"colocated {t}+{d} needs {max(t, d)} devices, found {len(devices)}")
+        tgt, drf = devices[:t], devices[:d]
+    return Placement(_mesh(tgt, "model"), _mesh(drf, "data"))
 
 
 def to_mesh(tree, sharding: NamedSharding):
-    return jax.device_put(tree, sharding)
+    if jax.process_count() == 1:
+        return jax.device_put(tree, sharding)
+    # Multi-controller (jax.distributed): a device array moves between meshes on different device
+    # sets through the host (every process runs the same round loop, so every process supplies the
+    # same global value); same-device-set reshards and host values go straight to device_put.
+    # CPU collectives (gloo) of concurrently running computations can pair up wrongly across
+    # processes, so on the CPU everything in flight finishes first (this gives up the overlap).
+    if jax.devices()[0].platform == "cpu":
+        for a in jax.live_arrays():
+            a.block_until_ready()
+
+    def one(x):
+        if isinstance(x, jax.Array) and x.sharding.device_set != sharding.device_set:
+            x = to_host(x)
+        return jax.device_put(x, sharding)
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+def to_host(x) -> np.ndarray:
+    """The global value of `x` as numpy on this process (all-gathered across processes if needed)."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable or (
+            x.is_fully_replicated and x.addressable_shards):
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
