@@ -73,22 +73,36 @@ class Engine:
     """Holds the loaded target and draft, placed on their meshes, and runs generate calls."""
 
     def __init__(self, target, draft=None, *, placement: str | Placement = "split",
-                 max_len: int = 4096, compilation_cache: bool | str = True):
-        # placement: "split" | "colocated" | a layout "T+D" such as "4+1" (T-way tensor-parallel
-        # target, D-way data-parallel draft; ssd_jax.sharding) | a ready Placement.
+                 max_len: int = 4096, compilation_cache: bool | str = True, remote_draft=None):
+        """target / draft: `models.model.Model`. placement: "split" | "colocated" | a layout "T+D"
+        such as "4+1" (T-way tensor-parallel target, D-way data-parallel draft; ssd_jax.sharding)
+        | a ready Placement. remote_draft: a `ssd_jax.transport.RemoteDraft` (the draft in its own
+        process, started by `start_two_process`) instead of a local draft."""
         enable_compilation_cache(compilation_cache)
+        if draft is not None and remote_draft is not None:
+            raise ValueError("give a local draft or a remote_draft, not both")
+        if remote_draft is not None:
+            placement = "colocated"  # the target alone uses this process's device
         self.placement = (placement if isinstance(placement, Placement)
                           else make_placement(placement))
         self.target = target
-        self.draft = draft
+        self.draft = draft if draft is not None else remote_draft
         self.max_len = int(max_len)
         if draft is not None:
             _check_pair(target, draft)
+            self.worker = DraftWorker(draft, self.placement.draft, target.cfg.vocab_size)
+        elif remote_draft is not None:
+            fp = remote_draft.info.get("fingerprint")
+            if fp is not None and target.tokenizer is not None and fp != target.tokenizer.fingerprint():
+                raise ValueError("draft and target have different tokenizers: speculative decoding "
+                                 "needs one shared vocabulary")
+            remote_draft.row_vocab = target.cfg.vocab_size
+            self.worker = remote_draft
+        else:
+            self.worker = None
         # tcfg: the target's config as its (possibly tensor-parallel) weights are laid out
         self.tcfg, self.tparams = shard_target(target.params, target.cfg,
                                                self.placement.target_mesh)
-        self.worker = (DraftWorker(draft, self.placement.draft, target.cfg.vocab_size)
-                       if draft is not None else None)
         tok = target.tokenizer
         self.vocab_size = tok.vocab_size if tok is not None else target.cfg.vocab_size
         self.eos_ids = tuple(tok.eos_ids) if tok is not None else ()

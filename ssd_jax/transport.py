@@ -1,0 +1,160 @@
+"""The draft in a second process, coordinated through JAX's own multi-process runtime.
+
+On a 2-core CPU one JAX process spreads every forward over both cores, so two meshes in one process
+barely overlap (JAX_NOTES). Here the target process is pinned to one core and a draft process to
+another; they exchange only token ids, outcome integers and proposal rows, as pickled host values
+over `jax.experimental.multihost_utils.process_allgather` (gloo collectives on the CPU).
+
+    remote = start_two_process("qwen2.5-coder-0.5b")   # before any other JAX use in this process
+    engine = Engine(load_model("qwen2.5-coder-1.5b"), remote_draft=remote)
+
+`RemoteDraft` has the methods of `DraftWorker` the engine calls; the draft process runs the same
+`DraftWorker` and, right after sending a speculation, dispatches its tree for it — so the tree runs
+while the target verifies that speculation.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+TARGET, DRAFT = 0, 1
+
+
+class Channel:
+    """Point-to-point messages between the two processes. Both call `exchange` at the same point:
+    the sender with its object, the receiver with None. Two allgathers: size, then bytes."""
+
+    def __init__(self):
+        import jax
+        self.me = jax.process_index()
+        self.seconds = 0.0  # time spent exchanging
+
+    def _allgather(self, x: np.ndarray) -> np.ndarray:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x))
+
+    def exchange(self, sender: int, obj=None):
+        t0 = time.perf_counter()
+        mine = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.me == sender else b""
+        size = int(self._allgather(np.array([len(mine)], np.int64))[sender, 0])
+        buf = np.zeros(size, np.uint8)
+        if self.me == sender:
+            buf[:] = np.frombuffer(mine, np.uint8)
+        got = self._allgather(buf)[sender]
+        self.seconds += time.perf_counter() - t0
+        return obj if self.me == sender else pickle.loads(got.tobytes())
+
+    def send(self, obj):
+        return self.exchange(self.me, obj)
+
+    def recv(self):
+        return self.exchange(1 - self.me)
+
+
+def _np(x):
+    return None if x is None else np.asarray(x)
+
+
+class RemoteDraft:
+    """Target-side proxy of the draft process (the methods the engine calls on a DraftWorker)."""
+
+    remote = True
+
+    def __init__(self, channel: Channel, proc: subprocess.Popen, info: dict):
+        self.channel = channel
+        self.proc = proc
+        self.info = info  # the draft's embedding rows, tokenizer size and fingerprint
+        self.row_vocab = info["vocab_rows"]  # set by the engine to the target's rows
+
+    def start(self, prompt_tokens, prompt_lens, cache_len):
+        self.channel.send(("start", np.asarray(prompt_tokens), np.asarray(prompt_lens), int(cache_len),
+                           int(self.row_vocab)))
+
+    def propose(self, s, run):
+        self.channel.send(("propose", s, run))
+        return self.channel.recv()
+
+    def backup(self, s, run):
+        self.channel.send(("first", s, run))
+        return self.channel.recv()
+
+    def dispatch_tree(self, s, spec, from_backup, run):
+        pass  # the draft process dispatched it as soon as it sent `spec`
+
+    def resolve(self, num_accepted, bonus, s, run):
+        t0 = self.channel.seconds
+        self.channel.send(("resolve", np.asarray(num_accepted), np.asarray(bonus), s))
+        spec, rows, hit, times = self.channel.recv()
+        times = dict(times, exchange_s=self.channel.seconds - t0)
+        return spec, rows, hit, times
+
+    def finish(self):
+        self.channel.send(("finish",))
+
+    def close(self):
+        """Stop the draft process. Both processes leave jax.distributed together (its shutdown is
+        a barrier), so this process cannot start another draft process afterwards."""
+        import jax
+        if self.proc.poll() is None:
+            self.channel.send(("shutdown",))
+            jax.distributed.shutdown()
+            self.proc.wait(timeout=120)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init(coordinator: str, process_id: int, cpu: int | None, timeout: int = 300):
+    if cpu is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {cpu})  # before XLA starts its thread pool
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=2,
+                               process_id=process_id, initialization_timeout=timeout)
+
+
+def start_two_process(draft: str, *, dtype: str = "float32", cores: tuple[int, int] | None = (0, 1),
+                      cache_dir: str | None = None, timeout: int = 300,
+                      draft_main: str | None = None) -> RemoteDraft:
+    """Launch the draft process and join it. Call before any other JAX use in this process.
+
+    draft: a default model name, a .gguf file, an HF folder, or a directory written by
+    `models.checkpoint.save` (how tests ship tiny random drafts). cores: (target core, draft core)
+    to pin each process to, or None to leave placement to the OS. draft_main: a script to run
+    instead of `-m ssd_jax.draft_process` (same arguments; e.g. an instrumented draft in tests).
+    """
+    import jax
+    if jax._src.distributed.global_state.client is not None:
+        raise RuntimeError("jax.distributed is already initialised in this process")
+    coordinator = f"127.0.0.1:{_free_port()}"
+    entry = [draft_main] if draft_main is not None else ["-m", "ssd_jax.draft_process"]
+    cmd = [sys.executable, *entry, "--coordinator", coordinator,
+           "--draft", str(draft), "--dtype", dtype]
+    if cores is not None:
+        cmd += ["--cpu", str(cores[1])]
+    if cache_dir is not None:
+        cmd += ["--cache-dir", str(cache_dir)]
+    proc = subprocess.Popen(cmd)
+    try:
+        _init(coordinator, TARGET, cores[0] if cores is not None else None, timeout)
+    except Exception as e:
+        proc.kill()
+        raise RuntimeError(f"the draft process did not join (exit code {proc.poll()}): {e}") from e
+    channel = Channel()
+    info = channel.recv()
+    if "error" in info:
+        proc.kill()
+        raise ValueError(f"draft process: {info['error']}")
+    remote = RemoteDraft(channel, proc, info)
+    atexit.register(remote.close)
+    return remote

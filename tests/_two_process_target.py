@@ -1,0 +1,63 @@
+"""Target side of the two-process transport test (runs in its own process: jax.distributed).
+
+argv: draft HF folder, target HF folder, signal file (or "-"). Prints one JSON line: tokens of SSD
+(two backups) and SD, hit counts, and — with a signal file — whether every verify saw the draft's
+tree run while it was executing (the overlap proof)."""
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from ssd_jax.transport import start_two_process
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17]]
+draft_dir, target_dir, signal = sys.argv[1], sys.argv[2], sys.argv[3]
+remote = start_two_process(draft_dir, cores=(0, 1),
+                           draft_main=os.path.join(HERE, "_two_process_draft.py") if signal != "-" else None)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.experimental import io_callback  # noqa: E402
+
+from models.load import load_model  # noqa: E402
+from ssd_jax.engine import Engine, SSDConfig  # noqa: E402
+from ssd_jax.verify import rejection_sample  # noqa: E402
+
+saw_tree = []
+
+
+def wait_for_tree(x):
+    """Blocks this verify until the draft's tree writes a new line (or 60 s pass)."""
+    start = os.path.getsize(signal) if os.path.exists(signal) else 0
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        if os.path.exists(signal) and os.path.getsize(signal) > start:
+            saw_tree.append(True)
+            return np.float32(0)
+        time.sleep(0.005)
+    saw_tree.append(False)
+    return np.float32(0)
+
+
+def signalled_verifier(p, q, spec, acc_keys, res_keys):
+    zero = io_callback(wait_for_tree, jax.ShapeDtypeStruct((), jnp.float32), p[0, 0, 0])
+    return rejection_sample(p + zero, q, spec, acc_keys, res_keys)
+
+
+target = load_model(target_dir, with_tokenizer=False, use_cache=False)
+eng = Engine(target, remote_draft=remote, compilation_cache=False)
+out = {}
+verifier = signalled_verifier if signal != "-" else None
+for backup in ("neural", "random"):
+    r = eng.generate(PROMPTS, mode="ssd", max_new_tokens=20, k=3, verifier=verifier,
+                     ssd=SSDConfig(fanout=(2, 2, 1, 1), backup=backup))
+    out[backup] = dict(tokens=r.token_ids, hits=r.metrics.hits, lookups=r.metrics.lookups,
+                       exchange_s=[t.exchange_s for t in r.metrics.timeline])
+r = eng.generate(PROMPTS, mode="sd", max_new_tokens=20, k=3)
+out["sd"] = dict(tokens=r.token_ids)
+out["saw_tree"] = saw_tree
+print(json.dumps(out))
+remote.close()
