@@ -57,7 +57,7 @@ def serve(channel: Channel, model) -> None:
             channel.send((np.asarray(spec), np.asarray(rows)))
             worker.dispatch_tree(s, spec, np.ones(len(s.n), bool), run)
         elif kind == "resolve":
-            _, k_acc, bonus, s = msg
+            _, k_acc, bonus, s, run = msg
             spec, rows, hit, times = worker.resolve(k_acc, bonus, s, run)
             channel.send((np.asarray(spec), np.asarray(rows), hit, times))
             if s.active.any():

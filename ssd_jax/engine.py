@@ -25,6 +25,7 @@ from ssd_jax.batch import Batch, GenerationResult
 from ssd_jax.compile_cache import enable_compilation_cache
 from ssd_jax.draft_worker import DraftRun, DraftWorker, RoundState
 from ssd_jax.metrics import CompileTimer, Metrics, RoundTimes
+from ssd_jax.policy import BackupChooser, ssd_speedup
 from ssd_jax.placement import Placement, make_placement, to_mesh
 from ssd_jax.sampling import SamplingParams
 from ssd_jax.sharding import init_target_cache, shard_target
@@ -40,7 +41,7 @@ class SSDConfig:
     fanout: tuple[int, ...] | None = None
     fanout_backup: tuple[int, ...] | None = None
     saguaro_c: float = 1.0
-    backup: str = "neural"  # neural | random | ngram
+    backup: str = "neural"  # neural | random | ngram | auto (ssd_jax.policy.BackupChooser)
     row_dtype: str = "float32"
     cache_budget_bytes: int | None = None
     attention: str = "reference"  # reference | pallas (tree attention)
@@ -56,8 +57,8 @@ class SSDConfig:
                              f"{hit} vs {backup}")
         if not 0.0 < self.saguaro_c <= 1.0:
             raise ValueError(f"saguaro_c must be in (0, 1], got {self.saguaro_c}")
-        if self.backup not in ("neural", "random", "ngram"):
-            raise ValueError(f"unknown backup {self.backup!r}: use neural, random or ngram")
+        if self.backup not in ("neural", "random", "ngram", "auto"):
+            raise ValueError(f"unknown backup {self.backup!r}: use neural, random, ngram or auto")
         return hit, backup
 
 
@@ -286,7 +287,9 @@ class Engine:
         check_budget(batch.size, sum(f_hit), k, vocab_rows, ssd.row_dtype, ssd.cache_budget_bytes)
         rids_t = to_mesh(rids, self.placement.target)
         run = dict(run, f_hit=f_hit, f_backup=f_backup)
-        drun = self._draft_run(rids, run, ssd)
+        chooser = BackupChooser(batch.size) if ssd.backup == "auto" else None
+        kind = "neural" if chooser else ssd.backup
+        drun = dataclasses.replace(self._draft_run(rids, run, ssd), backup=kind)
         draft = self.worker
         # Round 1 has no cache: its speculation comes from the backup.
         spec, rows = draft.backup(RoundState.of(batch), drun)
@@ -299,15 +302,22 @@ class Engine:
             draft.dispatch_tree(before, spec, from_backup, drun)  # async on the draft mesh
             k_acc = self._commit(batch, res, lp, m, from_backup=from_backup)  # blocks on the outcome
             t1 = time.perf_counter()
+            if chooser is not None:
+                chooser.record(drun.backup, tokens=(k_acc + 1)[from_backup & before.active])
+                if not first and m.lookups:
+                    kind = chooser.choose(m.hit_rate, m.verify_s / m.rounds, m.draft_s / m.rounds,
+                                          _mean_tokens(m.accept_hist_after_hit))
+                drun = dataclasses.replace(drun, backup=kind)
             spec, rows, hit, times = draft.resolve(k_acc, np.asarray(res.bonus), RoundState.of(batch),
                                                    drun)
-            t2 = time.perf_counter()
             missed = ~hit & batch.active
             if not first:
                 m.hits += int((hit & before.active).sum())
                 m.lookups += int(before.active.sum())
             if missed.any():
-                m.backups[ssd.backup] = m.backups.get(ssd.backup, 0) + int(missed.sum())
+                m.backups[drun.backup] = m.backups.get(drun.backup, 0) + int(missed.sum())
+                if chooser is not None:
+                    chooser.record(drun.backup, backup_s=times["backup_s"])
             from_backup = missed
             first = False
             m.verify_s += t1 - t0
@@ -318,6 +328,28 @@ class Engine:
                 backup_s=times["backup_s"], exchange_s=times.get("exchange_s", 0.0),
                 hit=int((hit & before.active).sum()), active=int(before.active.sum())), t0, c0, n0))
         draft.finish()
+        m.predicted_speedup = self._predict(m)
+
+    def _predict(self, m: Metrics) -> float | None:
+        """Spec §6 speedup over plain decoding from this run's measured quantities (needs T_1 from
+        an earlier `ar` run of this engine)."""
+        steady = [r for r in m.timeline if not r.compiled]
+        if self._t1 is None or not steady or not m.lookups:
+            return None
+        tv = float(np.median([r.verify_s for r in steady]))
+        tp = float(np.median([r.draft_s for r in steady]))
+        with_backup = [r.backup_s for r in steady if r.backup_s > 0]
+        tb = float(np.mean(with_backup)) if with_backup else 0.0
+        e_hit = _mean_tokens(m.accept_hist_after_hit)
+        e_miss = _mean_tokens(m.accept_hist_after_miss)
+        batch = max(int(round(np.mean([r.active for r in steady]))), 1)
+        # one miss stalls the batch: the formula's all-hit probability is p_hit^batch
+        return ssd_speedup(self._t1, tv, tp, tb, m.hit_rate, e_hit, e_miss, batch=batch)
+
+
+def _mean_tokens(hist) -> float:
+    total = sum(hist)
+    return sum((j + 1) * c for j, c in enumerate(hist)) / total if total else 1.0
 
 
 def _default_verifier():

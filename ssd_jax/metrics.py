@@ -101,6 +101,14 @@ class Metrics:
         return sum(j * c for j, c in enumerate(self.accept_hist)) / (total * self.k)
 
     @property
+    def per_token_acceptance(self) -> float:
+        """Maximum-likelihood geometric acceptance a: accepted / (accepted + rejections), the a of
+        E = (1 - a^(K+1)) / (1 - a)."""
+        acc = sum(j * c for j, c in enumerate(self.accept_hist))
+        rej = sum(self.accept_hist[:-1]) if self.accept_hist else 0
+        return acc / (acc + rej) if acc + rej else float("nan")
+
+    @property
     def hit_rate(self) -> float:
         return self.hits / self.lookups if self.lookups else float("nan")
 
@@ -108,7 +116,8 @@ class Metrics:
         d = dataclasses.asdict(self)
         d.update(tokens_per_s=self.tokens_per_s, tokens_per_round=self.tokens_per_round,
                  acceptance_per_position=self.acceptance_per_position,
-                 acceptance_rate=self.acceptance_rate, hit_rate=self.hit_rate)
+                 acceptance_rate=self.acceptance_rate, hit_rate=self.hit_rate,
+                 per_token_acceptance=self.per_token_acceptance)
         return _jsonable(d)
 
     def summary(self) -> str:

@@ -90,7 +90,7 @@ class RemoteDraft:
 
     def resolve(self, num_accepted, bonus, s, run):
         t0 = self.channel.seconds
-        self.channel.send(("resolve", np.asarray(num_accepted), np.asarray(bonus), s))
+        self.channel.send(("resolve", np.asarray(num_accepted), np.asarray(bonus), s, run))
         spec, rows, hit, times = self.channel.recv()
         times = dict(times, exchange_s=self.channel.seconds - t0)
         return spec, rows, hit, times

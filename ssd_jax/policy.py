@@ -1,0 +1,129 @@
+"""Choosing K, the fan-out and the backup from measured quantities (spec §5, §6).
+
+All formulas are those of the spec; every function takes measured numbers (seconds, rates) and
+returns a prediction or a choice, so a notebook can sweep them. `plan` picks (K, fan-out, backup);
+`BackupChooser` switches the backup per round from running measurements (`SSDConfig(backup="auto")`).
+Users override anything by passing explicit values.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ssd_jax import fanout as fo
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens per round with per-token acceptance a: (1 - a^(K+1)) / (1 - a)."""
+    a = float(acceptance)
+    return float(k + 1) if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
+
+
+def sd_speedup(t1: float, tv: float, td: float, k: int, acceptance: float) -> float:
+    """S_SD = T_1 E / (T_v + K T_d)."""
+    return t1 * expected_tokens(acceptance, k) / (tv + k * td)
+
+
+def ssd_speedup(t1: float, tv: float, tp: float, tb: float, p_hit: float, e_hit: float,
+                e_miss: float, batch: int = 1) -> float:
+    """S = T_1 [p E_hit + (1-p) E_miss] / [p max(T_v,T_p) + (1-p)(max(T_v,T_p) + T_b)], p = p_hit^b.
+    (The dispatched tree cannot be cancelled, so a miss costs the tree and the backup.)"""
+    p = float(p_hit) ** int(batch)
+    r = max(tv, tp)
+    return t1 * (p * e_hit + (1 - p) * e_miss) / (p * r + (1 - p) * (r + tb))
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """Measured times (seconds). tree_step(mq) is one tree-decode step over mq branches (batch 1);
+    defaults to the draft step scaled linearly by `width_slope` per extra branch."""
+    t1: float  # one plain target decode step
+    tv: float  # one verify (K+1 tokens)
+    td: float  # one draft decode step (1 token)
+    width_slope: float = 0.1  # extra cost per additional row of a draft forward, relative to td
+    t_backup_fast: float = 0.0
+
+    def tree(self, k: int, mq: int) -> float:
+        """T_p = glue (K+1 tokens) + K tree steps over MQ branches."""
+        step = self.td * (1 + self.width_slope * (mq - 1))
+        glue = self.td * (1 + self.width_slope * k)
+        return glue + k * step
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    k: int
+    fanout: tuple[int, ...]
+    backup: str
+    predicted_speedup: float
+    predicted_sd_speedup: float
+    p_hit: float
+
+
+def plan(costs: Costs, acceptance: float, miss_c: float = 0.5, miss_r: float = 1.0, *,
+         ks: Sequence[int] = range(1, 9), budgets: Sequence[int] | None = None, batch: int = 1,
+         vocab: int | None = None, acceptance_after_fast_backup: float = 0.0) -> Plan:
+    """Pick K, the fan-out (allocated as in spec §6) and the backup maximising the predicted speedup."""
+    best = None
+    for k in ks:
+        for mq in (budgets or range(k + 1, 4 * (k + 1) + 1)):
+            if mq < 1:
+                continue
+            fan = fo.allocate(k, mq, acceptance, miss_r, vocab=vocab)
+            p = fo.hit_probability(fan, acceptance, miss_c, miss_r)
+            e = expected_tokens(acceptance, k)
+            tp = costs.tree(k, mq)
+            for backup, tb, e_miss in (
+                    ("neural", k * costs.td, e),
+                    ("random", costs.t_backup_fast, expected_tokens(acceptance_after_fast_backup, k))):
+                s = ssd_speedup(costs.t1, costs.tv, tp, tb, p, e, e_miss, batch)
+                if best is None or s > best.predicted_speedup:
+                    best = Plan(k, fan, backup, s, sd_speedup(costs.t1, costs.tv, costs.td, k,
+                                                              acceptance), p)
+    return best
+
+
+class BackupChooser:
+    """backup="auto": per miss round, the backup with the higher predicted speedup given running
+    estimates. Neural is tried first (its time is unknown until measured); the fast backup's
+    acceptance is taken as 0 until measured."""
+
+    def __init__(self, batch: int):
+        self.batch = batch
+        self.tb = {"neural": None, "random": 0.0}
+        self.tokens_after = {"neural": [], "random": []}
+
+    def record(self, kind: str, backup_s: float | None = None, tokens: Sequence[int] = ()):
+        if backup_s is not None:
+            self.tb[kind] = backup_s if self.tb[kind] is None else 0.7 * self.tb[kind] + 0.3 * backup_s
+        self.tokens_after[kind].extend(tokens)
+
+    def choose(self, p_hit: float, tv: float, tp: float, e_hit: float) -> str:
+        if self.tb["neural"] is None:
+            return "neural"
+        def e(kind):
+            t = self.tokens_after[kind]
+            return float(np.mean(t)) if t else 1.0
+        s = {kind: ssd_speedup(1.0, tv, tp, self.tb[kind], p_hit, e_hit, e(kind), self.batch)
+             for kind in ("neural", "random")}
+        return max(s, key=s.get)
+
+
+def calibrate_miss_rates(generate: Callable[[tuple[int, ...]], object], k: int,
+                         fanouts: Sequence[int] = (1, 2, 4, 8)) -> dict:
+    """Measure the miss rate at uniform fan-outs and fit 1 - p_hit(F) = c F^(-r).
+
+    generate(fanout_tuple) -> a GenerationResult of an SSD run with that fan-out (e.g.
+    `lambda f: engine.generate(prompts, mode="ssd", k=k, ssd=SSDConfig(fanout=f))`).
+    Returns {"fanouts", "miss_rates", "c", "r", "acceptance"}.
+    """
+    miss, acc = [], []
+    for f in fanouts:
+        m = generate(fo.uniform(k, f)).metrics
+        miss.append(1.0 - m.hit_rate)
+        acc.append(m.per_token_acceptance)
+    c, r = fo.fit_power_law(fanouts, miss)
+    return {"fanouts": list(fanouts), "miss_rates": miss, "c": c, "r": r,
+            "acceptance": float(np.mean(acc))}

@@ -1,0 +1,105 @@
+"""Fan-out allocation, the miss model fit, the spec §6 formulas, the policy's choices, and the
+engine's auto backup and §6 prediction."""
+import jax
+import numpy as np
+import pytest
+
+from models.config import tiny_config
+from models.model import Model
+from models.params import perturb, random_params
+from ssd_jax import fanout as fo
+from ssd_jax import policy
+from ssd_jax.engine import Engine, SSDConfig
+from ssd_jax.near_tie import assert_greedy_agreement
+
+
+def test_expected_tokens_and_sd_speedup():
+    assert policy.expected_tokens(0.0, 5) == 1.0
+    assert policy.expected_tokens(1.0, 5) == 6.0
+    assert policy.expected_tokens(0.5, 2) == pytest.approx(1.75)
+    # S_SD = T1 E / (Tv + K Td)
+    assert policy.sd_speedup(1.0, 1.0, 0.1, 2, 0.5) == pytest.approx(1.75 / 1.2)
+
+
+def test_ssd_speedup_formula_and_batch():
+    # all hits: T1 E_hit / max(Tv, Tp)
+    assert policy.ssd_speedup(1.0, 1.0, 0.5, 0.3, 1.0, 4.0, 2.0) == pytest.approx(4.0)
+    assert policy.ssd_speedup(1.0, 1.0, 2.0, 0.3, 1.0, 4.0, 2.0) == pytest.approx(2.0)
+    # misses cost the tree and the backup
+    p = 0.8
+    want = (p * 4 + (1 - p) * 2) / (p * 1.0 + (1 - p) * 1.3)
+    assert policy.ssd_speedup(1.0, 1.0, 0.5, 0.3, p, 4.0, 2.0) == pytest.approx(want)
+    # batch b: all-hit probability p^b
+    want_b = (p ** 4 * 4 + (1 - p ** 4) * 2) / (p ** 4 + (1 - p ** 4) * 1.3)
+    assert policy.ssd_speedup(1.0, 1.0, 0.5, 0.3, p, 4.0, 2.0, batch=4) == pytest.approx(want_b)
+
+
+def test_allocate_follows_the_capped_geometric_series():
+    a, r, k, budget = 0.8, 1.0, 6, 24
+    f = fo.allocate(k, budget, a, r=r)
+    assert sum(f) == budget and len(f) == k + 1 and min(f) >= 0
+    assert list(f[:k]) == sorted(f[:k], reverse=True)  # F_j = F_0 a^(j/(1+r)) decreases for j < K
+    w = np.array([(a ** j * (1 - a)) ** (1 / (1 + r)) for j in range(k)] + [(a ** k) ** (1 / (1 + r))])
+    ideal = budget * w / w.sum()
+    assert np.all(np.abs(np.array(f) - ideal) < 1.0)  # the integer rounding of the formula
+    assert fo.allocate(3, 4, 0.5, vocab=1) == (1, 1, 1, 1)  # capped by the vocabulary
+    with pytest.raises(ValueError, match="budget"):
+        fo.allocate(3, 0, 0.5)
+
+
+def test_power_law_fit_recovers_c_and_r():
+    fs = [1, 2, 4, 8, 16]
+    miss = [0.6 * f ** -0.7 for f in fs]
+    c, r = fo.fit_power_law(fs, miss)
+    assert c == pytest.approx(0.6, rel=1e-6) and r == pytest.approx(0.7, rel=1e-6)
+    assert fo.hit_probability((1, 1, 1), 0.0, 0.5, 1.0) == pytest.approx(0.5)
+    assert fo.hit_probability((0, 1, 1), 0.0, 0.5, 1.0) == 0.0  # F_0 = 0 never hits at j = 0
+
+
+def test_plan_picks_the_backup_the_formulas_favour():
+    # cheap accurate drafting at batch 1: the neural backup
+    costs = policy.Costs(t1=1.0, tv=1.0, td=0.1, width_slope=0.05)
+    small = policy.plan(costs, 0.8, miss_c=0.4, miss_r=0.8, batch=1, ks=(3, 4, 5))
+    assert small.backup == "neural"
+    assert small.predicted_speedup > small.predicted_sd_speedup > 1
+    assert sum(small.fanout) >= small.k + 1
+    # a large batch misses almost every round; when the draft barely helps (low acceptance) and
+    # costs a third of a verify per token, the free random backup wins
+    costly = policy.Costs(t1=1.0, tv=1.0, td=0.3, width_slope=0.05)
+    big = policy.plan(costly, 0.1, miss_c=0.4, miss_r=0.8, batch=64, ks=(1, 2, 3))
+    assert big.backup == "random"
+    chosen = policy.ssd_speedup(1.0, 1.0, costly.tree(big.k, sum(big.fanout)), 0.0, big.p_hit,
+                                policy.expected_tokens(0.1, big.k), 1.0, 64)
+    assert big.predicted_speedup == pytest.approx(chosen)
+
+
+CFG = tiny_config("qwen2", vocab_size=64)
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17], [20, 21]]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    t = Model(CFG, random_params(CFG, 0, scale=1.0))
+    d = Model(CFG, perturb(t.params, jax.random.key(1), 0.05))
+    return Engine(t, d, compilation_cache=False)
+
+
+def test_auto_backup_is_exact_and_prediction_is_reported(engine):
+    ar = engine.generate(PROMPTS, mode="ar", max_new_tokens=24)
+    out = engine.generate(PROMPTS, mode="ssd", max_new_tokens=24, k=3,
+                          ssd=SSDConfig(fanout=(2, 2, 1, 1), backup="auto"))
+    for p, g, w in zip(PROMPTS, out.token_ids, ar.token_ids):
+        assert_greedy_agreement(engine.target.params, CFG, p, g, w)
+    assert sum(out.metrics.backups.values()) > 0
+    assert out.metrics.predicted_speedup is not None and out.metrics.predicted_speedup > 0
+    d = out.metrics.to_dict()
+    assert d["predicted_speedup"] == out.metrics.predicted_speedup
+    assert 0 <= d["per_token_acceptance"] <= 1
+
+
+def test_calibration_measures_miss_rate_falling_with_fan_out(engine):
+    cal = policy.calibrate_miss_rates(
+        lambda f: engine.generate(PROMPTS, mode="ssd", max_new_tokens=24, k=2,
+                                  ssd=SSDConfig(fanout=f)), k=2, fanouts=(1, 4))
+    assert cal["miss_rates"][1] <= cal["miss_rates"][0]
+    assert 0 < cal["c"] and 0 < cal["r"]
