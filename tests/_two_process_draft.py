@@ -1,7 +1,8 @@
-"""An instrumented draft process for the overlap proof: every tree step appends a line to the
-signal file (argv of the target script, passed through SSD_JAX_TEST_SIGNAL) while it runs."""
+"""An instrumented draft process for the overlap proof: its tree steps answer a verify that is
+running at the same time (files beside SSD_JAX_TEST_SIGNAL; see tests/_two_process_target.py)."""
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -18,8 +19,15 @@ SIGNAL = os.environ["SSD_JAX_TEST_SIGNAL"]
 
 
 def mark(x):
-    with open(SIGNAL, "a") as f:
-        f.write("tree step\n")
+    """Runs inside every tree step: once the test is armed, wait briefly for a verify to be
+    running (file V) and answer it (file T). A tree that runs while no verify runs answers nothing."""
+    if os.path.exists(SIGNAL + ".armed"):
+        deadline = time.time() + 2.0
+        while time.time() < deadline:
+            if os.path.exists(SIGNAL + ".V"):
+                open(SIGNAL + ".T", "w").close()
+                break
+            time.sleep(0.002)
     return np.float32(0)
 
 
