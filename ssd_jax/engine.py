@@ -26,6 +26,7 @@ from ssd_jax.compile_cache import enable_compilation_cache
 from ssd_jax.draft_worker import DraftRun, DraftWorker, RoundState
 from ssd_jax.metrics import CompileTimer, Metrics, RoundTimes
 from ssd_jax.policy import BackupChooser, ssd_speedup
+from ssd_jax.proposer import Proposer
 from ssd_jax.placement import Placement, make_placement, to_mesh
 from ssd_jax.sampling import SamplingParams
 from ssd_jax.sharding import init_target_cache, shard_target
@@ -74,14 +75,16 @@ class Engine:
     """Holds the loaded target and draft, placed on their meshes, and runs generate calls."""
 
     def __init__(self, target, draft=None, *, placement: str | Placement = "split",
-                 max_len: int = 4096, compilation_cache: bool | str = True, remote_draft=None):
+                 max_len: int = 4096, compilation_cache: bool | str = True, remote_draft=None,
+                 proposer=None):
         """target / draft: `models.model.Model`. placement: "split" | "colocated" | a layout "T+D"
         such as "4+1" (T-way tensor-parallel target, D-way data-parallel draft; ssd_jax.sharding)
         | a ready Placement. remote_draft: a `ssd_jax.transport.RemoteDraft` (the draft in its own
-        process, started by `start_two_process`) instead of a local draft."""
+        process, started by `start_two_process`) instead of a local draft. proposer: any
+        `ssd_jax.proposer.Proposer` (SD only) instead of a draft model."""
         enable_compilation_cache(compilation_cache)
-        if draft is not None and remote_draft is not None:
-            raise ValueError("give a local draft or a remote_draft, not both")
+        if sum(x is not None for x in (draft, remote_draft, proposer)) > 1:
+            raise ValueError("give one of draft, remote_draft or proposer")
         if remote_draft is not None:
             placement = "colocated"  # the target alone uses this process's device
         self.placement = (placement if isinstance(placement, Placement)
@@ -99,6 +102,11 @@ class Engine:
                                  "needs one shared vocabulary")
             remote_draft.row_vocab = target.cfg.vocab_size
             self.worker = remote_draft
+        elif proposer is not None:
+            if not isinstance(proposer, Proposer):
+                raise ValueError("proposer must have start, propose and finish methods "
+                                 "(ssd_jax.proposer.Proposer)")
+            self.draft = self.worker = proposer
         else:
             self.worker = None
         # tcfg: the target's config as its (possibly tensor-parallel) weights are laid out
@@ -122,6 +130,8 @@ class Engine:
             raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
         if mode != "ar" and self.draft is None:
             raise ValueError(f"mode {mode!r} needs a draft model: Engine(target, draft)")
+        if mode == "ssd" and isinstance(self.worker, Proposer) and not hasattr(self.worker, "resolve"):
+            raise ValueError("mode 'ssd' needs a draft model (its tree); a proposer serves mode 'sd'")
         if int(max_new_tokens) < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if mode != "ar" and int(k) < 1:
@@ -269,6 +279,9 @@ class Engine:
             t0, c0, n0 = self._round_start(batch)
             active = int(batch.active.sum())
             spec, rows = self.worker.propose(RoundState.of(batch), drun)
+            if tuple(rows.shape) != (batch.size, run["k"], self.target.cfg.vocab_size):
+                raise ValueError(f"proposer returned rows of shape {tuple(rows.shape)}; the verifier "
+                                 f"needs [B, K, V] = {(batch.size, run['k'], self.target.cfg.vocab_size)}")
             jax.block_until_ready(rows)
             t1 = time.perf_counter()
             res, lp = self._verify(batch, spec, rows, rids_t, run)
@@ -278,6 +291,7 @@ class Engine:
             m.verify_s += t2 - t1
             m.add_round(self._round_end(batch, RoundTimes(verify_s=t2 - t1, draft_s=t1 - t0,
                                                           active=active), t0, c0, n0))
+        self.worker.finish()
 
     def _run_ssd(self, batch: Batch, rids, run, m: Metrics, ssd: SSDConfig):
         k = run["k"]

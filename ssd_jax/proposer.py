@@ -1,0 +1,55 @@
+"""The proposer interface: anything that drafts K tokens *and says what it sampled them from*.
+
+Speculative decoding is exact for any proposal distribution as long as each drafted token really
+was drawn from the proposal rows handed to the verifier (spec §3). The draft model
+(`ssd_jax.draft_worker.DraftWorker`) is one proposer; `PromptLookupProposer` below is another, and
+a user's own drafter plugs into `Engine(target, proposer=...)` the same way:
+
+    class MyProposer:
+        def start(self, prompt_tokens, prompt_lens, cache_len): ...      # once per generate call
+        def propose(self, state: RoundState, run: DraftRun):
+            return tokens [B, K] int32, rows [B, K, V] (the distributions tokens were drawn from)
+        def finish(self): ...
+
+`state` holds each row's bonus token, its position n, the previous token and the full history;
+`run` the seed, request ids, K and the draft sampling parameters (see `ssd_jax.draft_worker`).
+Only SD uses a proposer; SSD needs the draft model's tree (glue, fork, branch decode).
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import jax.numpy as jnp
+
+from ssd_jax import backups
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    def start(self, prompt_tokens, prompt_lens, cache_len: int) -> None: ...
+
+    def propose(self, state, run): ...
+
+    def finish(self) -> None: ...
+
+
+class PromptLookupProposer:
+    """Model-free drafting by prompt lookup (n-gram match in the sequence's own history), with
+    one-hot rows; uniform random tokens (with uniform rows) where nothing matches."""
+
+    def __init__(self, vocab_size: int, row_vocab: int | None = None, ngram: int = 2):
+        self.vocab_size = int(vocab_size)
+        self.row_vocab = int(row_vocab or vocab_size)
+        self.ngram = int(ngram)
+
+    def start(self, prompt_tokens, prompt_lens, cache_len):
+        pass
+
+    def propose(self, state, run):
+        return backups.ngram_speculation(
+            state.history, jnp.int32(run.seed), jnp.asarray(run.request_ids, jnp.int32),
+            jnp.asarray(state.n), k=run.k, vocab_size=self.vocab_size, row_vocab=self.row_vocab,
+            ngram=self.ngram)
+
+    def finish(self):
+        pass
