@@ -99,10 +99,11 @@ def test_engine_output_has_the_target_distribution(pair, case):
 
 
 @pytest.mark.parametrize("bug", sorted(PLANTED_BUG_VERIFIERS))
-@pytest.mark.parametrize("mode", ["sd", "ssd"])
-def test_planted_verifier_bugs_fail(pair, bug, mode):
-    kw = dict(ssd=SSDConfig(fanout=(2, 1, 1))) if mode == "ssd" else {}
-    res, _ = verdict(pair, mode, T10, verifier=PLANTED_BUG_VERIFIERS[bug], **kw)
+def test_planted_verifier_bugs_fail(pair, bug):
+    # SSD rounds run every verifier path SD does (plus cache hits); the same planted verifiers on
+    # plain SD are caught by tests/test_exactness_harness.py's vectorised SD.
+    res, _ = verdict(pair, "ssd", T10, verifier=PLANTED_BUG_VERIFIERS[bug],
+                     ssd=SSDConfig(fanout=(2, 1, 1)))
     assert not res.passed, f"planted bug {bug} passed the exactness test: {res}"
 
 
