@@ -34,7 +34,6 @@ import dataclasses
 import hashlib
 from typing import Callable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -46,7 +45,6 @@ from ssd_jax.verify import (
     _check_shapes,
     _count_accepted,
     _gather_token_probs,
-    _proposal_with_zero_row,
     _ratio_accept,
     _residual,
     _rows_at,

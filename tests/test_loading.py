@@ -8,7 +8,6 @@ transformers' own GGUF loader in a subprocess, to keep its memory out of the tes
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import subprocess

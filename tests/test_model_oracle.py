@@ -4,7 +4,6 @@ per-sequence offsets, and a short catch-up."""
 import numpy as np
 import pytest
 
-import jax
 import jax.numpy as jnp
 
 from models.config import tiny_config

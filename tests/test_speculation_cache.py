@@ -1,6 +1,5 @@
 """The speculation cache: fork keys exclude the drafted token, and a hit returns exactly what a
 direct draft from that outcome makes with the same keys (tokens equal, proposal rows within 1e-5)."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
