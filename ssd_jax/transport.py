@@ -44,10 +44,12 @@ class Channel:
         t0 = time.perf_counter()
         mine = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.me == sender else b""
         size = int(self._allgather(np.array([len(mine)], np.int64))[sender, 0])
-        buf = np.zeros(size, np.uint8)
+        # Buffers come in power-of-2 sizes: each new shape would compile a new allgather, and a
+        # compile per round costs more than the bytes.
+        buf = np.zeros(max(1024, 1 << (size - 1).bit_length()), np.uint8)
         if self.me == sender:
-            buf[:] = np.frombuffer(mine, np.uint8)
-        got = self._allgather(buf)[sender]
+            buf[:size] = np.frombuffer(mine, np.uint8)
+        got = self._allgather(buf)[sender, :size]
         self.seconds += time.perf_counter() - t0
         return obj if self.me == sender else pickle.loads(got.tobytes())
 
