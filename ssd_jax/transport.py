@@ -69,11 +69,12 @@ class RemoteDraft:
 
     remote = True
 
-    def __init__(self, channel: Channel, proc: subprocess.Popen, info: dict):
+    def __init__(self, channel: Channel, proc: subprocess.Popen | None, info: dict):
         self.channel = channel
         self.proc = proc
         self.info = info  # the draft's embedding rows, tokenizer size and fingerprint
         self.row_vocab = info["vocab_rows"]  # set by the engine to the target's rows
+        self._closed = False
 
     def start(self, prompt_tokens, prompt_lens, cache_len):
         self.channel.send(("start", np.asarray(prompt_tokens), np.asarray(prompt_lens), int(cache_len),
@@ -104,9 +105,12 @@ class RemoteDraft:
         """Stop the draft process. Both processes leave jax.distributed together (its shutdown is
         a barrier), so this process cannot start another draft process afterwards."""
         import jax
-        if self.proc.poll() is None:
-            self.channel.send(("shutdown",))
-            jax.distributed.shutdown()
+        if self._closed or (self.proc is not None and self.proc.poll() is not None):
+            return
+        self._closed = True
+        self.channel.send(("shutdown",))
+        jax.distributed.shutdown()
+        if self.proc is not None:
             self.proc.wait(timeout=120)
 
 
@@ -125,20 +129,36 @@ def _init(coordinator: str, process_id: int, cpu: int | None, timeout: int = 300
                                process_id=process_id, initialization_timeout=timeout)
 
 
-def start_two_process(draft: str, *, dtype: str = "float32", cores: tuple[int, int] | None = (0, 1),
-                      cache_dir: str | None = None, timeout: int = 300,
-                      draft_main: str | None = None) -> RemoteDraft:
+def start_two_process(draft: str | None, *, dtype: str = "float32",
+                      cores: tuple[int, int] | None = (0, 1), cache_dir: str | None = None,
+                      timeout: int = 300, draft_main: str | None = None,
+                      coordinator: str | None = None) -> RemoteDraft:
     """Launch the draft process and join it. Call before any other JAX use in this process.
 
     draft: a default model name, a .gguf file, an HF folder, or a directory written by
     `models.checkpoint.save` (how tests ship tiny random drafts). cores: (target core, draft core)
     to pin each process to, or None to leave placement to the OS. draft_main: a script to run
     instead of `-m ssd_jax.draft_process` (same arguments; e.g. an instrumented draft in tests).
+
+    Multi-host: pass `coordinator="host0:PORT"` (this host's reachable address) and `draft=None` to
+    spawn nothing; start the draft on its own host with
+    `python -m ssd_jax.draft_process --coordinator host0:PORT --draft NAME [--cpu N]`.
     """
     import jax
     if jax._src.distributed.global_state.client is not None:
         raise RuntimeError("jax.distributed is already initialised in this process")
-    coordinator = f"127.0.0.1:{_free_port()}"
+    if draft is None:  # the draft process runs elsewhere (another host) and joins `coordinator`
+        if coordinator is None:
+            raise ValueError("draft=None (a draft started elsewhere) needs coordinator='host:port'")
+        _init(coordinator, TARGET, cores[0] if cores is not None else None, timeout)
+        channel = Channel()
+        info = channel.recv()
+        if "error" in info:
+            raise ValueError(f"draft process: {info['error']}")
+        remote = RemoteDraft(channel, None, info)
+        atexit.register(remote.close)
+        return remote
+    coordinator = coordinator or f"127.0.0.1:{_free_port()}"
     entry = [draft_main] if draft_main is not None else ["-m", "ssd_jax.draft_process"]
     cmd = [sys.executable, *entry, "--coordinator", coordinator,
            "--draft", str(draft), "--dtype", dtype]
