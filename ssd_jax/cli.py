@@ -1,4 +1,4 @@
-"""`ssd-jax`: fetch the default models, generate text with ar | sd | ssd.
+"""`ssd-jax`: fetch the default models, generate text with ar | sd | ssd, benchmark them.
 
 Errors a user can trigger (missing model, bad flag values, unfetched weights, mismatched
 tokenizers) print one line and exit non-zero, without a traceback.
@@ -21,9 +21,21 @@ def _fanout(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"fan-out must be comma-separated integers, got {text!r}")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes print one line, `ssd-jax: error: ...`, like every other user error."""
+
+    def error(self, message):
+        sub = self.prog.split(" ", 1)[1] if " " in self.prog else ""
+        where = f"{sub}: " if sub else ""
+        print(f"ssd-jax: error: {where}{message} (see `{self.prog} --help`)", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ssd-jax", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    from ssd_jax import bench
+
+    p = _Parser(prog="ssd-jax", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     f = sub.add_parser("fetch", help="download, verify and cache default models")
     f.add_argument("names", nargs="*", default=[registry.DEFAULT_TARGET, registry.DEFAULT_DRAFT],
@@ -55,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true",
                    help="print one JSON object {text, token_ids, metrics} instead of streaming")
     g.add_argument("--cache-dir", default=None)
+
+    b = sub.add_parser("bench", help="AR, SD and SSD (and HF assisted generation) side by side",
+                       description=bench.__doc__.split("\n\n")[0])
+    bench.add_arguments(b, _fanout)
     return p
 
 
@@ -105,13 +121,25 @@ def _generate(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    from ssd_jax import bench
+    return bench.run(args)
+
+
 def main(argv=None) -> int:
+    from ssd_jax.bench import BenchError
+    from ssd_jax.benchmark_set import BenchmarkSetError
+
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv  # recorded by `bench`
     try:
-        return {"fetch": _fetch, "generate": _generate}[args.command](args)
-    except (ValueError, registry.FetchError, FileNotFoundError, OSError) as e:
-        print(f"ssd-jax: error: {e}", file=sys.stderr)
+        return {"fetch": _fetch, "generate": _generate, "bench": _bench}[args.command](args)
+    except (ValueError, registry.FetchError, FileNotFoundError, OSError, BenchError,
+            BenchmarkSetError) as e:
+        msg = " ".join(str(e).split("\n")[0].split()) or type(e).__name__
+        print(f"ssd-jax: error: {msg}", file=sys.stderr)
         return EXIT_USAGE if isinstance(e, ValueError) else 1
 
 

@@ -1,0 +1,282 @@
+"""The `ssd-jax` command line end to end on tiny random models saved as HF folders (config.json,
+model.safetensors, a byte-level BPE tokenizer.json): `generate` in each mode (JSON and streaming),
+`bench` writing its JSON, markdown table and plots, and every error a user can trigger printing one
+`ssd-jax: error:` line without a traceback."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from models.config import tiny_config
+from models.params import random_hf_tensors
+from models.tokenizer import _byte_alphabet
+from ssd_jax import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(os.path.dirname(sys.executable), "ssd-jax")
+PROMPT = "def add(a, b):"
+REAL_HOME = os.environ.get("SSD_JAX_HOME")  # where CI fetched the default pair (None: the default)
+
+
+def tiny_tokenizer(swap: bool = False) -> Tokenizer:
+    """Byte-level BPE over printable ASCII + newline (every id decodes to valid text) and an EOS.
+    swap=True exchanges two ids: same size, another vocabulary (a mismatched draft)."""
+    alpha = _byte_alphabet()
+    chars = [alpha[b] for b in range(32, 127)] + [alpha[10]]
+    if swap:
+        chars[1], chars[2] = chars[2], chars[1]
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[], fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True, normalized=False)])
+    return tok
+
+
+VOCAB = tiny_tokenizer().get_vocab_size(with_added_tokens=True)  # 97: no padded embedding rows
+CFG = tiny_config("qwen2", vocab_size=VOCAB)
+
+
+def write_folder(folder, tensors, swap=False):
+    os.makedirs(folder)
+    save_file(tensors, os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(CFG.to_hf(), f)
+    tiny_tokenizer(swap).save(os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|endoftext|>", "bos_token": None}, f)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli_models")
+    t = random_hf_tensors(CFG, 0, scale=1.0)
+    rng = np.random.default_rng(1)
+    d = {k: (v * (1 + 0.05 * rng.standard_normal(v.shape))).astype(np.float32) for k, v in t.items()}
+    return dict(target=write_folder(root / "target", t), draft=write_folder(root / "draft", d),
+                other=write_folder(root / "other_tok", d, swap=True), root=root)
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    """An empty SSD_JAX_HOME (no default model fetched) and no persistent compile cache."""
+    h = tmp_path / "home"
+    h.mkdir()
+    monkeypatch.setenv("SSD_JAX_HOME", str(h))
+    monkeypatch.setenv("SSD_JAX_COMPILE_CACHE", "0")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    return h
+
+
+def run_cli(argv, capsys):
+    """cli.main in this process -> (exit code, stdout, stderr)."""
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:  # argparse
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def gen_args(pair, *extra):
+    return ["generate", "--target", pair["target"], "--draft", pair["draft"], "--prompt", PROMPT,
+            "--max-new-tokens", "12", "--k", "3", "--fanout", "2,2,1,1", "--max-len", "256", *extra]
+
+
+# ------------------------------------------------------------------------------------------ generate
+def test_generate_json_each_mode_agrees(pair, capsys):
+    got = {}
+    for mode in ("ar", "sd", "ssd"):
+        rc, out, err = run_cli(gen_args(pair, "--mode", mode, "--json"), capsys)
+        assert rc == 0, err
+        obj = json.loads(out)
+        assert set(obj) == {"text", "token_ids", "metrics"}
+        assert obj["metrics"]["mode"] == mode
+        assert 1 <= len(obj["token_ids"]) <= 12
+        assert obj["metrics"]["new_tokens"] == len(obj["token_ids"])
+        assert isinstance(obj["text"], str)
+        got[mode] = obj
+    # greedy: every mode emits the target's own tokens
+    assert got["sd"]["token_ids"] == got["ar"]["token_ids"] == got["ssd"]["token_ids"]
+    assert got["ssd"]["metrics"]["lookups"] > 0
+    assert got["sd"]["metrics"]["accept_hist"] and sum(got["sd"]["metrics"]["accept_hist"]) > 0
+
+
+def test_generate_streams_the_same_text(pair, capsys, tmp_path):
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text(PROMPT)
+    args = ["generate", "--target", pair["target"], "--draft", pair["draft"], "--prompt-file",
+            str(prompt_file), "--max-new-tokens", "12", "--k", "3", "--max-len", "256",
+            "--placement", "colocated"]
+    rc, out, err = run_cli([*args, "--json"], capsys)
+    assert rc == 0, err
+    want = json.loads(out)["text"]
+    rc, out, err = run_cli(args, capsys)
+    assert rc == 0, err
+    assert out == want + "\n"
+    assert err.startswith("ssd: ") and "tok/s" in err  # the metrics summary goes to stderr
+
+
+def test_console_script_generate_json(pair):
+    """The installed `ssd-jax` entry point, in its own process."""
+    env = dict(os.environ)
+    proc = subprocess.run([SCRIPT, *gen_args(pair, "--mode", "ssd", "--json")], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    obj = json.loads(proc.stdout)
+    assert obj["metrics"]["mode"] == "ssd" and obj["token_ids"]
+
+
+# ------------------------------------------------------------------------------------------ bench
+def test_bench_writes_json_table_and_plots(pair, capsys, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": f"p{i}", "text": t}) for i, t in
+                                 enumerate([PROMPT, "The cat sat on", "import os\n"])))
+    out_dir = tmp_path / "bench"
+    rc, out, err = run_cli(["bench", "--target", pair["target"], "--draft", pair["draft"],
+                            "--prompts-file", str(prompts), "--limit", "2", "--max-new-tokens", "8",
+                            "--layouts", "colocated", "--k", "3", "--fanout", "2,2,1,1",
+                            "--max-len", "256", "--out", str(out_dir)], capsys)
+    assert rc == 0, err
+    rep = json.loads((out_dir / "bench.json").read_text())
+    assert rep["machine"]["jax"] and rep["command"].startswith("ssd-jax bench --target ")
+    assert [p["id"] for p in rep["prompts"]] == ["p0", "p1"]
+    lay = rep["layouts"]["colocated"]
+    assert lay["cores"] and list(lay["modes"]) == ["ar", "sd", "ssd"]
+    ar = lay["modes"]["ar"]
+    for mode in ("sd", "ssd"):
+        m = lay["modes"][mode]
+        assert m["tokens_per_s"] > 0 and len(m["accept_hist"]) == 4
+        # greedy outputs equal AR's, prompt by prompt
+        assert [p["token_ids"] for p in m["prompts"]] == [p["token_ids"] for p in ar["prompts"]]
+    assert lay["modes"]["ssd"]["lookups"] > 0 and lay["modes"]["ssd"]["hit_rate"] is not None
+    assert not rep["errors"]
+    if "hf" in rep:  # torch installed: HF AR on the same weights agrees with ours
+        assert [p["token_ids"] for p in rep["hf"]["modes"]["ar"]["prompts"]] == \
+            [p["token_ids"] for p in ar["prompts"]]
+    md = (out_dir / "bench.md").read_text()
+    assert "| colocated | " in md and "| SSD |" in md and rep["machine"]["cpu_count"] is not None
+    assert md in out  # the table is printed too
+    if importlib.util.find_spec("matplotlib") is not None:  # the plots need the notebooks extra
+        for png in ("tokens_per_s.png", "hit_rate.png", "accepted_lengths.png", "speedup.png"):
+            assert (out_dir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+
+
+def test_prompt_file_formats(tmp_path):
+    from ssd_jax.bench import load_prompt_file
+    plain = tmp_path / "p.txt"
+    plain.write_text("first prompt\n\nsecond {not json}\n")
+    assert [p["text"] for p in load_prompt_file(plain)] == ["first prompt", "second {not json}"]
+    jl = tmp_path / "p.jsonl"
+    jl.write_text('{"text": "a\\nb", "id": "x"}\n{"text": "c"}\n')
+    got = load_prompt_file(jl)
+    assert [p["text"] for p in got] == ["a\nb", "c"] and got[0]["id"] == "x"
+
+
+# ------------------------------------------------------------------------------------------ errors
+def assert_one_line_error(rc, err, *needles):
+    assert rc not in (0, None), err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("ssd-jax: error:"), err
+    assert "Traceback" not in err
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "0"], "top_p"),
+    (["--max-new-tokens", "0"], "max-new-tokens"),
+    (["--fanout", "1,x"], "fan-out"),
+    (["--fanout", "1,2"], "K+1"),
+    (["--k", "0"], "K must be >= 1"),
+    (["--saguaro-c", "2"], "saguaro_c"),
+    (["--dtype", "fp8"], "dtype"),
+    (["--mode", "fast"], "--mode"),
+    (["--bogus"], "--bogus"),
+])
+def test_generate_bad_flags(pair, capsys, extra, needle):
+    rc, _, err = run_cli(gen_args(pair, *extra), capsys)
+    assert_one_line_error(rc, err, needle)
+
+
+def test_generate_model_errors(pair, capsys, tmp_path):
+    rc, _, err = run_cli(["generate", "--target", str(tmp_path / "missing"), "--prompt", "x"], capsys)
+    assert_one_line_error(rc, err, "missing")
+    # a default name while SSD_JAX_HOME is empty: not fetched
+    rc, _, err = run_cli(["generate", "--prompt", "x"], capsys)
+    assert_one_line_error(rc, err, "not fetched", "ssd-jax fetch")
+    rc, _, err = run_cli(["generate", "--target", pair["target"], "--draft", pair["other"],
+                          "--prompt", "x", "--max-len", "256"], capsys)
+    assert_one_line_error(rc, err, "different tokenizers")
+    rc, _, err = run_cli(["generate", "--target", pair["target"], "--draft", pair["draft"],
+                          "--prompt-file", str(tmp_path / "nope.txt")], capsys)
+    assert_one_line_error(rc, err, "nope.txt")
+    rc, _, err = run_cli(["generate"], capsys)
+    assert_one_line_error(rc, err, "--prompt")
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--layouts", "colocated,bogus"], "--layouts"),
+    (["--max-new-tokens", "0"], "max-new-tokens"),
+    (["--fanout", "1,x"], "fan-out"),
+    (["--temperature", "-1"], "temperature"),
+    (["--cores", "0"], "--cores"),
+    (["--cores", "0,4096"], "may only use CPUs"),
+    (["--limit", "-2"], "limit"),
+])
+def test_bench_bad_flags(pair, capsys, tmp_path, extra, needle):
+    rc, _, err = run_cli(["bench", "--target", pair["target"], "--draft", pair["draft"],
+                          "--out", str(tmp_path / "b"), *extra], capsys)
+    assert_one_line_error(rc, err, needle)
+    assert not (tmp_path / "b").exists()
+
+
+def test_bench_model_errors(pair, capsys, tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    base = ["bench", "--prompts-file", str(prompts), "--out", str(tmp_path / "b")]
+    rc, _, err = run_cli([*base, "--target", pair["target"], "--draft", pair["other"]], capsys)
+    assert_one_line_error(rc, err, "different tokenizers")
+    rc, _, err = run_cli(base, capsys)
+    assert_one_line_error(rc, err, "not fetched")
+    rc, _, err = run_cli(["bench", "--target", pair["target"], "--draft", pair["draft"],
+                          "--prompts-file", str(tmp_path / "absent.jsonl")], capsys)
+    assert_one_line_error(rc, err, "absent.jsonl")
+
+
+def test_console_script_errors_have_no_traceback(pair, tmp_path):
+    for args in (["generate", "--prompt", "x"],  # default pair not fetched (empty SSD_JAX_HOME)
+                 ["generate", "--target", pair["target"], "--prompt", "x", "--fanout", "1,x"]):
+        proc = subprocess.run([SCRIPT, *args], capture_output=True, text=True, env=dict(os.environ),
+                              timeout=300)
+        assert_one_line_error(proc.returncode, proc.stderr)
+
+
+# ------------------------------------------------------------------------------------------ real pair
+@pytest.mark.slow
+def test_real_default_pair_ssd_json(monkeypatch):
+    """`ssd-jax generate --mode ssd` on the fetched Qwen pair (CI fetches them)."""
+    if REAL_HOME is None:
+        monkeypatch.delenv("SSD_JAX_HOME")
+    else:
+        monkeypatch.setenv("SSD_JAX_HOME", REAL_HOME)
+    monkeypatch.delenv("SSD_JAX_COMPILE_CACHE")
+    from models import registry
+    for name in (registry.DEFAULT_TARGET, registry.DEFAULT_DRAFT):
+        if not registry.is_fetched(name):
+            pytest.skip(f"{name} is not fetched (ssd-jax fetch)")
+    proc = subprocess.run([SCRIPT, "generate", "--prompt", "def fibonacci(n):", "--mode", "ssd",
+                           "--max-new-tokens", "8", "--json"], capture_output=True, text=True,
+                          env=dict(os.environ), timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    obj = json.loads(proc.stdout)
+    assert obj["metrics"]["mode"] == "ssd"
+    assert 1 <= len(obj["token_ids"]) <= 8 and obj["text"]
