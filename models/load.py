@@ -28,6 +28,11 @@ def _tokenizer(path: Path):
 def load_model(name_or_path: str | Path, dtype: str = "float32", *, use_cache: bool = True,
                cache_dir: str | Path | None = None, with_tokenizer: bool = True) -> Model:
     dtype = canonical_dtype(dtype)
+    import jax
+    if jax.process_count() > 1:
+        # orbax synchronises save/restore across every process of a jax.distributed runtime; a
+        # model loaded by one process only (the two-process transport) converts from source.
+        use_cache = False
     path = registry.resolve(name_or_path, cache_dir)
     root = Path(cache_dir) if cache_dir is not None else registry.cache_dir()
     ckpt = checkpoint.checkpoint_dir(path, dtype, root)
