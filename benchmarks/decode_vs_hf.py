@@ -32,34 +32,13 @@ TARGET = "qwen2.5-coder-1.5b"
 # ---------------------------------------------------------------------------- shared helpers
 def hf_model(name: str, dtype: str = "float32"):
     """An HF transformers model (torch, eval mode) on the weights of our GGUF `name`."""
-    import torch
-    import transformers
-
     from models import registry
     from models.config import ModelConfig
-    from models.loading.gguf import load_gguf
+    from models.loading.gguf import load_gguf_config
+    from ssd_jax.bench import hf_model_on_our_weights
 
-    config, tensors = load_gguf(registry.resolve(name))
-    cfg = ModelConfig.from_hf(config, "float32")
-    hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf())
-    tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
-    state = {k: torch.from_numpy(v) for k, v in tensors.items()}
-    if cfg.tie_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model.load_state_dict(state, strict=True, assign=True)
-    del tensors, state
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    # Non-persistent buffers (rotary inv_freq) were created on the meta device: rebuild those modules.
-    for parent in list(model.modules()):
-        for cname, child in list(parent.named_children()):
-            if any(b.is_meta for b in child.buffers(recurse=False)):
-                setattr(parent, cname, type(child)(model.config))
-    assert not any(t.is_meta for t in list(model.parameters()) + list(model.buffers())), "meta tensors left"
-    model = model.to(tdtype).eval()
-    return model, cfg
+    cfg = ModelConfig.from_hf(load_gguf_config(registry.resolve(name)), "float32")
+    return hf_model_on_our_weights(name, dtype, None), cfg
 
 
 def param_bytes_torch(model) -> int:
@@ -284,7 +263,7 @@ def render(report: dict) -> str:
     k = report["k"]
     out = [f"Target {TARGET}, KV cache {report['context']} tokens, verify = {k + 1} tokens, "
            f"median of {report['iters']} calls (ms).", "",
-           f"| cores | framework | dtype | decode ms | verify ms | verify/decode | ours/HF decode "
+           "| cores | framework | dtype | decode ms | verify ms | verify/decode | ours/HF decode "
            f"| ours/HF verify | decode GB/s (weights) | copy GB/s | fraction of copy BW |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["results"]:

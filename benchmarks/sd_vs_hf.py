@@ -43,8 +43,6 @@ def _prompt_ids(n: int | None) -> tuple[list[dict], list[list[int]], tuple[int, 
 
 
 def worker_jax(n, max_new, k) -> dict:
-    import numpy as np
-
     from models.load import load_model
     from ssd_jax.engine import Engine
     from ssd_jax.sampling import SamplingParams
@@ -132,12 +130,8 @@ def worker_torch(n, max_new, k, threads, dtype) -> dict:
 
 
 def _agree(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    from ssd_jax.bench import leading_equal
+    return leading_equal(a, b)
 
 
 def render(rep: dict) -> str:

@@ -334,7 +334,7 @@ def run(args) -> int:
     return 0
 
 
-def _leading_equal(a: list[int], b: list[int]) -> int:
+def leading_equal(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -353,11 +353,11 @@ def _agreement(report: dict) -> None:
             ref = ar
         for name, m in lay["modes"].items():
             if ar is not None:
-                m["agree_with_ar"] = [f"{_leading_equal(p['token_ids'], q['token_ids'])}/"
+                m["agree_with_ar"] = [f"{leading_equal(p['token_ids'], q['token_ids'])}/"
                                       f"{len(q['token_ids'])}" for p, q in zip(m["prompts"], ar["prompts"])]
     if "hf" in report and ref is not None:
         for m in report["hf"]["modes"].values():
-            m["agree_with_ar"] = [f"{_leading_equal(p['token_ids'], q['token_ids'])}/"
+            m["agree_with_ar"] = [f"{leading_equal(p['token_ids'], q['token_ids'])}/"
                                   f"{len(q['token_ids'])}" for p, q in zip(m["prompts"], ref["prompts"])]
 
 
@@ -665,7 +665,7 @@ def worker_layout(layout: str, job: dict) -> dict:
     return dict(layout=layout, t1_s=t1, modes=modes)
 
 
-def _hf_model(spec: str, dtype: str, cache_dir: str | None):
+def hf_model_on_our_weights(spec: str, dtype: str, cache_dir: str | None):
     """An HF transformers model (torch, eval mode) on the weights ssd_jax loads for `spec` (a default
     name, a .gguf file or an HF folder), as in benchmarks/decode_vs_hf.py."""
     import torch
@@ -705,8 +705,8 @@ def worker_hf(job: dict, threads: int = 1) -> dict:
     tok = _tokenizer(registry.resolve(job["target"], job["cache_dir"]))
     ids = [tok.encode(p["text"]) for p in job["prompts"]]
     eos = list(tok.eos_ids)
-    target = _hf_model(job["target"], job["hf_dtype"], job["cache_dir"])
-    draft = _hf_model(job["draft"], job["hf_dtype"], job["cache_dir"])
+    target = hf_model_on_our_weights(job["target"], job["hf_dtype"], job["cache_dir"])
+    draft = hf_model_on_our_weights(job["draft"], job["hf_dtype"], job["cache_dir"])
     pad = eos[0] if eos else 0
     for m in (target, draft):
         m.generation_config.pad_token_id = pad
