@@ -264,7 +264,7 @@ def render(report: dict) -> str:
     out = [f"Target {TARGET}, KV cache {report['context']} tokens, verify = {k + 1} tokens, "
            f"median of {report['iters']} calls (ms).", "",
            "| cores | framework | dtype | decode ms | verify ms | verify/decode | ours/HF decode "
-           f"| ours/HF verify | decode GB/s (weights) | copy GB/s | fraction of copy BW |",
+           "| ours/HF verify | decode GB/s (weights) | copy GB/s | fraction of copy BW |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["results"]:
         bw = row["bandwidth"]["bytes_per_s"]
