@@ -55,13 +55,13 @@ def serve(channel: Channel, model) -> None:
             _, s, run = msg
             spec, rows = worker.backup(s, run)
             channel.send((np.asarray(spec), np.asarray(rows)))
-            worker.dispatch_tree(s, spec, np.ones(len(s.n), bool), run)
+            worker.dispatch_tree(s, spec, np.ones(len(s.n), bool), run, wait=True)
         elif kind == "resolve":
             _, k_acc, bonus, s, run = msg
             spec, rows, hit, times = worker.resolve(k_acc, bonus, s, run)
             channel.send((np.asarray(spec), np.asarray(rows), hit, times))
             if s.active.any():
-                worker.dispatch_tree(s, spec, ~hit & s.active, run)
+                worker.dispatch_tree(s, spec, ~hit & s.active, run, wait=True)
         elif kind == "finish":
             worker._tree = None
         else:

@@ -63,6 +63,7 @@ class DraftWorker:
         self.vocab_size = tok.vocab_size if tok is not None else min(self.cfg.vocab_size, row_vocab)
         self.cache = None
         self._tree = None
+        self._tree_s = None
 
     def _put(self, x):
         x = np.asarray(x)
@@ -109,14 +110,22 @@ class DraftWorker:
             return self._put(spec), self._put(rows)
         raise ValueError(f"unknown backup {run.backup!r}")
 
-    def dispatch_tree(self, s: RoundState, spec, from_backup: np.ndarray, run: DraftRun):
-        """Glue + fork + tree decode for the speculation in flight (async: returns at once)."""
+    def dispatch_tree(self, s: RoundState, spec, from_backup: np.ndarray, run: DraftRun,
+                      wait: bool = False):
+        """Glue + fork + tree decode for the speculation in flight (async: returns at once).
+        wait=True blocks until the tree is ready and records its time (a draft process has
+        nothing else to do meanwhile, so this measures T_p without serialising anything)."""
+        t0 = time.perf_counter()
         top_n = tuple(f + 1 for f in run.fanout_hit[:-1])
         self._tree, self.cache = draft_tree(
             self.params, self.cfg, self.cache, self._put(s.bonus), to_mesh(spec, self.rows),
             self._put(s.n), self._put(s.active), self._put(from_backup), jnp.int32(run.seed),
             self._put(run.request_ids), run.sampling, self.vocab_size, run.fanout_hit,
             run.fanout_backup, top_n, run.saguaro_c, run.row_dtype, run.attention)
+        self._tree_s = None
+        if wait:
+            jax.block_until_ready(self._tree)
+            self._tree_s = time.perf_counter() - t0
 
     def resolve(self, num_accepted: np.ndarray, bonus: np.ndarray, s: RoundState, run: DraftRun):
         """Lookup of the realised outcome in the tree just computed; a backup for the rows that
@@ -137,7 +146,10 @@ class DraftWorker:
             rows = jnp.where(m[:, None, None], brows, rows)
             jax.block_until_ready(rows)
             backup_s = time.perf_counter() - t1
-        return spec, rows, hit, {"tree_wait_s": t1 - t0, "backup_s": backup_s}
+        times = {"tree_wait_s": t1 - t0, "backup_s": backup_s}
+        if self._tree_s is not None:
+            times["tree_s"] = self._tree_s
+        return spec, rows, hit, times
 
     def finish(self):
         """End of a generate call (a remote worker is told to stop waiting for outcomes)."""

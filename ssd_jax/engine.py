@@ -334,11 +334,13 @@ class Engine:
                     chooser.record(drun.backup, backup_s=times["backup_s"])
             from_backup = missed
             first = False
+            # T_p: measured by a draft process itself; in-process, dispatch -> ready as seen here
+            tree_s = times.get("tree_s", t1 - t0 + times["tree_wait_s"])
             m.verify_s += t1 - t0
-            m.draft_s += t1 - t0 + times["tree_wait_s"]
+            m.draft_s += tree_s
             m.backup_s += times["backup_s"]
             m.add_round(self._round_end(batch, RoundTimes(
-                verify_s=t1 - t0, draft_s=t1 - t0 + times["tree_wait_s"],
+                verify_s=t1 - t0, draft_s=tree_s,
                 backup_s=times["backup_s"], exchange_s=times.get("exchange_s", 0.0),
                 hit=int((hit & before.active).sum()), active=int(before.active.sum())), t0, c0, n0))
         draft.finish()
