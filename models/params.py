@@ -132,6 +132,14 @@ def random_hf_tensors(cfg: ModelConfig, seed: int = 0, scale: float = 0.5) -> di
     return out
 
 
+def perturb_hf_tensors(tensors: Mapping[str, np.ndarray], rel: float, seed: int = 1) -> dict[str, np.ndarray]:
+    """HF-named tensors with every weight multiplied by (1 + rel * N(0,1)): a draft that mostly
+    agrees with its target, as files a separate process can load."""
+    rng = np.random.default_rng(seed)
+    return {k: (v * (1 + rel * rng.standard_normal(v.shape))).astype(np.float32)
+            for k, v in tensors.items()}
+
+
 def random_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.5) -> Params:
     return params_from_hf(random_hf_tensors(cfg, seed, scale), cfg)
 

@@ -8,13 +8,12 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from models.config import tiny_config
-from models.params import random_hf_tensors
+from models.params import perturb_hf_tensors, random_hf_tensors
 from models.tokenizer import _byte_alphabet
 from ssd_jax import cli
 
@@ -57,8 +56,7 @@ def write_folder(folder, tensors, swap=False):
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli_models")
     t = random_hf_tensors(CFG, 0, scale=1.0)
-    rng = np.random.default_rng(1)
-    d = {k: (v * (1 + 0.05 * rng.standard_normal(v.shape))).astype(np.float32) for k, v in t.items()}
+    d = perturb_hf_tensors(t, 0.05, seed=1)
     return dict(target=write_folder(root / "target", t), draft=write_folder(root / "draft", d),
                 other=write_folder(root / "other_tok", d, swap=True), root=root)
 

@@ -6,13 +6,12 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
 from models.config import tiny_config
 from models.model import Model
-from models.params import params_from_hf, random_hf_tensors
+from models.params import params_from_hf, perturb_hf_tensors, random_hf_tensors
 from ssd_jax.engine import Engine, SSDConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,8 +30,7 @@ def write_hf(folder, tensors):
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("two_process")
     t = random_hf_tensors(CFG, 0, scale=1.0)
-    rng = np.random.default_rng(1)
-    d = {k: (v * (1 + 0.05 * rng.standard_normal(v.shape))).astype(np.float32) for k, v in t.items()}
+    d = perturb_hf_tensors(t, 0.05, seed=1)
     write_hf(root / "target", t)
     write_hf(root / "draft", d)
     return root, t, d
