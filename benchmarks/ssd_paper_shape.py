@@ -60,6 +60,22 @@ def _summary(out_list, mode):
     return d
 
 
+def _plan(ar_sd: dict, k: int):
+    """The fan-out `ssd_jax.policy.plan` picks for SSD at lookahead k from the 1-core AR/SD run:
+    T_1, T_v and the draft time are its medians; the acceptance is the geometric MLE of its
+    accept histogram; greedy misses when the draft's top-1 bonus guess is wrong, so miss_c = 1 - a."""
+    from ssd_jax import policy
+
+    res = {r["mode"]: r for r in ar_sd["results"]}
+    ar, sd = res["ar"], res["sd"]
+    hist = sd["accept_hist"]
+    acc = sum(j * c for j, c in enumerate(hist))
+    a = acc / (acc + sum(hist[:-1]))
+    sd_k = len(hist) - 1
+    costs = policy.Costs.measured(ar["step_s"], sd["verify_s"], sd["draft_s"], sd_k)
+    return policy.plan(costs, a, miss_c=max(1.0 - a, 1e-3), miss_r=1.0, ks=(k,))
+
+
 def worker(args) -> None:
     """One layout in this process; prints one JSON line."""
     if args.layout == "ssd-two-process":
@@ -74,7 +90,9 @@ def worker(args) -> None:
         eng = Engine(target, remote_draft=remote)
     else:
         eng = Engine(target, load_model(args.draft), placement="colocated")
-    fan = tuple(int(x) for x in args.fanout.split(",")) if args.fanout else None
+    if args.fanout == "plan" and args.layout == "ssd-two-process":
+        raise SystemExit("--fanout plan is resolved by the full script from its AR/SD run")
+    fan = None if args.fanout in ("uniform", "plan") else tuple(int(x) for x in args.fanout.split(","))
     warm = prompts[0]
     results = []
     modes = ["ar", "ssd"] if args.layout == "ssd-two-process" else ["ar", "sd"]
@@ -103,7 +121,9 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=4, help="SD lookahead")
     p.add_argument("--ssd-k", type=int, default=4)
-    p.add_argument("--fanout", default=None, help="SSD F_0..F_K (default one per position)")
+    p.add_argument("--fanout", default="plan",
+                   help="SSD F_0..F_K as a comma list, 'uniform' (one per position), or 'plan' "
+                        "(default: ssd_jax.policy.plan from the 1-core AR/SD run's measurements)")
     p.add_argument("--backup", default="neural")
     p.add_argument("--layout", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
@@ -113,9 +133,13 @@ def main() -> None:
     common = [a for a in sys.argv[1:]]
     runs = [("ar-sd-1core", "0"), ("ssd-two-process", None), ("ar-sd-2cores", "0,1")]
     table = []
+    chosen = None
     for layout, cores in runs:
         lay = "ssd-two-process" if layout == "ssd-two-process" else "colocated"
         cmd = [sys.executable, __file__, *common, "--layout", lay]
+        if lay == "ssd-two-process" and args.fanout == "plan":
+            chosen = _plan(table[0], args.ssd_k)
+            cmd += ["--fanout", ",".join(map(str, chosen.fanout))]
         if cores is not None:
             cmd = ["taskset", "-c", cores, *cmd]
         t0 = time.time()
@@ -158,6 +182,10 @@ def main() -> None:
         f"{ssd['backup_s'] * 1e3:.0f} ms on miss rounds, draft (tree) {ssd['draft_s']:.3f} s",
         f"- greedy outputs identical across AR, SD and SSD: {same}",
     ]
+    if chosen is not None:
+        lines.append(f"- SSD fan-out {chosen.fanout} chosen by ssd_jax.policy.plan from the 1-core run "
+                     f"(T_1, T_v, draft time, acceptance; predicted p_hit {chosen.p_hit:.2f}, "
+                     f"predicted SSD/AR {chosen.predicted_speedup:.2f}x)")
     report = "\n".join(lines)
     print(report)
     os.makedirs(args.out, exist_ok=True)

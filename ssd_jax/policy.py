@@ -45,6 +45,17 @@ class Costs:
     width_slope: float = 0.1  # extra cost per additional row of a draft forward, relative to td
     t_backup_fast: float = 0.0
 
+    @classmethod
+    def measured(cls, t1: float, tv: float, draft_s: float, k: int) -> "Costs":
+        """Costs from one run's medians: t1 a plain decode step, tv a K+1-token verify, draft_s
+        an SD round's drafting (catch-up + K draft steps). The extra cost per row is not
+        assumed: it is read off the target, whose verify is the same forward K+1 rows wide, as
+        width_slope = (tv / t1 - 1) / K (about 0.3 on XLA:CPU, about 0 on a GPU at batch 1)."""
+        if min(t1, tv, draft_s) <= 0 or k < 1:
+            raise ValueError(f"need positive times and K >= 1, got t1={t1}, tv={tv}, "
+                             f"draft_s={draft_s}, K={k}")
+        return cls(t1=t1, tv=tv, td=draft_s / k, width_slope=max(tv / t1 - 1.0, 0.0) / k)
+
     def tree(self, k: int, mq: int) -> float:
         """T_p = glue (K+1 tokens) + K tree steps over MQ branches."""
         step = self.td * (1 + self.width_slope * (mq - 1))
@@ -65,10 +76,14 @@ class Plan:
 def plan(costs: Costs, acceptance: float, miss_c: float = 0.5, miss_r: float = 1.0, *,
          ks: Sequence[int] = range(1, 9), budgets: Sequence[int] | None = None, batch: int = 1,
          vocab: int | None = None, acceptance_after_fast_backup: float = 0.0) -> Plan:
-    """Pick K, the fan-out (allocated as in spec §6) and the backup maximising the predicted speedup."""
+    """Pick K, the fan-out (allocated as in spec §6) and the backup maximising the predicted speedup.
+
+    Budgets default to MQ = 1 .. 4(K+1): narrow trees (fewer branches than outcomes) win where a
+    wide draft forward costs much more than a narrow one, as on a CPU, because a tree slower than
+    the verify is on the critical path of every round."""
     best = None
     for k in ks:
-        for mq in (budgets or range(k + 1, 4 * (k + 1) + 1)):
+        for mq in (budgets or range(1, 4 * (k + 1) + 1)):
             if mq < 1:
                 continue
             fan = fo.allocate(k, mq, acceptance, miss_r, vocab=vocab)

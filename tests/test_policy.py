@@ -73,6 +73,32 @@ def test_plan_picks_the_backup_the_formulas_favour():
     assert big.predicted_speedup == pytest.approx(chosen)
 
 
+def test_costs_measured_reads_the_width_cost_off_the_verify():
+    c = policy.Costs.measured(t1=0.25, tv=0.5, draft_s=0.4, k=4)
+    assert c.td == pytest.approx(0.1) and c.width_slope == pytest.approx(0.25)
+    assert policy.Costs.measured(0.25, 0.2, 0.4, 4).width_slope == 0.0  # never negative
+    with pytest.raises(ValueError, match="positive times"):
+        policy.Costs.measured(0.25, 0.0, 0.4, 4)
+
+
+def test_plan_narrows_the_tree_when_width_is_expensive():
+    # The same acceptance and draft cost; only what an extra row costs differs. Where a 5-row
+    # verify costs 2.1 decode steps (XLA:CPU) a wide tree would outlast the verify, so the plan
+    # drafts fewer branches than outcomes; where width is nearly free (a GPU) it covers them all.
+    a = 0.93
+    cpu = policy.plan(policy.Costs.measured(0.28, 0.59, 0.45, 4), a, miss_c=1 - a, ks=(4,))
+    gpu = policy.plan(policy.Costs.measured(0.28, 0.29, 0.45, 4), a, miss_c=1 - a, ks=(4,))
+    assert sum(cpu.fanout) < 5 <= sum(gpu.fanout)
+    assert cpu.fanout[-1] >= 1  # the likeliest outcome (all K accepted) is always covered
+    # and it beats the uniform fan-out (one candidate per position) under the same costs
+    costs = policy.Costs.measured(0.28, 0.59, 0.45, 4)
+    uni = fo.uniform(4, 1)
+    s_uni = policy.ssd_speedup(costs.t1, costs.tv, costs.tree(4, 5), 4 * costs.td,
+                               fo.hit_probability(uni, a, 1 - a, 1.0),
+                               policy.expected_tokens(a, 4), policy.expected_tokens(a, 4))
+    assert cpu.predicted_speedup > s_uni
+
+
 CFG = tiny_config("qwen2", vocab_size=64)
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17], [20, 21]]
 
