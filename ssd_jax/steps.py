@@ -106,8 +106,9 @@ def draft_chain(params: Params, cfg: ModelConfig, cache: KVCache, prev: jax.Arra
     Returns tokens [B, K], rows [B, K, V] (row_dtype), cache with KV for positions n-1..n+K-1.
     """
     cache = cache.with_lengths(n - 1)
-    logits, cache = forward(params, cfg, jnp.stack([prev, bonus], 1), cache)
-    last = logits[:, 1]
+    # last_only: the logits of `prev` are never used, and the vocab projection is a large share
+    # of a small draft's forward
+    last, cache = forward(params, cfg, jnp.stack([prev, bonus], 1), cache, last_only=True)
     toks, rows = [], []
     for i in range(k):
         keys = smp.position_keys(seed, request_ids, n + 1 + i, smp.STREAM_DRAFT)
