@@ -22,11 +22,10 @@ import argparse
 import datetime
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_vs_hf import ROOT, hf_model, machine_info, run_worker  # noqa: E402
+from decode_vs_hf import ROOT, machine_info, run_worker  # noqa: E402
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 
@@ -80,53 +79,17 @@ def worker_jax(n, max_new, k) -> dict:
 
 
 def worker_torch(n, max_new, k, threads, dtype) -> dict:
-    import torch
+    """HF AR and assisted generation: `ssd_jax.bench.worker_hf` (the loop `ssd-jax bench` runs),
+    greedy, on the same prompts; (new tokens - 1) / (generate time - separately timed prefill)."""
+    from ssd_jax.bench import worker_hf
+    from ssd_jax.benchmark_set import load_prompts
 
-    torch.set_num_threads(threads)
-    prompts, ids, eos = _prompt_ids(n)
-    target, _ = hf_model(TARGET, dtype)
-    draft, _ = hf_model(DRAFT, dtype)
-    for m in (target, draft):
-        m.generation_config.pad_token_id = eos[0]
-        m.generation_config.eos_token_id = list(eos)
-    draft.generation_config.num_assistant_tokens = k
-    draft.generation_config.num_assistant_tokens_schedule = "constant"
-    draft.generation_config.assistant_confidence_threshold = 0.0
-
-    def gen(x, new, assisted):
-        kw = dict(max_new_tokens=new, do_sample=False, eos_token_id=list(eos), pad_token_id=eos[0],
-                  attention_mask=torch.ones_like(x))
-        if assisted:
-            kw["assistant_model"] = draft
-        return target.generate(x, **kw)
-
-    def prefill_s(model, x):
-        t0 = time.perf_counter()
-        model(x, use_cache=True)
-        return time.perf_counter() - t0
-
-    out = dict(kind="torch", dtype=dtype, threads=torch.get_num_threads())
-    with torch.inference_mode():
-        for mode, assisted in (("ar", False), ("assisted", True)):
-            x0 = torch.tensor([ids[0]])
-            gen(x0, min(8, max_new), assisted)  # warm-up
-            per, tok_sum, time_sum = [], 0, 0.0
-            for p, x in zip(prompts, ids):
-                x = torch.tensor([x])
-                pre = prefill_s(target, x) + (prefill_s(draft, x) if assisted else 0.0)
-                t0 = time.perf_counter()
-                y = gen(x, max_new, assisted)
-                total = time.perf_counter() - t0
-                new = int(y.shape[1] - x.shape[1])
-                steady = max(total - pre, 1e-9)
-                tok_sum += new - 1
-                time_sum += steady
-                per.append(dict(id=p["id"], prompt_tokens=int(x.shape[1]), new_tokens=new,
-                                total_s=total, prefill_s=pre, tokens_per_s=(new - 1) / steady,
-                                token_ids=[int(t) for t in y[0, x.shape[1]:]]))
-            out[mode] = dict(tokens_per_s=tok_sum / time_sum, timed_tokens=tok_sum,
-                             decode_s=time_sum, prompts=per)
-    return out
+    prompts = load_prompts()
+    job = dict(target=TARGET, draft=DRAFT, cache_dir=None, prompts=prompts[:n] if n else prompts,
+               hf_dtype=dtype, k=k, temperature=0.0, top_k=0, top_p=1.0, seed=0, warmup=True,
+               max_new_tokens=max_new)
+    r = worker_hf(job, threads)
+    return dict(kind="torch", dtype=dtype, threads=r["torch_threads"], **r["modes"])
 
 
 def _agree(a: list[int], b: list[int]) -> int:

@@ -61,19 +61,12 @@ def _summary(out_list, mode):
 
 
 def _plan(ar_sd: dict, k: int):
-    """The fan-out `ssd_jax.policy.plan` picks for SSD at lookahead k from the 1-core AR/SD run:
-    T_1, T_v and the draft time are its medians; the acceptance is the geometric MLE of its
-    accept histogram; greedy misses when the draft's top-1 bonus guess is wrong, so miss_c = 1 - a."""
+    """The fan-out `ssd_jax.policy.plan` picks for SSD at lookahead k from the 1-core AR/SD run."""
     from ssd_jax import policy
 
     res = {r["mode"]: r for r in ar_sd["results"]}
     ar, sd = res["ar"], res["sd"]
-    hist = sd["accept_hist"]
-    acc = sum(j * c for j, c in enumerate(hist))
-    a = acc / (acc + sum(hist[:-1]))
-    sd_k = len(hist) - 1
-    costs = policy.Costs.measured(ar["step_s"], sd["verify_s"], sd["draft_s"], sd_k)
-    return policy.plan(costs, a, miss_c=max(1.0 - a, 1e-3), miss_r=1.0, ks=(k,))
+    return policy.plan_from_sd(ar["step_s"], sd["verify_s"], sd["draft_s"], sd["accept_hist"], ks=(k,))
 
 
 def worker(args) -> None:

@@ -25,7 +25,7 @@ from ssd_jax.batch import Batch, GenerationResult
 from ssd_jax.compile_cache import enable_compilation_cache
 from ssd_jax.draft_worker import DraftRun, DraftWorker, RoundState
 from ssd_jax.metrics import CompileTimer, Metrics, RoundTimes
-from ssd_jax.policy import BackupChooser, ssd_speedup
+from ssd_jax.policy import BackupChooser, plan_from_sd, ssd_speedup
 from ssd_jax.proposer import Proposer
 from ssd_jax.placement import Placement, make_placement, to_mesh
 from ssd_jax.sampling import SamplingParams
@@ -37,9 +37,11 @@ MODES = ("ar", "sd", "ssd")
 
 @dataclasses.dataclass(frozen=True)
 class SSDConfig:
-    """SSD knobs. fanout: F_0..F_K after a hit (None: one candidate per position);
-    fanout_backup: after a backup round (None: same as fanout; must have the same sum)."""
-    fanout: tuple[int, ...] | None = None
+    """SSD knobs. fanout: F_0..F_K after a hit (None: one candidate per position; "plan": the
+    fan-out `ssd_jax.policy.plan_from_sd` picks at this K from the times and acceptance this engine
+    measured in its last `ar` and `sd` runs, resolved when generate starts and reported in
+    `metrics.fanout`); fanout_backup: after a backup round (None: same as fanout; same sum)."""
+    fanout: tuple[int, ...] | str | None = None
     fanout_backup: tuple[int, ...] | None = None
     saguaro_c: float = 1.0
     backup: str = "neural"  # neural | random | ngram | auto (ssd_jax.policy.BackupChooser)
@@ -49,6 +51,9 @@ class SSDConfig:
     gather_kernel: bool = False  # Pallas outcome-conditioned gather instead of the jnp reference
 
     def lists(self, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        if isinstance(self.fanout, str):
+            raise ValueError(f"fanout {self.fanout!r}: give F_0..F_K, None, or 'plan' (which the "
+                             f"engine resolves from its measurements)")
         hit = tuple(self.fanout) if self.fanout is not None else fo.uniform(k, 1)
         backup = tuple(self.fanout_backup) if self.fanout_backup is not None else hit
         if len(hit) != k + 1 or len(backup) != k + 1:
@@ -116,6 +121,7 @@ class Engine:
         self.vocab_size = tok.vocab_size if tok is not None else target.cfg.vocab_size
         self.eos_ids = tuple(tok.eos_ids) if tok is not None else ()
         self._t1: float | None = None  # last measured plain decode step (for the §6 prediction)
+        self._sd: dict | None = None  # last SD run's verify / draft medians and accept histogram
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str, *, mode: str = "ssd",
@@ -292,11 +298,19 @@ class Engine:
             m.add_round(self._round_end(batch, RoundTimes(verify_s=t2 - t1, draft_s=t1 - t0,
                                                           active=active), t0, c0, n0))
         self.worker.finish()
+        steady = [r for r in m.timeline if not r.compiled]
+        if steady:
+            self._sd = dict(tv=float(np.median([r.verify_s for r in steady])),
+                            draft_s=float(np.median([r.draft_s for r in steady])),
+                            accept_hist=list(m.accept_hist), batch=batch.size)
 
     def _run_ssd(self, batch: Batch, rids, run, m: Metrics, ssd: SSDConfig):
         k = run["k"]
         m.init_hist(k)
+        if isinstance(ssd.fanout, str) and ssd.fanout == "plan":
+            ssd = dataclasses.replace(ssd, fanout=self.plan_fanout(k, batch.size), fanout_backup=None)
         f_hit, f_backup = ssd.lists(k)
+        m.fanout = f_hit
         vocab_rows = self.target.cfg.vocab_size
         check_budget(batch.size, sum(f_hit), k, vocab_rows, ssd.row_dtype, ssd.cache_budget_bytes)
         rids_t = to_mesh(rids, self.placement.target)
@@ -345,6 +359,18 @@ class Engine:
                 hit=int((hit & before.active).sum()), active=int(before.active.sum())), t0, c0, n0))
         draft.finish()
         m.predicted_speedup = self._predict(m)
+
+    def plan_fanout(self, k: int, batch: int = 1) -> tuple[int, ...]:
+        """The fan-out `policy.plan_from_sd` picks for SSD at lookahead k from this engine's last
+        `ar` run (T_1) and `sd` run (T_v, draft time, accept histogram)."""
+        if self._t1 is None or self._sd is None:
+            raise ValueError("fanout='plan' needs this engine's measurements: run generate(..., "
+                             "mode='ar') and generate(..., mode='sd') first, or give F_0..F_K")
+        sd = self._sd
+        if sum(sd["accept_hist"]) == 0:
+            raise ValueError("fanout='plan': the last SD run completed no timed round")
+        return plan_from_sd(self._t1, sd["tv"], sd["draft_s"], sd["accept_hist"], ks=(k,),
+                            batch=batch).fanout
 
     def _predict(self, m: Metrics) -> float | None:
         """Spec §6 speedup over plain decoding from this run's measured quantities (needs T_1 from

@@ -57,6 +57,7 @@ class Metrics:
     backups: dict[str, int] = dataclasses.field(default_factory=dict)
     timeline: list[RoundTimes] = dataclasses.field(default_factory=list)
     predicted_speedup: float | None = None
+    fanout: tuple[int, ...] | None = None  # SSD: the F_0..F_K used after a hit
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def init_hist(self, k: int) -> None:
@@ -104,9 +105,11 @@ class Metrics:
     def per_token_acceptance(self) -> float:
         """Maximum-likelihood geometric acceptance a: accepted / (accepted + rejections), the a of
         E = (1 - a^(K+1)) / (1 - a)."""
-        acc = sum(j * c for j, c in enumerate(self.accept_hist))
-        rej = sum(self.accept_hist[:-1]) if self.accept_hist else 0
-        return acc / (acc + rej) if acc + rej else float("nan")
+        from ssd_jax.policy import acceptance_from_hist
+        try:
+            return acceptance_from_hist(self.accept_hist)
+        except ValueError:  # no rounds yet (or an AR run)
+            return float("nan")
 
     @property
     def hit_rate(self) -> float:

@@ -100,6 +100,29 @@ def plan(costs: Costs, acceptance: float, miss_c: float = 0.5, miss_r: float = 1
     return best
 
 
+def acceptance_from_hist(accept_hist: Sequence[int]) -> float:
+    """Maximum-likelihood geometric per-token acceptance from an accepted-length histogram
+    (counts of k = 0..K accepted): accepted / (accepted + rejections)."""
+    acc = sum(j * c for j, c in enumerate(accept_hist))
+    rej = sum(accept_hist[:-1])
+    if acc + rej == 0:
+        raise ValueError(f"the accept histogram {list(accept_hist)} holds no rounds")
+    return acc / (acc + rej)
+
+
+def plan_from_sd(t1: float, tv: float, draft_s: float, accept_hist: Sequence[int], *,
+                 miss_c: float | None = None, miss_r: float = 1.0, **kw) -> Plan:
+    """`plan` from what an AR run and an SD run measure: t1 (AR step), tv and draft_s (SD round
+    medians) and the SD accept histogram (its length gives the SD K). miss_c defaults to 1 - a:
+    at temperature 0 the one-candidate fork misses exactly when the draft's top bonus guess
+    disagrees with the target's, which happens about as often as a draft token is rejected; at
+    temperature > 0 fit c, r with `calibrate_miss_rates` and pass them. kw go to `plan` (ks, ...)."""
+    k = len(accept_hist) - 1
+    a = acceptance_from_hist(accept_hist)
+    c = max(1.0 - a, 1e-3) if miss_c is None else miss_c
+    return plan(Costs.measured(t1, tv, draft_s, k), a, miss_c=c, miss_r=miss_r, **kw)
+
+
 class BackupChooser:
     """backup="auto": per miss round, the backup with the higher predicted speedup given running
     estimates. Neural is tried first (its time is unknown until measured); the fast backup's

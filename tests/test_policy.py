@@ -81,6 +81,16 @@ def test_costs_measured_reads_the_width_cost_off_the_verify():
         policy.Costs.measured(0.25, 0.0, 0.4, 4)
 
 
+def test_plan_from_sd_reads_k_and_acceptance_off_the_histogram():
+    hist = [2, 6, 2, 3, 37]  # k = 0..4 accepted
+    a = policy.acceptance_from_hist(hist)
+    assert a == pytest.approx(167 / (167 + 13))
+    p = policy.plan_from_sd(0.26, 0.57, 0.45, hist, ks=(4,))
+    assert p == policy.plan(policy.Costs.measured(0.26, 0.57, 0.45, 4), a, miss_c=1 - a, ks=(4,))
+    with pytest.raises(ValueError, match="no rounds"):
+        policy.acceptance_from_hist([0, 0, 0])
+
+
 def test_plan_narrows_the_tree_when_width_is_expensive():
     # The same acceptance and draft cost; only what an extra row costs differs. Where a 5-row
     # verify costs 2.1 decode steps (XLA:CPU) a wide tree would outlast the verify, so the plan

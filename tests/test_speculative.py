@@ -104,3 +104,22 @@ def test_speculation_cache_budget_error(target, drafts):
     eng = Engine(target, drafts["same"], compilation_cache=False)
     with pytest.raises(ValueError, match="speculation cache needs"):
         eng.generate(PROMPTS, mode="ssd", k=3, ssd=SSDConfig(cache_budget_bytes=1000))
+
+
+def test_planned_fanout_comes_from_the_engines_own_measurements(target, drafts, ar_reference):
+    eng = Engine(target, drafts["perturbed"], compilation_cache=False)
+    with pytest.raises(ValueError, match="mode='ar'"):
+        eng.generate(PROMPTS, mode="ssd", k=3, ssd=SSDConfig(fanout="plan"))
+    with pytest.raises(ValueError, match="'uniform'"):
+        SSDConfig(fanout="uniform").lists(3)
+    for mode in ("ar", "sd"):  # twice each: the first run compiles, its rounds are not timed
+        for _ in range(2):
+            eng.generate(PROMPTS, mode=mode, max_new_tokens=24, k=3)
+    from ssd_jax.policy import plan_from_sd
+    sd = eng._sd
+    want = plan_from_sd(eng._t1, sd["tv"], sd["draft_s"], sd["accept_hist"], ks=(3,),
+                        batch=len(PROMPTS)).fanout
+    out = eng.generate(PROMPTS, mode="ssd", max_new_tokens=24, k=3, ssd=SSDConfig(fanout="plan"))
+    assert out.metrics.fanout == want == eng.plan_fanout(3, len(PROMPTS))
+    assert len(want) == 4 and sum(want) >= 1
+    check(target, PROMPTS, out.token_ids, ar_reference)
