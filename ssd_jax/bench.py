@@ -87,7 +87,8 @@ def add_arguments(b: argparse.ArgumentParser, fanout_type) -> None:
     b.add_argument("--max-new-tokens", type=int, default=None,
                    help="default ssd_jax.benchmark_set.MAX_NEW_TOKENS (128)")
     b.add_argument("--k", type=int, default=4, help="lookahead K (draft tokens per round)")
-    b.add_argument("--fanout", type=fanout_type, default=None, help="SSD F_0..F_K, e.g. 2,2,1,1,1")
+    b.add_argument("--fanout", type=fanout_type, default=None,
+                   help="SSD F_0..F_K, e.g. 2,2,1,1,1, or 'plan' (from this layout's AR and SD runs)")
     b.add_argument("--saguaro-c", type=float, default=1.0)
     b.add_argument("--backup", choices=("neural", "random", "ngram", "auto"), default="neural")
     b.add_argument("--temperature", type=float, default=0.0)
@@ -207,7 +208,12 @@ def _validate(args) -> None:
     if args.k < 1:
         raise ValueError(f"--k must be >= 1, got {args.k}")
     SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    SSDConfig(fanout=args.fanout, saguaro_c=args.saguaro_c, backup=args.backup).lists(args.k)
+    if args.fanout == "plan":
+        if not {"ar", "sd", "ssd"} <= set(args.modes):
+            raise ValueError("--fanout plan needs --modes ar,sd,ssd: the plan is made from the AR "
+                             "and SD runs of the same layout")
+    else:
+        SSDConfig(fanout=args.fanout, saguaro_c=args.saguaro_c, backup=args.backup).lists(args.k)
     from models.config import canonical_dtype
     args.dtype = canonical_dtype(args.dtype)
     usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
@@ -294,7 +300,8 @@ def run(args) -> int:
     hf = args.hf == "yes" or (args.hf == "auto" and _hf_available())
     job = dict(target=args.target, draft=args.draft, dtype=args.dtype, cache_dir=args.cache_dir,
                prompts=prompts, max_new_tokens=args.max_new_tokens, k=args.k,
-               fanout=list(args.fanout) if args.fanout else None, saguaro_c=args.saguaro_c,
+               fanout=(args.fanout if args.fanout == "plan" else
+                       list(args.fanout) if args.fanout else None), saguaro_c=args.saguaro_c,
                backup=args.backup, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                seed=args.seed, modes=list(args.modes), warmup=args.warmup, max_len=args.max_len,
                cores=list(cores), hf_dtype=args.hf_dtype)
@@ -623,7 +630,8 @@ def worker_layout(layout: str, job: dict) -> dict:
     ids = [tok.encode(p["text"]) for p in job["prompts"]]
     k = job["k"]
     sampling = SamplingParams(temperature=job["temperature"], top_k=job["top_k"], top_p=job["top_p"])
-    ssd = SSDConfig(fanout=tuple(job["fanout"]) if job["fanout"] else None,
+    fan = job["fanout"]
+    ssd = SSDConfig(fanout=fan if fan == "plan" else tuple(fan) if fan else None,
                     saguaro_c=job["saguaro_c"], backup=job["backup"])
     kw = dict(sampling=sampling, k=k, ssd=ssd, seed=job["seed"])
     modes, t1 = {}, None
@@ -650,6 +658,7 @@ def worker_layout(layout: str, job: dict) -> dict:
                 rec["predicted_speedup"] = _sd_prediction(m, t1, k)
             if mode == "ssd":
                 rec.update(hits=m.hits, lookups=m.lookups, hit_rate=m.hit_rate,
+                           fanout=list(m.fanout) if m.fanout else None,
                            backups=dict(m.backups), backup_s=m.backup_s,
                            accept_hist_after_hit=list(m.accept_hist_after_hit),
                            accept_hist_after_miss=list(m.accept_hist_after_miss),

@@ -14,11 +14,14 @@ from models import registry
 EXIT_USAGE = 2
 
 
-def _fanout(text: str) -> tuple[int, ...]:
+def _fanout(text: str) -> tuple[int, ...] | str:
+    if text == "plan":  # SSDConfig(fanout="plan"): planned from the engine's own AR and SD runs
+        return text
     try:
         return tuple(int(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"fan-out must be comma-separated integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"fan-out must be comma-separated integers or 'plan', "
+                                         f"got {text!r}")
 
 
 class _Parser(argparse.ArgumentParser):

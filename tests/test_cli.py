@@ -139,7 +139,7 @@ def test_bench_writes_json_table_and_plots(pair, capsys, tmp_path):
     out_dir = tmp_path / "bench"
     rc, out, err = run_cli(["bench", "--target", pair["target"], "--draft", pair["draft"],
                             "--prompts-file", str(prompts), "--limit", "2", "--max-new-tokens", "8",
-                            "--layouts", "colocated", "--k", "3", "--fanout", "2,2,1,1",
+                            "--layouts", "colocated", "--k", "3", "--fanout", "plan",
                             "--max-len", "256", "--out", str(out_dir)], capsys)
     assert rc == 0, err
     rep = json.loads((out_dir / "bench.json").read_text())
@@ -154,6 +154,9 @@ def test_bench_writes_json_table_and_plots(pair, capsys, tmp_path):
         # greedy outputs equal AR's, prompt by prompt
         assert [p["token_ids"] for p in m["prompts"]] == [p["token_ids"] for p in ar["prompts"]]
     assert lay["modes"]["ssd"]["lookups"] > 0 and lay["modes"]["ssd"]["hit_rate"] is not None
+    # --fanout plan: each SSD prompt ran the fan-out planned from this layout's AR and SD runs
+    fans = [p["fanout"] for p in lay["modes"]["ssd"]["prompts"]]
+    assert len(fans[0]) == 4 and sum(fans[0]) >= 1 and fans == [fans[0]] * len(fans)
     assert not rep["errors"]
     if "hf" in rep:  # torch installed: HF AR on the same weights agrees with ours
         assert [p["token_ids"] for p in rep["hf"]["modes"]["ar"]["prompts"]] == \
@@ -229,6 +232,7 @@ def test_generate_model_errors(pair, capsys, tmp_path):
     (["--cores", "0"], "--cores"),
     (["--cores", "0,4096"], "may only use CPUs"),
     (["--limit", "-2"], "limit"),
+    (["--fanout", "plan", "--modes", "ar,ssd"], "--fanout plan needs"),
 ])
 def test_bench_bad_flags(pair, capsys, tmp_path, extra, needle):
     rc, _, err = run_cli(["bench", "--target", pair["target"], "--draft", pair["draft"],
