@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from ssd_jax.sampling import SamplingParams, probs_from_logits, sample_from_probs
+from ssd_jax.small_topk import kth_largest
 
 
 def saguaro_scale(q: jax.Array, raw_logits: jax.Array, top_n: int, c: float) -> jax.Array:
@@ -25,7 +26,7 @@ def saguaro_scale(q: jax.Array, raw_logits: jax.Array, top_n: int, c: float) -> 
     if c == 1.0 or top_n <= 0:
         return q
     V = raw_logits.shape[-1]
-    kth = jax.lax.top_k(raw_logits, min(top_n, V))[0][..., -1:]
+    kth = kth_largest(raw_logits, min(top_n, V))
     scaled = jnp.where(raw_logits >= kth, q * jnp.float32(c), q)
     total = jnp.sum(scaled, axis=-1, keepdims=True)
     return scaled / jnp.where(total > 0, total, 1.0)

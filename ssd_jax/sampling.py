@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ssd_jax.small_topk import kth_largest
+
 # Streams separate the independent random draws made at one (request, position): drafting a token,
 # the accept coin for it, the residual/bonus draw, plain sampling, and a backup speculator's draws.
 # Reusing one key for two of these would correlate, e.g., a draft token with its own accept coin.
@@ -199,7 +201,7 @@ def probs_from_logits(logits, params: SamplingParams, vocab_size: int | None = N
         # Threshold semantics (keep everything >= the k-th largest): ties at the boundary are all
         # kept, which makes the result independent of sort stability. If fewer than k logits are
         # finite, the threshold is -inf and -inf entries still get probability exp(-inf) = 0.
-        kth = jax.lax.top_k(x, params.top_k)[0][..., -1:]
+        kth = kth_largest(x, params.top_k)
         x = jnp.where(x >= kth, x, -jnp.inf)
 
     e = jnp.exp(x)  # max entry is exp(0) = 1 whenever the row has a finite logit

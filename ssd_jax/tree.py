@@ -16,6 +16,7 @@ from models.params import Params
 from models.transformer import forward, init_branch_kv, tree_step
 from ssd_jax import sampling as smp
 from ssd_jax.saguaro import propose
+from ssd_jax.small_topk import top_k_indices
 from ssd_jax.speculation_cache import SpeculationCache
 
 
@@ -40,7 +41,7 @@ def fork(glue_logits: jax.Array, spec: jax.Array, fanout: tuple[int, ...],
             row = jnp.where(jnp.arange(V) < vocab_size, row, -jnp.inf)
         if j < K:
             row = row.at[jnp.arange(B), spec[:, j]].set(-jnp.inf)
-        cs.append(jax.lax.top_k(row, f)[1].astype(jnp.int32))
+        cs.append(top_k_indices(row, f))
         js.append(jnp.full((B, f), j, jnp.int32))
     return jnp.concatenate(js, 1), jnp.concatenate(cs, 1)
 
