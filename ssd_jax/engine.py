@@ -302,12 +302,12 @@ class Engine:
         if steady:
             self._sd = dict(tv=float(np.median([r.verify_s for r in steady])),
                             draft_s=float(np.median([r.draft_s for r in steady])),
-                            accept_hist=list(m.accept_hist), batch=batch.size)
+                            accept_hist=list(m.accept_hist))
 
     def _run_ssd(self, batch: Batch, rids, run, m: Metrics, ssd: SSDConfig):
         k = run["k"]
         m.init_hist(k)
-        if isinstance(ssd.fanout, str) and ssd.fanout == "plan":
+        if ssd.fanout == "plan":
             ssd = dataclasses.replace(ssd, fanout=self.plan_fanout(k, batch.size), fanout_backup=None)
         f_hit, f_backup = ssd.lists(k)
         m.fanout = f_hit

@@ -14,6 +14,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from ssd_jax.policy import acceptance_from_hist
+
 _COMPILE_EVENTS = (
     "/jax/core/compile/jaxpr_trace_duration",
     "/jax/core/compile/jaxpr_to_mlir_module_duration",
@@ -105,7 +107,6 @@ class Metrics:
     def per_token_acceptance(self) -> float:
         """Maximum-likelihood geometric acceptance a: accepted / (accepted + rejections), the a of
         E = (1 - a^(K+1)) / (1 - a)."""
-        from ssd_jax.policy import acceptance_from_hist
         try:
             return acceptance_from_hist(self.accept_hist)
         except ValueError:  # no rounds yet (or an AR run)
