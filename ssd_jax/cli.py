@@ -92,6 +92,9 @@ def _generate(args) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.fanout == "plan":  # one generate call has no earlier AR and SD runs to plan from
+        raise ValueError("--fanout plan needs AR and SD runs to plan from: use it with "
+                         "`ssd-jax bench`, or give F_0..F_K")
     prompt = args.prompt
     if args.prompt_file is not None:
         with open(args.prompt_file, encoding="utf-8") as fh:

@@ -197,6 +197,7 @@ def assert_one_line_error(rc, err, *needles):
     (["--max-new-tokens", "0"], "max-new-tokens"),
     (["--fanout", "1,x"], "fan-out"),
     (["--fanout", "1,2"], "K+1"),
+    (["--fanout", "plan"], "ssd-jax bench"),
     (["--k", "0"], "K must be >= 1"),
     (["--saguaro-c", "2"], "saguaro_c"),
     (["--dtype", "fp8"], "dtype"),
