@@ -109,6 +109,14 @@ def _logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     return jnp.einsum("...e,ev->...v", x, w, preferred_element_type=jnp.float32)
 
 
+@functools.partial(jax.vmap, in_axes=(0, 0, 0))
+def _write(c, positions, new):
+    """c[b, positions[b, t]] = new[b, t] (slots past the buffer dropped). Written per sequence with
+    `vmap`, so the scatter carries the batch as a batching dimension: a cache sharded over the batch
+    (data-parallel draft) is updated on each shard without gathering the new KV across devices."""
+    return c.at[positions].set(new.astype(c.dtype), mode="drop")
+
+
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache,
             num_new: jax.Array | None = None, *, window: int | None = None,
             last_only: bool = False) -> tuple[jax.Array, KVCache]:
@@ -123,13 +131,12 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache,
         num_new = jnp.full((B,), T, jnp.int32)
     W = cache.max_len if window is None else min(int(window), cache.max_len)
     positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    rows = jnp.arange(B)[:, None]
     x = params.embed[tokens]
     new_k, new_v = [], []
     for lp, kc, vc in zip(params.layers, cache.k, cache.v):
         q, k, v = _qkv(lp, cfg, x, positions)
-        kc = kc.at[rows, positions].set(k.astype(kc.dtype), mode="drop")
-        vc = vc.at[rows, positions].set(v.astype(vc.dtype), mode="drop")
+        kc = _write(kc, positions, k)
+        vc = _write(vc, positions, v)
         att = cache_attention(q, kc[:, :W], vc[:, :W], positions, cfg)
         x = x + att @ lp.wo
         x = x + _mlp(lp, cfg, x)

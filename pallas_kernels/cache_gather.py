@@ -39,14 +39,14 @@ def cache_gather_reference(keys, valid, tokens, rows, outcome):
     Returns hit [B] bool, index [B] int32 (-1 on a miss), next_tokens [B, K] (0 on a miss),
     next_rows [B, K, V] in rows' dtype (0 on a miss). Keys are unique among valid branches.
     """
-    B = keys.shape[0]
     match = valid.astype(bool) & jnp.all(keys == outcome[:, None, :], axis=-1)  # [B, MQ]
     hit = jnp.any(match, axis=-1)
     index = jnp.where(hit, jnp.argmax(match, axis=-1), -1).astype(jnp.int32)
     safe = jnp.maximum(index, 0)
-    batch = jnp.arange(B)
-    next_tokens = jnp.where(hit[:, None], tokens[batch, safe], 0).astype(tokens.dtype)
-    next_rows = jnp.where(hit[:, None, None], rows[batch, safe], 0).astype(rows.dtype)
+    # per-sequence takes (batching dims): no cross-device gather when the batch is sharded
+    pick = jax.vmap(lambda x, i: x[i])
+    next_tokens = jnp.where(hit[:, None], pick(tokens, safe), 0).astype(tokens.dtype)
+    next_rows = jnp.where(hit[:, None, None], pick(rows, safe), 0).astype(rows.dtype)
     return hit, index, next_tokens, next_rows
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from models.kv_cache import init_cache
 from ssd_jax import backups, steps
-from ssd_jax.placement import to_host, to_mesh
+from ssd_jax.placement import settle, spans_processes, to_host, to_mesh
 from ssd_jax.speculation_cache import lookup
 from ssd_jax.tree import draft_tree
 
@@ -64,6 +64,7 @@ class DraftWorker:
         self.cache = None
         self._tree = None
         self._tree_s = None
+        self._serial = spans_processes(sharding.mesh)
 
     def _put(self, x):
         x = np.asarray(x)
@@ -82,8 +83,9 @@ class DraftWorker:
         B = prompt_tokens.shape[0]
         self._batch, self.rows = B, _batch_sharding(self.sharding, B)
         self.cache = init_cache(self.cfg, B, cache_len, sharding=self.rows)
-        self.cache = steps.prefill_cache(self.params, self.cfg, self.cache, self._put(prompt_tokens),
-                                         self._put(prompt_lens))
+        self.cache = settle(steps.prefill_cache(self.params, self.cfg, self.cache,
+                                                self._put(prompt_tokens), self._put(prompt_lens)),
+                            self._serial)
 
     def propose(self, s: RoundState, run: DraftRun, saguaro_top_n: tuple[int, ...] = (),
                 saguaro_c: float = 1.0):
@@ -92,7 +94,7 @@ class DraftWorker:
             self.params, self.cfg, self.cache, self._put(s.prev), self._put(s.bonus), self._put(s.n),
             jnp.int32(run.seed), self._put(run.request_ids), run.sampling, self.vocab_size, run.k,
             saguaro_top_n, saguaro_c, run.row_dtype)
-        return spec, self._fit_rows(rows)
+        return settle((spec, self._fit_rows(rows)), self._serial)
 
     def backup(self, s: RoundState, run: DraftRun):
         """A speculation from each row's real outcome (spec §5). Saguaro scales the top F^b_i + 1
@@ -104,7 +106,7 @@ class DraftWorker:
         kw = dict(k=run.k, vocab_size=self.vocab_size, row_vocab=self.row_vocab,
                   row_dtype=run.row_dtype)
         if run.backup == "random":
-            return backups.random_speculation(seed, rids, n, **kw)
+            return settle(backups.random_speculation(seed, rids, n, **kw), self._serial)
         if run.backup == "ngram":
             spec, rows = backups.ngram_speculation(s.history, seed, rids, n, **kw)
             return self._put(spec), self._put(rows)
@@ -122,6 +124,7 @@ class DraftWorker:
             self._put(s.n), self._put(s.active), self._put(from_backup), jnp.int32(run.seed),
             self._put(run.request_ids), run.sampling, self.vocab_size, run.fanout_hit,
             run.fanout_backup, top_n, run.saguaro_c, run.row_dtype, run.attention)
+        settle(self._tree, self._serial)
         self._tree_s = None
         if wait:
             jax.block_until_ready(self._tree)
@@ -136,14 +139,12 @@ class DraftWorker:
         self._tree = None
         hit = to_host(hit)
         t1 = time.perf_counter()
-        rows = self._fit_rows(rows)
+        rows = settle(self._fit_rows(rows), self._serial)
         missed = ~hit & s.active
         backup_s = 0.0
         if missed.any():
             bspec, brows = self.backup(s, run)
-            m = self._put(missed)
-            spec = jnp.where(m[:, None], bspec, spec)
-            rows = jnp.where(m[:, None, None], brows, rows)
+            spec, rows = _take_backup(self._put(missed), bspec, spec, brows, rows)
             jax.block_until_ready(rows)
             backup_s = time.perf_counter() - t1
         times = {"tree_wait_s": t1 - t0, "backup_s": backup_s}
@@ -153,6 +154,14 @@ class DraftWorker:
 
     def finish(self):
         """End of a generate call (a remote worker is told to stop waiting for outcomes)."""
+
+
+@jax.jit
+def _take_backup(missed, bspec, spec, brows, rows):
+    """The backup's speculation [B, K] and rows [B, K, V] for the rows that missed [B], the
+    cached ones elsewhere (one computation, see `ssd_jax.placement.spans_processes`)."""
+    return (jnp.where(missed[:, None], bspec, spec),
+            jnp.where(missed[:, None, None], brows, rows))
 
 
 def _batch_sharding(sharding, batch: int):

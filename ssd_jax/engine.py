@@ -27,7 +27,7 @@ from ssd_jax.draft_worker import DraftRun, DraftWorker, RoundState
 from ssd_jax.metrics import CompileTimer, Metrics, RoundTimes
 from ssd_jax.policy import BackupChooser, plan_from_sd, ssd_speedup
 from ssd_jax.proposer import Proposer
-from ssd_jax.placement import Placement, make_placement, to_mesh
+from ssd_jax.placement import Placement, make_placement, settle, spans_processes, to_mesh
 from ssd_jax.sampling import SamplingParams
 from ssd_jax.sharding import init_target_cache, shard_target
 from ssd_jax.speculation_cache import check_budget
@@ -117,6 +117,7 @@ class Engine:
         # tcfg: the target's config as its (possibly tensor-parallel) weights are laid out
         self.tcfg, self.tparams = shard_target(target.params, target.cfg,
                                                self.placement.target_mesh)
+        self._serial = spans_processes(self.placement.target_mesh)
         tok = target.tokenizer
         self.vocab_size = tok.vocab_size if tok is not None else target.cfg.vocab_size
         self.eos_ids = tuple(tok.eos_ids) if tok is not None else ()
@@ -211,9 +212,9 @@ class Engine:
         tgt = self.placement.target
         cfg = self.tcfg
         self.tcache = init_target_cache(cfg, B, cache_len, self.placement.target_mesh)
-        first, lp, self.tcache = steps.prefill(
+        first, lp, self.tcache = settle(steps.prefill(
             self.tparams, cfg, self.tcache, to_mesh(toks, tgt), to_mesh(batch.prompt_lens, tgt),
-            run["seed"], to_mesh(rids, tgt), run["sampling"], self.vocab_size)
+            run["seed"], to_mesh(rids, tgt), run["sampling"], self.vocab_size), self._serial)
         if mode != "ar":
             self.worker.start(toks, batch.prompt_lens, cache_len)
         first, lp = np.asarray(first), np.asarray(lp)
@@ -249,11 +250,11 @@ class Engine:
 
     def _verify(self, batch: Batch, spec, rows, rids_t, run):
         tgt, cfg = self.placement.target, self.tcfg
-        res, lp, self.tcache = steps.verify(
+        res, lp, self.tcache = settle(steps.verify(
             self.tparams, cfg, self.tcache, to_mesh(batch.bonus, tgt), to_mesh(spec, tgt),
             to_mesh(rows, self.placement.target_rows(rows.shape[-1])), to_mesh(batch.active, tgt),
             run["seed"], rids_t, run["sampling"],
-            self.vocab_size, run["verifier"])
+            self.vocab_size, run["verifier"]), self._serial)
         return res, lp
 
     def _commit(self, batch: Batch, res, lp, m: Metrics, from_backup=None) -> np.ndarray:

@@ -108,6 +108,27 @@ def make_placement(kind: str = "split", devices=None, *, target_devices: int | N
     return Placement(_mesh(tgt, "model"), _mesh(drf, "data"))
 
 
+def spans_processes(mesh: Mesh) -> bool:
+    """Whether `mesh` is a CPU mesh with devices of more than one process (multi-controller JAX).
+
+    Its computations all-reduce and all-gather over gloo, which pairs the messages of two processes
+    by the order in which they reach each collective. XLA:CPU runs independent computations
+    concurrently, so two in flight at once can reach their collectives in a different order on
+    each process and read each other's bytes (gloo aborts: "Received data size doesn't match").
+    Such computations therefore run one at a time (`settle`); this gives up the overlap, which a
+    CPU runtime spanning processes is for testing the layouts anyway. GPU collectives (NCCL) are
+    ordered on each device's stream and need none of this."""
+    devs = list(mesh.devices.flat)
+    return devs[0].platform == "cpu" and any(d.process_index != jax.process_index() for d in devs)
+
+
+def settle(tree, serial: bool):
+    """`tree` once computed when `serial` (see `spans_processes`); as is, still in flight, if not."""
+    if serial:
+        jax.block_until_ready(tree)
+    return tree
+
+
 def to_mesh(tree, sharding: NamedSharding):
     if jax.process_count() == 1:
         return jax.device_put(tree, sharding)
@@ -135,4 +156,22 @@ def to_host(x) -> np.ndarray:
         return np.asarray(x)
     from jax.experimental import multihost_utils
 
+    _lockstep(x)
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+_GATHERS = [0]
+
+
+def _lockstep(x):
+    """Every process reaches this gather with `x` computed before any starts it. Without this,
+    a process that finished one gather can start the next one's messages while the other is still
+    inside the first, and gloo (CPU) hands them to the wrong receive ("Received data size doesn't
+    match expected size"). The barrier is the coordination service's (not a collective)."""
+    from jax._src import distributed
+
+    jax.block_until_ready(x)
+    client = distributed.global_state.client
+    if client is not None:
+        _GATHERS[0] += 1
+        client.wait_at_barrier(f"ssd_jax_to_host_{_GATHERS[0]}", timeout_in_ms=600_000)

@@ -40,7 +40,8 @@ def fork(glue_logits: jax.Array, spec: jax.Array, fanout: tuple[int, ...],
         if vocab_size < V:
             row = jnp.where(jnp.arange(V) < vocab_size, row, -jnp.inf)
         if j < K:
-            row = row.at[jnp.arange(B), spec[:, j]].set(-jnp.inf)
+            # per sequence (vmap: the batch stays a batching dim, nothing crosses DP shards)
+            row = jax.vmap(lambda r, t: r.at[t].set(-jnp.inf))(row, spec[:, j])
         cs.append(top_k_indices(row, f))
         js.append(jnp.full((B, f), j, jnp.int32))
     return jnp.concatenate(js, 1), jnp.concatenate(cs, 1)

@@ -185,6 +185,31 @@ def case_hlo() -> dict:
     return out
 
 
+def case_dp_draft(dump: str) -> dict:
+    """Collectives in every program a 2-device data-parallel draft compiles (layout 1+2, batch 4,
+    SD and SSD with hits and misses). The target has one device, so any collective is the draft's."""
+    import glob
+
+    from models.model import Model
+    from models.params import perturb, random_params
+    from ssd_jax.engine import Engine, SSDConfig
+
+    cfg = _cfg()
+    target = Model(cfg, random_params(cfg, 0, scale=1.0))
+    draft = Model(cfg, perturb(target.params, jax.random.key(1), 0.2))
+    eng = Engine(target, draft, placement="1+2", compilation_cache=False)
+    eng.generate(PROMPTS, mode="sd", k=3, max_new_tokens=8)
+    r = eng.generate(PROMPTS, mode="ssd", k=3, ssd=SSDConfig(fanout=(2, 2, 1, 1)), max_new_tokens=8)
+    programs = {}
+    for path in sorted(glob.glob(os.path.join(dump, "*after_optimizations.txt"))):
+        name = os.path.basename(path).split(".")[1]
+        text = open(path).read()
+        n = sum(len(re.findall(rf"\s{op}(?:-start)?\(", text)) for op in _COLLECTIVES)
+        programs[name] = programs.get(name, 0) + n
+    return {"programs": programs, "draft_cache_spec": str(eng.worker.cache.k[0].sharding.spec),
+            "hits": r.metrics.hits, "lookups": r.metrics.lookups}
+
+
 def case_multihost(process_id: int, num_processes: int, port: int) -> dict:
     """Two-process smoke of multi-controller JAX on the CPU (gloo collectives): each process has
     2 devices; a 2+2 layout takes one device of each process per mesh, so the TP target all-reduces
@@ -215,7 +240,7 @@ def case_multihost(process_id: int, num_processes: int, port: int) -> dict:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("case", choices=("logits", "engine", "hlo", "multihost"))
+    ap.add_argument("case", choices=("logits", "engine", "hlo", "dp_draft", "multihost"))
     ap.add_argument("--devices", type=int, default=8)
     ap.add_argument("--process-id", type=int, default=0)
     ap.add_argument("--num-processes", type=int, default=2)
@@ -224,6 +249,15 @@ def main():
     jax.config.update("jax_num_cpu_devices", a.devices)
     if a.case == "multihost":
         res = case_multihost(a.process_id, a.num_processes, a.port)
+    elif a.case == "dp_draft":
+        import tempfile
+
+        dump = tempfile.mkdtemp(prefix="ssd_jax_hlo_")
+        # read when the CPU client starts, i.e. at the first jax.devices() below
+        os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} "
+                                   "--xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$")
+        assert len(jax.devices()) == a.devices, jax.devices()
+        res = case_dp_draft(dump)
     else:
         assert len(jax.devices()) == a.devices, jax.devices()
         res = {"logits": case_logits, "engine": case_engine, "hlo": case_hlo}[a.case]()

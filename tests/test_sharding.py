@@ -96,6 +96,20 @@ def test_compiled_verify_all_reduces_and_gathers_no_weights():
         assert all(o["shape"][-1] <= tp for o in gathers), gathers  # only vocab-parallel argmax partials
 
 
+def test_data_parallel_draft_never_communicates():
+    """A batch-sharded draft decodes each shard's own sequences: its compiled programs (prefill,
+    drafting, the SSD tree, the lookup, backups) hold no collective. Per-sequence writes and takes
+    are vmapped so the batch stays a batching dimension GSPMD keeps local."""
+    r = _worker("dp_draft", devices=3)
+    assert r["draft_cache_spec"] == "P('data',)"
+    assert 0 < r["hits"] < r["lookups"]  # the lookup and the backups both ran
+    progs = r["programs"]
+    for name in ("prefill_cache", "draft_chain", "draft_tree", "cache_gather_reference",
+                 "_take_backup"):
+        assert f"jit_{name}" in progs, sorted(progs)
+    assert {n: c for n, c in progs.items() if c} == {}, progs
+
+
 @pytest.mark.slow
 def test_two_process_multi_controller_smoke():
     """jax.distributed on two CPU processes (2 devices each, gloo): layout 2+2 with one device of
