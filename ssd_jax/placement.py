@@ -167,7 +167,9 @@ def _lockstep(x):
     """Every process reaches this gather with `x` computed before any starts it. Without this,
     a process that finished one gather can start the next one's messages while the other is still
     inside the first, and gloo (CPU) hands them to the wrong receive ("Received data size doesn't
-    match expected size"). The barrier is the coordination service's (not a collective)."""
+    match expected size"). The barrier is the coordination service's (not a collective), the one
+    jax's own array serialization waits at; its ids count gathers, so every process must make the
+    same `to_host` calls in the same order, as multi-controller JAX already requires of collectives."""
     from jax._src import distributed
 
     jax.block_until_ready(x)
