@@ -132,13 +132,14 @@ def worker_jax(context: int, iters: int, k: int) -> dict:
 
     from models.kv_cache import init_cache
     from models.load import load_model
+    from models.params import decode_bytes
     from ssd_jax import steps
     from ssd_jax.sampling import SamplingParams
     from ssd_jax.verify import rejection_sample
 
     model = load_model(TARGET, "float32")
     cfg, params = model.cfg, jax.device_put(model.params)
-    nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+    nbytes = decode_bytes(params)  # the head's bytes once (an untied copy is read, not the embedding)
     V = model.tokenizer.vocab_size
     sp = SamplingParams()
     rng = np.random.default_rng(0)

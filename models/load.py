@@ -9,7 +9,7 @@ from pathlib import Path
 from models import checkpoint, registry
 from models.config import ModelConfig, canonical_dtype
 from models.model import Model
-from models.params import params_from_hf
+from models.params import params_from_hf, untie_lm_head
 
 
 def _read(path: Path):
@@ -23,6 +23,14 @@ def _read(path: Path):
 def _tokenizer(path: Path):
     from models.tokenizer import Tokenizer
     return Tokenizer.from_hf_folder(path) if path.is_dir() else Tokenizer.from_gguf(path)
+
+
+def cpu_kernel_head() -> bool:
+    """Whether a loaded tied fp32 model gets its head as a [hidden, V] copy for the CPU kernel:
+    on a CPU backend where the kernel builds (models/cpu_matmul.py)."""
+    import jax
+    from models import cpu_matmul
+    return jax.default_backend() == "cpu" and cpu_matmul.available()
 
 
 def load_model(name_or_path: str | Path, dtype: str = "float32", *, use_cache: bool = True,
@@ -46,5 +54,7 @@ def load_model(name_or_path: str | Path, dtype: str = "float32", *, use_cache: b
         del tensors
         if use_cache:
             checkpoint.save(ckpt, params, cfg)
+    if cfg.tie_embeddings and cfg.dtype == "float32" and cpu_kernel_head():
+        params = untie_lm_head(params)
     tok = _tokenizer(path) if with_tokenizer else None
     return Model(cfg=cfg, params=params, tokenizer=tok, name=str(name_or_path))

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from models import cpu_matmul
 from models.config import ModelConfig
 from models.kv_cache import KVCache
 from models.params import LayerParams, Params
@@ -44,6 +45,13 @@ def apply_rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Arra
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+def dense(cfg: ModelConfig, x: jax.Array, w: jax.Array, transpose_w: bool = False,
+          preferred_element_type=None) -> jax.Array:
+    """x [..., K] @ w [K, N] (w [N, K] with `transpose_w`): the CPU small-M kernel where it serves."""
+    return cpu_matmul.matmul(x, w, transpose_w=transpose_w, enabled=cfg.cpu_kernels,
+                             preferred_element_type=preferred_element_type)
+
+
 def _tp_groups(cfg: ModelConfig) -> int:
     """How many tensor-parallel groups the fused wqkv / w_gate_up columns are laid out in: 1 for
     the checkpoint layout, the TP degree for `ssd_jax.sharding.TPConfig` (see ssd_jax/sharding.py)."""
@@ -54,7 +62,7 @@ def _qkv(lp: LayerParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array):
     """x [B, T, E] -> q [B, T, H, D], k, v [B, T, KVH, D] (normed, rotated)."""
     H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-    qkv = h @ lp.wqkv
+    qkv = dense(cfg, h, lp.wqkv)
     if lp.bqkv is not None:
         qkv = qkv + lp.bqkv
     lead = x.shape[:-1]
@@ -77,7 +85,7 @@ def _qkv(lp: LayerParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array):
 
 def _mlp(lp: LayerParams, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-    gu = h @ lp.w_gate_up
+    gu = dense(cfg, h, lp.w_gate_up)
     g = _tp_groups(cfg)
     if g == 1:
         gate, up = gu[..., : cfg.intermediate_size], gu[..., cfg.intermediate_size:]
@@ -85,7 +93,7 @@ def _mlp(lp: LayerParams, cfg: ModelConfig, x: jax.Array) -> jax.Array:
         gu = gu.reshape(*gu.shape[:-1], g, 2, cfg.intermediate_size // g)
         gate = gu[..., 0, :].reshape(*gu.shape[:-3], cfg.intermediate_size)
         up = gu[..., 1, :].reshape(*gu.shape[:-3], cfg.intermediate_size)
-    return (jax.nn.silu(gate) * up) @ lp.w_down
+    return dense(cfg, jax.nn.silu(gate) * up, lp.w_down)
 
 
 def cache_attention(q, k, v, positions, cfg: ModelConfig):
@@ -105,8 +113,11 @@ def cache_attention(q, k, v, positions, cfg: ModelConfig):
 
 def _logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
-    w = params.embed.T if params.lm_head is None else params.lm_head
-    return jnp.einsum("...e,ev->...v", x, w, preferred_element_type=jnp.float32)
+    if params.lm_head is None:  # tied: the embedding [V, E] read transposed
+        out = dense(cfg, x, params.embed, transpose_w=True, preferred_element_type=jnp.float32)
+    else:
+        out = dense(cfg, x, params.lm_head, preferred_element_type=jnp.float32)
+    return out.astype(jnp.float32)
 
 
 @functools.partial(jax.vmap, in_axes=(0, 0, 0))
@@ -138,7 +149,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache,
         kc = _write(kc, positions, k)
         vc = _write(vc, positions, v)
         att = cache_attention(q, kc[:, :W], vc[:, :W], positions, cfg)
-        x = x + att @ lp.wo
+        x = x + dense(cfg, att, lp.wo)
         x = x + _mlp(lp, cfg, x)
         new_k.append(kc)
         new_v.append(vc)
@@ -189,7 +200,7 @@ def tree_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: ja
         bv = jax.lax.dynamic_update_slice_in_dim(bv, v[:, :, None].astype(bv.dtype), step, axis=2)
         att = attend(q, kc[:, :W], vc[:, :W], prefix_len, bk, bv, step, valid)
         B, MQ = tokens.shape
-        x = x + att.reshape(B, MQ, -1) @ lp.wo
+        x = x + dense(cfg, att.reshape(B, MQ, -1), lp.wo)
         x = x + _mlp(lp, cfg, x)
         new_k.append(bk)
         new_v.append(bv)

@@ -53,7 +53,9 @@ class DraftRun:
 class DraftWorker:
     def __init__(self, draft, sharding, row_vocab: int):
         self.model = draft
-        self.cfg = draft.cfg
+        # A data-parallel draft (2+ devices) leaves its matmuls to XLA, which partitions them over
+        # the batch; the CPU kernel's custom call would be gathered (models/cpu_matmul.py).
+        self.cfg = draft.cfg if sharding.mesh.devices.size == 1 else draft.cfg.replace(cpu_kernels=False)
         self.sharding = sharding  # replicated on the draft mesh: weights and scalars
         self.rows = sharding  # per-sequence arrays: batch-sharded on a 2+ device mesh (see start)
         self._batch = None

@@ -65,6 +65,8 @@ def tp_config(cfg: ModelConfig, tp: int) -> TPConfig:
                          f"there are fewer than shards)")
     base = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(ModelConfig)}
     base["num_kv_heads"] = max(KVH, tp)
+    if tp > 1:  # the CPU matmul kernel has no partitioning rule (models/cpu_matmul.py)
+        base["cpu_kernels"] = False
     return TPConfig(**base, tp_groups=tp)
 
 

@@ -1,0 +1,146 @@
+"""Small-M fp32 matmul on the CPU: ssd_jax's XLA FFI kernel, and the plain-`jnp` reference beside it.
+
+Why: XLA:CPU streams a one-row matmul (decode) at memory bandwidth but runs 2..16 rows (a K+1-token
+verify, a few tree branches) as a GEMM that costs 1.5-2.8x as much, although the weights are read
+once either way (JAX_NOTES, benchmarks/decode_vs_hf.py). `cpu_kernels/small_m_matmul.cc` streams
+each weight once for every row, so a verify costs little more than a decode; on two cores it also
+reads the weights faster than XLA's GEMV.
+
+The kernel is C++ compiled on first use with the machine's C++ compiler (`-march=native`) into
+`<cache_dir>/kernels/` (see models.registry.cache_dir), keyed by the source, compiler, flags, jaxlib
+and CPU, and registered as an XLA FFI target for the CPU platform. Where it cannot be built (no
+compiler) or is turned off (`SSD_JAX_CPU_KERNELS=0`), `matmul` is plain XLA and says why once.
+
+Every output element is accumulated in the same order whatever the number of rows, so a token's
+logits in a verify equal its logits in a one-token decode bit for bit (tests/test_cpu_matmul.py).
+
+The custom call has no partitioning rule: on a mesh of several devices XLA would gather its operands,
+so tensor-parallel and data-parallel placements turn it off with `ModelConfig.cpu_kernels=False`.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+MAX_ROWS = 16  # past this XLA's GEMM is as fast (measured: equal at 32 rows on a 1536 x 17920 weight)
+_TARGET = "ssd_jax_small_m_matmul"
+_SOURCE = Path(__file__).with_name("cpu_kernels") / "small_m_matmul.cc"
+_FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-w")
+
+
+def reference(x: jax.Array, w: jax.Array, transpose_w: bool = False,
+              preferred_element_type=None) -> jax.Array:
+    """x [..., K] @ w [K, N] (or w [N, K] transposed) -> [..., N]: what the kernel computes."""
+    return jnp.einsum("...k,nk->...n" if transpose_w else "...k,kn->...n", x, w,
+                      preferred_element_type=preferred_element_type)
+
+
+def _cpu_fingerprint() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    keep = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
+    return "\n".join(keep)
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+
+def _build(cxx: str, out_dir: Path) -> Path:
+    include = jax.ffi.include_dir()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\n".join([
+        _SOURCE.read_text(), version, " ".join(_FLAGS), jax.__version__, include, _cpu_fingerprint(),
+    ]).encode()).hexdigest()[:16]
+    lib = out_dir / f"small_m_matmul-{key}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Built under a temporary name and renamed: processes starting together never load half a file.
+    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        done = subprocess.run([cxx, *_FLAGS, f"-I{include}", str(_SOURCE), "-o", tmp],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cxx} failed:\n{done.stderr[-2000:]}")
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return lib
+
+
+@functools.cache
+def _load() -> str | None:
+    """Build (once per machine), load and register the kernel; None and one warning if it cannot."""
+    if os.environ.get("SSD_JAX_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    cxx = _compiler()
+    if cxx is None:
+        warnings.warn("ssd_jax: no C++ compiler (set CXX or install g++), so small-M matmuls on the "
+                      "CPU run as XLA GEMMs: a verify costs up to 2x a decode", stacklevel=3)
+        return None
+    from models.registry import cache_dir
+    import ctypes
+    try:
+        lib = ctypes.CDLL(str(_build(cxx, cache_dir() / "kernels")))
+        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.SsdJaxSmallMMatmul), platform="cpu")
+    except (OSError, RuntimeError, AttributeError) as e:
+        warnings.warn(f"ssd_jax: the small-M CPU matmul kernel did not build ({e}); using XLA",
+                      stacklevel=3)
+        return None
+    return _TARGET
+
+
+def available() -> bool:
+    """Whether the kernel is built and registered on this machine (builds it on the first call)."""
+    return _load() is not None
+
+
+def kernel(x: jax.Array, w: jax.Array, transpose_w: bool = False) -> jax.Array:
+    """The FFI call itself (CPU only): x [..., K] fp32, w [K, N] (or [N, K]) fp32 -> [..., N] fp32."""
+    if _load() is None:
+        raise RuntimeError("the small-M CPU matmul kernel is not available on this machine")
+    if x.dtype != jnp.float32 or w.dtype != jnp.float32 or w.ndim != 2:
+        raise ValueError(f"kernel takes fp32 x [..., K] and a 2-D fp32 w, got {x.dtype}{list(x.shape)} "
+                         f"and {w.dtype}{list(w.shape)}")
+    K = w.shape[1] if transpose_w else w.shape[0]
+    if x.shape[-1] != K:
+        raise ValueError(f"contraction sizes differ: x {list(x.shape)}, w {list(w.shape)}"
+                         f"{' (transposed)' if transpose_w else ''}")
+    N = w.shape[0] if transpose_w else w.shape[1]
+    out = jax.ShapeDtypeStruct((*x.shape[:-1], N), jnp.float32)
+    return jax.ffi.ffi_call(_TARGET, out)(x, w, transpose_w=bool(transpose_w))
+
+
+def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, enabled: bool = True,
+           preferred_element_type=None) -> jax.Array:
+    """x [..., K] @ w [K, N] (w [N, K] with `transpose_w`) -> [..., N], in x's dtype (or
+    `preferred_element_type`, for the reference path: the kernel is fp32 throughout).
+
+    The kernel serves fp32 with at most MAX_ROWS rows (the product of x's leading dims) when the
+    default backend is the CPU and `enabled` (a static choice: `ModelConfig.cpu_kernels`); anything
+    else is `reference`. `lax.platform_dependent` keeps the reference for any non-CPU lowering.
+    """
+    rows = 1
+    for d in x.shape[:-1]:
+        rows *= int(d)
+    if not (enabled and x.dtype == jnp.float32 and w.dtype == jnp.float32 and 0 < rows <= MAX_ROWS
+            and jax.default_backend() == "cpu" and _load() is not None):
+        return reference(x, w, transpose_w, preferred_element_type)
+    return jax.lax.platform_dependent(
+        x, w, cpu=functools.partial(kernel, transpose_w=transpose_w),
+        default=functools.partial(reference, transpose_w=transpose_w))

@@ -1,0 +1,117 @@
+"""The small-M CPU matmul kernel (models/cpu_matmul.py) against its plain-jnp reference, its
+row-count invariance, where the model dispatches to it, and its clear errors."""
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import cpu_matmul
+from models.config import tiny_config
+from models.kv_cache import init_cache
+from models.params import decode_bytes, param_bytes, random_params, untie_lm_head
+from models.transformer import forward
+
+
+def _rand(shape, seed):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32))
+
+
+def test_kernel_builds_on_this_machine():
+    # CI and the dev machine have g++; a machine without a compiler gets XLA and a warning, but
+    # here a failed build must be seen, not silently replaced by the slow path.
+    assert cpu_matmul.available(), "the CPU kernel did not build: see the warning above"
+
+
+@pytest.mark.parametrize("transpose_w", [False, True])
+@pytest.mark.parametrize("lead", [(1,), (5,), (2, 3), (16,), (13,)])
+@pytest.mark.parametrize("K,N", [(1, 1), (7, 15), (16, 64), (64, 65), (100, 130), (257, 200)])
+def test_kernel_matches_reference(transpose_w, lead, K, N):
+    x = _rand((*lead, K), 0)
+    w = _rand((N, K) if transpose_w else (K, N), 1)
+    got = jax.jit(lambda x, w: cpu_matmul.kernel(x, w, transpose_w))(x, w)
+    assert got.shape == (*lead, N) and got.dtype == jnp.float32
+    x64 = np.asarray(x, np.float64)
+    w64 = np.asarray(w, np.float64).T if transpose_w else np.asarray(w, np.float64)
+    # fp32's worst-case dot-product error: K roundings of at most eps/2 of the running |sum|.
+    bound = K * 2.0 ** -24 * (np.abs(x64) @ np.abs(w64))
+    assert np.all(np.abs(np.asarray(got, np.float64) - x64 @ w64) <= bound + 1e-30)
+
+
+@pytest.mark.parametrize("transpose_w", [False, True])
+def test_a_row_is_the_same_whatever_the_row_count(transpose_w):
+    # The property that lets a verify reproduce a decode's logits bit for bit.
+    K, N = 300, 1000
+    w = _rand((N, K) if transpose_w else (K, N), 2)
+    x = _rand((16, K), 3)
+    f = jax.jit(lambda x, w: cpu_matmul.kernel(x, w, transpose_w))
+    one = np.stack([np.asarray(f(x[m:m + 1], w))[0] for m in range(16)])
+    for M in (2, 5, 7, 16):
+        np.testing.assert_array_equal(np.asarray(f(x[:M], w)), one[:M])
+
+
+def _dispatches(fn, *args) -> bool:
+    return "ssd_jax_small_m_matmul" in jax.jit(fn).lower(*args).as_text()
+
+
+def test_matmul_uses_the_kernel_only_where_it_serves():
+    w = _rand((64, 32), 4)
+    mm = cpu_matmul.matmul
+    assert _dispatches(lambda x, w: mm(x, w), _rand((5, 64), 5), w)
+    assert _dispatches(lambda x, w: mm(x, w), _rand((2, 8, 64), 5), w)  # 16 rows
+    assert not _dispatches(lambda x, w: mm(x, w), _rand((17, 64), 5), w)  # past MAX_ROWS: XLA's GEMM
+    assert not _dispatches(lambda x, w: mm(x, w, enabled=False), _rand((5, 64), 5), w)
+    xb, wb = _rand((5, 64), 5).astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    assert not _dispatches(lambda x, w: mm(x, w), xb, wb)
+    out = mm(xb, wb, preferred_element_type=jnp.float32)
+    assert out.dtype == jnp.float32
+
+
+def test_kernel_rejects_bad_operands_with_a_clear_error():
+    x, w = _rand((2, 8), 0), _rand((8, 4), 1)
+    with pytest.raises(ValueError, match="fp32"):
+        cpu_matmul.kernel(x.astype(jnp.bfloat16), w)
+    with pytest.raises(ValueError, match="contraction sizes differ"):
+        cpu_matmul.kernel(x, _rand((9, 4), 1))
+    with pytest.raises(ValueError, match="contraction sizes differ"):
+        cpu_matmul.kernel(x, w, transpose_w=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_forward_with_the_kernel_matches_xla(arch):
+    cfg = tiny_config(arch, vocab_size=96, tie_embeddings=(arch == "llama"))
+    params = random_params(cfg, seed=1)
+    toks = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 5)), jnp.int32)
+    outs = {}
+    for on in (True, False):
+        c = cfg.replace(cpu_kernels=on)
+        fwd = jax.jit(forward, static_argnums=1)
+        assert ("ssd_jax_small_m_matmul" in fwd.lower(params, c, toks, init_cache(c, 2, 16)).as_text()) == on
+        outs[on], _ = fwd(params, c, toks, init_cache(c, 2, 16))
+    np.testing.assert_allclose(np.asarray(outs[True]), np.asarray(outs[False]), rtol=1e-5, atol=1e-5)
+
+
+def test_untied_head_copy_gives_the_same_logits_and_reads_the_same_bytes():
+    cfg = tiny_config("llama", vocab_size=96, tie_embeddings=True)
+    params = random_params(cfg, seed=2)
+    assert params.lm_head is None
+    untied = untie_lm_head(params)
+    np.testing.assert_array_equal(np.asarray(untied.lm_head), np.asarray(params.embed).T)
+    assert decode_bytes(untied) == decode_bytes(params) == param_bytes(params)
+    toks = jnp.asarray([[3, 7, 11]], jnp.int32)
+    a, _ = forward(params, cfg, toks, init_cache(cfg, 1, 8))
+    b, _ = forward(untied, cfg, toks, init_cache(cfg, 1, 8))
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_turned_off_by_the_environment_variable():
+    code = ("from models import cpu_matmul; import jax.numpy as jnp; "
+            "assert not cpu_matmul.available(); "
+            "print(float(cpu_matmul.matmul(jnp.ones((2, 3)), jnp.ones((3, 4))).sum()))")
+    env = dict(os.environ, SSD_JAX_CPU_KERNELS="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "24.0"
