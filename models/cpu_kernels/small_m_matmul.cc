@@ -16,6 +16,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -89,13 +90,15 @@ inline void nn_rows(const float* x, int64_t M, int64_t K, const float* w, int64_
 // bandwidth XLA's one-row GEMV reaches, and M = 5 costs 1.15-1.3x M = 1.
 constexpr int kRowsPerPass = 8;
 constexpr int64_t kColumnsPerItem = 32768;
+constexpr int64_t kMinRun = 4096;  // columns (16 KiB) of a row one thread streams before row ranges win
 // Columns [c0, c1) of out = x @ w, w [K, N] row-major: accumulated over k in ascending order from 0.
+// Rows [kb, ke) of w only: out holds that part of the sum.
 void nn_columns(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* out,
-                int64_t c0, int64_t c1) {
+                int64_t c0, int64_t c1, int64_t kb, int64_t ke) {
   for (int64_t m = 0; m < M; ++m) std::fill(out + m * N + c0, out + m * N + c1, 0.f);
-  int64_t k0 = 0;
-  for (; k0 + kRowsPerPass <= K; k0 += kRowsPerPass) nn_rows<kRowsPerPass>(x, M, K, w, N, out, k0, c0, c1);
-  for (; k0 < K; ++k0) nn_rows<1>(x, M, K, w, N, out, k0, c0, c1);
+  int64_t k0 = kb;
+  for (; k0 + kRowsPerPass <= ke; k0 += kRowsPerPass) nn_rows<kRowsPerPass>(x, M, K, w, N, out, k0, c0, c1);
+  for (; k0 < ke; ++k0) nn_rows<1>(x, M, K, w, N, out, k0, c0, c1);
 }
 
 constexpr int kPartials = 4;
@@ -182,23 +185,49 @@ ffi::Error SmallMMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
     std::fill(op, op + M * N, 0.f);
     return ffi::Error::Success();
   }
-  // Work items are column ranges: long ones (contiguous runs of each row of w), but at least one
-  // per thread of XLA's intra-op pool.
   const int64_t pool_threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t align = transpose_w ? 1 : 64;
-  // A multiple of the thread count, so that no thread is left with one item more than the others.
-  const int64_t per_thread = (N + pool_threads - 1) / pool_threads;
-  const int64_t items = pool_threads * ((per_thread + kColumnsPerItem - 1) / kColumnsPerItem);
-  const int64_t step = std::max<int64_t>(align, ((N + items - 1) / items + align - 1) / align * align);
-  const int64_t chunks = (N + step - 1) / step;
+  // Work items. Wide w [K, N]: column ranges, each thread's a long contiguous run of every row.
+  // Narrow w (a thread's share of a row under kMinRun columns: wo, w_down, qkv on 2+ threads):
+  // row ranges instead, each one contiguous block of w, into per-range partial sums added in
+  // range order at the end. Either way the split depends on K, N and the pool, never on M.
+  const bool split_rows = !transpose_w && pool_threads > 1 && N < kMinRun * pool_threads &&
+                          K >= 2 * kRowsPerPass * pool_threads;
+  int64_t chunks, step;
+  if (split_rows) {
+    chunks = pool_threads;
+    step = ((K + chunks - 1) / chunks + kRowsPerPass - 1) / kRowsPerPass * kRowsPerPass;
+    chunks = (K + step - 1) / step;
+  } else {
+    // A multiple of the thread count, so that no thread is left with one item more than the others.
+    const int64_t align = transpose_w ? 1 : 64;
+    const int64_t per_thread = (N + pool_threads - 1) / pool_threads;
+    const int64_t items = pool_threads * ((per_thread + kColumnsPerItem - 1) / kColumnsPerItem);
+    step = std::max<int64_t>(align, ((N + items - 1) / items + align - 1) / align * align);
+    chunks = (N + step - 1) / step;
+  }
+  std::vector<float> partial(split_rows ? (chunks - 1) * M * N : 0);
+  float* pp = partial.data();
   auto run = [=](int64_t c) {
+    if (split_rows) {
+      nn_columns(xp, M, K, wp, N, c == 0 ? op : pp + (c - 1) * M * N, 0, N, c * step,
+                 std::min(K, (c + 1) * step));
+      return;
+    }
     const int64_t c0 = c * step, c1 = std::min(N, c0 + step);
     if (transpose_w) nt_columns(xp, M, K, wp, N, op, c0, c1);
-    else nn_columns(xp, M, K, wp, N, op, c0, c1);
+    else nn_columns(xp, M, K, wp, N, op, c0, c1, 0, K);
+  };
+  auto reduce = [&]() {
+    if (!split_rows) return;
+    for (int64_t c = 1; c < chunks; ++c) {
+      const float* src = pp + (c - 1) * M * N;
+      for (int64_t i = 0; i < M * N; ++i) op[i] += src[i];
+    }
   };
   const int64_t threads = std::min(pool_threads, chunks);
   if (threads <= 1) {
     for (int64_t c = 0; c < chunks; ++c) run(c);
+    reduce();
     return ffi::Error::Success();
   }
   auto work = std::make_shared<Work>();
@@ -214,6 +243,7 @@ ffi::Error SmallMMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   for (int64_t t = 1; t < threads; ++t) pool.Schedule([drain]() { drain(); });
   drain();
   while (work->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+  reduce();
   return ffi::Error::Success();
 }
 
