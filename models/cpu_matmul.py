@@ -1,4 +1,4 @@
-"""Small-M fp32 matmul on the CPU: ssd_jax's XLA FFI kernel, and the plain-`jnp` reference beside it.
+"""Small-M fp32 / bf16 matmul on the CPU: ssd_jax's XLA FFI kernel, and the plain-`jnp` reference beside it.
 
 Why: XLA:CPU streams a one-row matmul (decode) at memory bandwidth but runs 2..16 rows (a K+1-token
 verify, a few tree branches) as a GEMM that costs 1.5-2.8x as much, although the weights are read
@@ -110,37 +110,47 @@ def available() -> bool:
     return _load() is not None
 
 
-def kernel(x: jax.Array, w: jax.Array, transpose_w: bool = False) -> jax.Array:
-    """The FFI call itself (CPU only): x [..., K] fp32, w [K, N] (or [N, K]) fp32 -> [..., N] fp32."""
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def kernel(x: jax.Array, w: jax.Array, transpose_w: bool = False, out_dtype=None) -> jax.Array:
+    """The FFI call itself (CPU only): x [..., K], w [K, N] (or [N, K]) -> [..., N] in `out_dtype`
+    (default x's). Each of them fp32 or bf16; the sums are fp32 (bf16 weights are widened in
+    registers, so a bf16 model streams half the bytes), rounded to nearest even for a bf16 out."""
     if _load() is None:
         raise RuntimeError("the small-M CPU matmul kernel is not available on this machine")
-    if x.dtype != jnp.float32 or w.dtype != jnp.float32 or w.ndim != 2:
-        raise ValueError(f"kernel takes fp32 x [..., K] and a 2-D fp32 w, got {x.dtype}{list(x.shape)} "
-                         f"and {w.dtype}{list(w.shape)}")
+    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+    if x.dtype not in _DTYPES or w.dtype not in _DTYPES or out_dtype not in _DTYPES or w.ndim != 2:
+        raise ValueError(f"kernel takes fp32/bf16 x [..., K], a 2-D fp32/bf16 w and an fp32/bf16 "
+                         f"out, got x {x.dtype}{list(x.shape)}, w {w.dtype}{list(w.shape)}, "
+                         f"out {out_dtype}")
     K = w.shape[1] if transpose_w else w.shape[0]
     if x.shape[-1] != K:
         raise ValueError(f"contraction sizes differ: x {list(x.shape)}, w {list(w.shape)}"
                          f"{' (transposed)' if transpose_w else ''}")
     N = w.shape[0] if transpose_w else w.shape[1]
-    out = jax.ShapeDtypeStruct((*x.shape[:-1], N), jnp.float32)
+    out = jax.ShapeDtypeStruct((*x.shape[:-1], N), out_dtype)
     return jax.ffi.ffi_call(_TARGET, out)(x, w, transpose_w=bool(transpose_w))
 
 
 def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, enabled: bool = True,
            preferred_element_type=None) -> jax.Array:
     """x [..., K] @ w [K, N] (w [N, K] with `transpose_w`) -> [..., N], in x's dtype (or
-    `preferred_element_type`, for the reference path: the kernel is fp32 throughout).
+    `preferred_element_type`).
 
-    The kernel serves fp32 with at most MAX_ROWS rows (the product of x's leading dims) when the
-    default backend is the CPU and `enabled` (a static choice: `ModelConfig.cpu_kernels`); anything
-    else is `reference`. `lax.platform_dependent` keeps the reference for any non-CPU lowering.
+    The kernel serves fp32 and bf16 operands of one dtype with at most MAX_ROWS rows (the product
+    of x's leading dims) when the default backend is the CPU and `enabled` (a static choice:
+    `ModelConfig.cpu_kernels`); anything else is `reference`. `lax.platform_dependent` keeps the
+    reference for any non-CPU lowering.
     """
     rows = 1
     for d in x.shape[:-1]:
         rows *= int(d)
-    if not (enabled and x.dtype == jnp.float32 and w.dtype == jnp.float32 and 0 < rows <= MAX_ROWS
-            and jax.default_backend() == "cpu" and _load() is not None):
+    out_dtype = jnp.dtype(x.dtype if preferred_element_type is None else preferred_element_type)
+    if not (enabled and x.dtype == w.dtype and x.dtype in _DTYPES and out_dtype in _DTYPES
+            and 0 < rows <= MAX_ROWS and jax.default_backend() == "cpu" and _load() is not None):
         return reference(x, w, transpose_w, preferred_element_type)
     return jax.lax.platform_dependent(
-        x, w, cpu=functools.partial(kernel, transpose_w=transpose_w),
-        default=functools.partial(reference, transpose_w=transpose_w))
+        x, w, cpu=functools.partial(kernel, transpose_w=transpose_w, out_dtype=out_dtype),
+        default=functools.partial(reference, transpose_w=transpose_w,
+                                  preferred_element_type=preferred_element_type))

@@ -26,7 +26,7 @@ def _tokenizer(path: Path):
 
 
 def cpu_kernel_head() -> bool:
-    """Whether a loaded tied fp32 model gets its head as a [hidden, V] copy for the CPU kernel:
+    """Whether a loaded tied model gets its head as a [hidden, V] copy for the CPU kernel:
     on a CPU backend where the kernel builds (models/cpu_matmul.py)."""
     import jax
     from models import cpu_matmul
@@ -54,7 +54,7 @@ def load_model(name_or_path: str | Path, dtype: str = "float32", *, use_cache: b
         del tensors
         if use_cache:
             checkpoint.save(ckpt, params, cfg)
-    if cfg.tie_embeddings and cfg.dtype == "float32" and cpu_kernel_head():
+    if cfg.tie_embeddings and cpu_kernel_head():
         params = untie_lm_head(params)
     tok = _tokenizer(path) if with_tokenizer else None
     return Model(cfg=cfg, params=params, tokenizer=tok, name=str(name_or_path))

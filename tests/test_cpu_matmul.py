@@ -42,11 +42,33 @@ def test_kernel_matches_reference(transpose_w, lead, K, N):
 
 
 @pytest.mark.parametrize("transpose_w", [False, True])
-def test_a_row_is_the_same_whatever_the_row_count(transpose_w):
+@pytest.mark.parametrize("x_dtype,out_dtype", [(jnp.bfloat16, jnp.bfloat16), (jnp.bfloat16, jnp.float32),
+                                               (jnp.float32, jnp.float32)])
+@pytest.mark.parametrize("lead,K,N", [((1,), 64, 200), ((5,), 300, 1000), ((3, 4), 17, 33), ((16,), 1536, 96)])
+def test_bf16_weights_match_the_exact_product(transpose_w, x_dtype, out_dtype, lead, K, N):
+    # bf16 weights are widened to fp32 (or paired by vdpbf16ps where the CPU has AVX512_BF16);
+    # the sum is fp32 either way, then rounded once if the result is bf16.
+    x = _rand((*lead, K), 6).astype(x_dtype)
+    w = _rand((N, K) if transpose_w else (K, N), 7).astype(jnp.bfloat16)
+    got = jax.jit(lambda x, w: cpu_matmul.kernel(x, w, transpose_w, out_dtype))(x, w)
+    assert got.shape == (*lead, N) and got.dtype == out_dtype
+    x64 = np.asarray(x.astype(jnp.float32), np.float64)
+    w64 = np.asarray(w.astype(jnp.float32), np.float64)
+    w64 = w64.T if transpose_w else w64
+    exact = x64 @ w64
+    bound = K * 2.0 ** -24 * (np.abs(x64) @ np.abs(w64))
+    if out_dtype == jnp.bfloat16:
+        bound = bound + 2.0 ** -8 * np.abs(exact) + 1e-30  # one rounding to 8 significant bits
+    assert np.all(np.abs(np.asarray(got.astype(jnp.float32), np.float64) - exact) <= bound + 1e-30)
+
+
+@pytest.mark.parametrize("transpose_w", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_row_is_the_same_whatever_the_row_count(transpose_w, dtype):
     # The property that lets a verify reproduce a decode's logits bit for bit.
     K, N = 300, 1000
-    w = _rand((N, K) if transpose_w else (K, N), 2)
-    x = _rand((16, K), 3)
+    w = _rand((N, K) if transpose_w else (K, N), 2).astype(dtype)
+    x = _rand((16, K), 3).astype(dtype)
     f = jax.jit(lambda x, w: cpu_matmul.kernel(x, w, transpose_w))
     one = np.stack([np.asarray(f(x[m:m + 1], w))[0] for m in range(16)])
     for M in (2, 5, 7, 16):
@@ -65,15 +87,20 @@ def test_matmul_uses_the_kernel_only_where_it_serves():
     assert not _dispatches(lambda x, w: mm(x, w), _rand((17, 64), 5), w)  # past MAX_ROWS: XLA's GEMM
     assert not _dispatches(lambda x, w: mm(x, w, enabled=False), _rand((5, 64), 5), w)
     xb, wb = _rand((5, 64), 5).astype(jnp.bfloat16), w.astype(jnp.bfloat16)
-    assert not _dispatches(lambda x, w: mm(x, w), xb, wb)
-    out = mm(xb, wb, preferred_element_type=jnp.float32)
-    assert out.dtype == jnp.float32
+    assert _dispatches(lambda x, w: mm(x, w), xb, wb)
+    assert mm(xb, wb).dtype == jnp.bfloat16
+    assert mm(xb, wb, preferred_element_type=jnp.float32).dtype == jnp.float32
+    assert not _dispatches(lambda x, w: mm(x, w), _rand((5, 64), 5), wb)  # mixed dtypes: XLA
+    xh, wh = _rand((5, 64), 5).astype(jnp.float16), w.astype(jnp.float16)
+    assert not _dispatches(lambda x, w: mm(x, w), xh, wh)
 
 
 def test_kernel_rejects_bad_operands_with_a_clear_error():
     x, w = _rand((2, 8), 0), _rand((8, 4), 1)
-    with pytest.raises(ValueError, match="fp32"):
-        cpu_matmul.kernel(x.astype(jnp.bfloat16), w)
+    with pytest.raises(ValueError, match="fp32/bf16"):
+        cpu_matmul.kernel(x.astype(jnp.float16), w)
+    with pytest.raises(ValueError, match="fp32/bf16"):
+        cpu_matmul.kernel(x, w, out_dtype=jnp.int32)
     with pytest.raises(ValueError, match="contraction sizes differ"):
         cpu_matmul.kernel(x, _rand((9, 4), 1))
     with pytest.raises(ValueError, match="contraction sizes differ"):

@@ -16,6 +16,10 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -32,6 +36,33 @@ inline v16 load(const float* p) {
   return r;
 }
 inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// bf16 weights: 16 of them widened to fp32 in registers (bf16 is the top half of an fp32), so a
+// bf16 model streams half the bytes and still accumulates in fp32.
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+inline v16 load(const uint16_t* p) {
+  u16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  v16 r;
+  std::memcpy(&r, &w, sizeof(r));
+  return r;
+}
+inline float scalar(float v) { return v; }
+inline float scalar(uint16_t v) {
+  uint32_t u = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+inline uint16_t to_bf16(float f) {  // round to nearest even; NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
 inline v16 splat(float s) { return v16{} + s; }
 
 inline float hsum(v16 v) {
@@ -45,13 +76,13 @@ inline float hsum(v16 v) {
 
 // out[0:MR, c0:c1] (+)= x[0:MR, k0:k0+KB] @ w[k0:k0+KB, c0:c1]: KB rows of w streamed side by side,
 // the MR x KB broadcast x values held in registers, out rows kept hot in L1/L2.
-template <int MR, int KB>
-inline void nn_panel(const float* x, int64_t K, const float* w, int64_t N, float* out, int64_t k0,
+template <int MR, int KB, typename W>
+inline void nn_panel(const float* x, int64_t K, const W* w, int64_t N, float* out, int64_t k0,
                      int64_t c0, int64_t c1) {
   v16 xs[MR][KB];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < KB; ++j) xs[m][j] = splat(x[m * K + k0 + j]);
-  const float* wp = w + k0 * N;
+  const W* wp = w + k0 * N;
   int64_t n = c0;
   for (; n + 16 <= c1; n += 16) {
     v16 wv[KB];
@@ -65,22 +96,22 @@ inline void nn_panel(const float* x, int64_t K, const float* w, int64_t N, float
   for (; n < c1; ++n)  // ragged last columns: the same k order, one lane
     for (int m = 0; m < MR; ++m) {
       float a = out[m * N + n];
-      for (int j = 0; j < KB; ++j) a = __builtin_fmaf(x[m * K + k0 + j], wp[j * N + n], a);
+      for (int j = 0; j < KB; ++j) a = __builtin_fmaf(x[m * K + k0 + j], scalar(wp[j * N + n]), a);
       out[m * N + n] = a;
     }
 }
 
-template <int KB>
-inline void nn_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* out,
+template <int KB, typename W>
+inline void nn_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* out,
                     int64_t k0, int64_t c0, int64_t c1) {
   int64_t m = 0;
-  for (; m + 6 <= M; m += 6) nn_panel<6, KB>(x + m * K, K, w, N, out + m * N, k0, c0, c1);
+  for (; m + 6 <= M; m += 6) nn_panel<6, KB, W>(x + m * K, K, w, N, out + m * N, k0, c0, c1);
   switch (M - m) {
-    case 5: nn_panel<5, KB>(x + m * K, K, w, N, out + m * N, k0, c0, c1); break;
-    case 4: nn_panel<4, KB>(x + m * K, K, w, N, out + m * N, k0, c0, c1); break;
-    case 3: nn_panel<3, KB>(x + m * K, K, w, N, out + m * N, k0, c0, c1); break;
-    case 2: nn_panel<2, KB>(x + m * K, K, w, N, out + m * N, k0, c0, c1); break;
-    case 1: nn_panel<1, KB>(x + m * K, K, w, N, out + m * N, k0, c0, c1); break;
+    case 5: nn_panel<5, KB, W>(x + m * K, K, w, N, out + m * N, k0, c0, c1); break;
+    case 4: nn_panel<4, KB, W>(x + m * K, K, w, N, out + m * N, k0, c0, c1); break;
+    case 3: nn_panel<3, KB, W>(x + m * K, K, w, N, out + m * N, k0, c0, c1); break;
+    case 2: nn_panel<2, KB, W>(x + m * K, K, w, N, out + m * N, k0, c0, c1); break;
+    case 1: nn_panel<1, KB, W>(x + m * K, K, w, N, out + m * N, k0, c0, c1); break;
     default: break;
   }
 }
@@ -92,26 +123,95 @@ constexpr int kRowsPerPass = 8;
 constexpr int64_t kColumnsPerItem = 32768;
 constexpr int64_t kMinRun = 4096;  // columns (16 KiB) of a row one thread streams before row ranges win
 // Columns [c0, c1) of out = x @ w, w [K, N] row-major: accumulated over k in ascending order from 0.
+#ifdef __AVX512BF16__
+// bf16 x and w where the CPU has AVX512_BF16: vdpbf16ps multiplies pairs of bf16 along k into fp32
+// lanes, half the instructions of widening then FMA, which is what bounds a bf16 verify (5 FMAs per
+// 32 bytes of weights). Rows k, k+1 of w are interleaved into pairs with one vpermw.
+template <int MR>
+inline void nn_panel_dp(const uint16_t* xh, int64_t K, const uint16_t* w, int64_t N, float* out,
+                        int64_t k0, int64_t c0, int64_t c1) {
+  static_assert(kRowsPerPass % 2 == 0, "rows are taken in pairs");
+  constexpr int P = kRowsPerPass / 2;
+  alignas(64) static const uint16_t kPairs[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
+                                                  21, 6, 22, 7, 23, 8,  24, 9,  25, 10, 26,
+                                                  11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i idx = _mm512_load_si512(kPairs);
+  __m512bh xs[MR][P];
+  for (int m = 0; m < MR; ++m)
+    for (int p = 0; p < P; ++p) {
+      const uint32_t pair = uint32_t(xh[m * K + k0 + 2 * p]) | (uint32_t(xh[m * K + k0 + 2 * p + 1]) << 16);
+      xs[m][p] = (__m512bh)_mm512_set1_epi32(int(pair));
+    }
+  const uint16_t* wp = w + k0 * N;
+  int64_t n = c0;
+  for (; n + 16 <= c1; n += 16) {
+    __m512bh wv[P];
+    for (int p = 0; p < P; ++p) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + (2 * p) * N + n));
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + (2 * p + 1) * N + n));
+      wv[p] = (__m512bh)_mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+    }
+    for (int m = 0; m < MR; ++m) {
+      __m512 acc = _mm512_loadu_ps(out + m * N + n);
+      for (int p = 0; p < P; ++p) acc = _mm512_dpbf16_ps(acc, wv[p], xs[m][p]);
+      _mm512_storeu_ps(out + m * N + n, acc);
+    }
+  }
+  for (; n < c1; ++n)  // ragged last columns: one lane, in k order
+    for (int m = 0; m < MR; ++m) {
+      float a = out[m * N + n];
+      for (int j = 0; j < kRowsPerPass; ++j)
+        a = __builtin_fmaf(scalar(xh[m * K + k0 + j]), scalar(wp[j * N + n]), a);
+      out[m * N + n] = a;
+    }
+}
+
+inline void nn_rows_dp(const uint16_t* xh, int64_t M, int64_t K, const uint16_t* w, int64_t N,
+                       float* out, int64_t k0, int64_t c0, int64_t c1) {
+  int64_t m = 0;
+  for (; m + 6 <= M; m += 6) nn_panel_dp<6>(xh + m * K, K, w, N, out + m * N, k0, c0, c1);
+  switch (M - m) {
+    case 5: nn_panel_dp<5>(xh + m * K, K, w, N, out + m * N, k0, c0, c1); break;
+    case 4: nn_panel_dp<4>(xh + m * K, K, w, N, out + m * N, k0, c0, c1); break;
+    case 3: nn_panel_dp<3>(xh + m * K, K, w, N, out + m * N, k0, c0, c1); break;
+    case 2: nn_panel_dp<2>(xh + m * K, K, w, N, out + m * N, k0, c0, c1); break;
+    case 1: nn_panel_dp<1>(xh + m * K, K, w, N, out + m * N, k0, c0, c1); break;
+    default: break;
+  }
+}
+constexpr bool kHasDp = true;
+#else
+inline void nn_rows_dp(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, float*, int64_t,
+                       int64_t, int64_t) {}
+constexpr bool kHasDp = false;
+#endif
+
 // Rows [kb, ke) of w only: out holds that part of the sum.
-void nn_columns(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* out,
-                int64_t c0, int64_t c1, int64_t kb, int64_t ke) {
+// xh: the same x as bf16 when both operands are bf16 and the CPU has AVX512_BF16, else null.
+template <typename W>
+void nn_columns(const float* x, const uint16_t* xh, int64_t M, int64_t K, const W* w, int64_t N,
+                float* out, int64_t c0, int64_t c1, int64_t kb, int64_t ke) {
   for (int64_t m = 0; m < M; ++m) std::fill(out + m * N + c0, out + m * N + c1, 0.f);
   int64_t k0 = kb;
-  for (; k0 + kRowsPerPass <= ke; k0 += kRowsPerPass) nn_rows<kRowsPerPass>(x, M, K, w, N, out, k0, c0, c1);
-  for (; k0 < ke; ++k0) nn_rows<1>(x, M, K, w, N, out, k0, c0, c1);
+  if constexpr (std::is_same_v<W, uint16_t>) {
+    if (xh != nullptr)
+      for (; k0 + kRowsPerPass <= ke; k0 += kRowsPerPass) nn_rows_dp(xh, M, K, w, N, out, k0, c0, c1);
+  }
+  for (; k0 + kRowsPerPass <= ke; k0 += kRowsPerPass) nn_rows<kRowsPerPass, W>(x, M, K, w, N, out, k0, c0, c1);
+  for (; k0 < ke; ++k0) nn_rows<1, W>(x, M, K, w, N, out, k0, c0, c1);
 }
 
 constexpr int kPartials = 4;
 // out[m, n0+r] = dot(x[m, :], w[n0+r, :]) for NR rows of w [N, K] and MR rows of x. Each dot keeps
 // kPartials partial sums (k-steps of 16 taken round-robin) so one row streams without waiting on FMA
 // latency; they are combined in a fixed order, the same for every M.
-template <int MR, int NR>
-inline void nt_tile(const float* x, int64_t K, const float* w, int64_t N, float* out, int64_t n0) {
+template <int MR, int NR, typename W>
+inline void nt_tile(const float* x, int64_t K, const W* w, int64_t N, float* out, int64_t n0) {
   v16 acc[MR][NR][kPartials];
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < NR; ++r)
       for (int p = 0; p < kPartials; ++p) acc[m][r][p] = v16{};
-  const float* wr = w + n0 * K;
+  const W* wr = w + n0 * K;
   const int64_t kb = K / (16 * kPartials) * (16 * kPartials);
   for (int64_t k = 0; k < kb; k += 16 * kPartials) {
     for (int p = 0; p < kPartials; ++p) {
@@ -135,29 +235,30 @@ inline void nt_tile(const float* x, int64_t K, const float* w, int64_t N, float*
       v16 a = acc[m][r][0];
       for (int p = 1; p < kPartials; ++p) a += acc[m][r][p];
       float s = hsum(a);
-      for (int64_t k = kv; k < K; ++k) s = __builtin_fmaf(x[m * K + k], wr[r * K + k], s);
+      for (int64_t k = kv; k < K; ++k) s = __builtin_fmaf(x[m * K + k], scalar(wr[r * K + k]), s);
       out[m * N + n0 + r] = s;
     }
 }
 
-template <int NR>
-inline void nt_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* out,
+template <int NR, typename W>
+inline void nt_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* out,
                     int64_t n0) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) nt_tile<4, NR>(x + m * K, K, w, N, out + m * N, n0);
+  for (; m + 4 <= M; m += 4) nt_tile<4, NR, W>(x + m * K, K, w, N, out + m * N, n0);
   switch (M - m) {
-    case 3: nt_tile<3, NR>(x + m * K, K, w, N, out + m * N, n0); break;
-    case 2: nt_tile<2, NR>(x + m * K, K, w, N, out + m * N, n0); break;
-    case 1: nt_tile<1, NR>(x + m * K, K, w, N, out + m * N, n0); break;
+    case 3: nt_tile<3, NR, W>(x + m * K, K, w, N, out + m * N, n0); break;
+    case 2: nt_tile<2, NR, W>(x + m * K, K, w, N, out + m * N, n0); break;
+    case 1: nt_tile<1, NR, W>(x + m * K, K, w, N, out + m * N, n0); break;
     default: break;
   }
 }
 
 // Columns [c0, c1) of out = x @ w.T, w [N, K] row-major (a tied embedding used as the lm_head).
-void nt_columns(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* out,
+template <typename W>
+void nt_columns(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* out,
                 int64_t c0, int64_t c1) {
   int64_t n = c0;
-  for (; n < c1; ++n) nt_rows<1>(x, M, K, w, N, out, n);
+  for (; n < c1; ++n) nt_rows<1, W>(x, M, K, w, N, out, n);
 }
 
 struct Work {
@@ -166,25 +267,10 @@ struct Work {
   int64_t chunks = 0;
 };
 
-ffi::Error SmallMMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                        ffi::ResultBuffer<ffi::F32> out, bool transpose_w) {
-  auto xd = x.dimensions();
-  auto wd = w.dimensions();
-  if (xd.size() < 1 || wd.size() != 2)
-    return ffi::Error::InvalidArgument("small_m_matmul: x must be [..., K] and w 2-D");
-  const int64_t K = xd.back();
-  const int64_t M = static_cast<int64_t>(x.element_count()) / std::max<int64_t>(K, 1);
-  const int64_t N = transpose_w ? wd[0] : wd[1];
-  if ((transpose_w ? wd[1] : wd[0]) != K)
-    return ffi::Error::InvalidArgument("small_m_matmul: contraction sizes differ");
-  const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
-  float* op = out->typed_data();
-  if (M == 0 || N == 0) return ffi::Error::Success();
-  if (K == 0) {
-    std::fill(op, op + M * N, 0.f);
-    return ffi::Error::Success();
-  }
+// op [M, N] = xp [M, K] @ w, fp32 in and out, w [K, N] (or [N, K] with transpose_w) of type W.
+template <typename W>
+void matmul(ffi::ThreadPool& pool, const float* xp, const uint16_t* xh, const W* wp, float* op,
+            int64_t M, int64_t K, int64_t N, bool transpose_w) {
   const int64_t pool_threads = std::max<int64_t>(pool.num_threads(), 1);
   // Work items. Wide w [K, N]: column ranges, each thread's a long contiguous run of every row.
   // Narrow w (a thread's share of a row under kMinRun columns: wo, w_down, qkv on 2+ threads):
@@ -209,13 +295,13 @@ ffi::Error SmallMMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   float* pp = partial.data();
   auto run = [=](int64_t c) {
     if (split_rows) {
-      nn_columns(xp, M, K, wp, N, c == 0 ? op : pp + (c - 1) * M * N, 0, N, c * step,
+      nn_columns(xp, xh, M, K, wp, N, c == 0 ? op : pp + (c - 1) * M * N, 0, N, c * step,
                  std::min(K, (c + 1) * step));
       return;
     }
     const int64_t c0 = c * step, c1 = std::min(N, c0 + step);
     if (transpose_w) nt_columns(xp, M, K, wp, N, op, c0, c1);
-    else nn_columns(xp, M, K, wp, N, op, c0, c1, 0, K);
+    else nn_columns(xp, xh, M, K, wp, N, op, c0, c1, 0, K);
   };
   auto reduce = [&]() {
     if (!split_rows) return;
@@ -228,7 +314,7 @@ ffi::Error SmallMMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   if (threads <= 1) {
     for (int64_t c = 0; c < chunks; ++c) run(c);
     reduce();
-    return ffi::Error::Success();
+    return;
   }
   auto work = std::make_shared<Work>();
   work->chunks = chunks;
@@ -244,6 +330,50 @@ ffi::Error SmallMMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   drain();
   while (work->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
   reduce();
+}
+
+bool f32_or_bf16(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
+
+// x [..., K] and out [..., N] fp32 or bf16 (widened / rounded here: they are small), w fp32 or bf16.
+ffi::Error SmallMMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                        ffi::Result<ffi::AnyBuffer> out, bool transpose_w) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() < 1 || wd.size() != 2)
+    return ffi::Error::InvalidArgument("small_m_matmul: x must be [..., K] and w 2-D");
+  if (!f32_or_bf16(x.element_type()) || !f32_or_bf16(w.element_type()) ||
+      !f32_or_bf16(out->element_type()))
+    return ffi::Error::InvalidArgument("small_m_matmul: operands must be float32 or bfloat16");
+  const int64_t K = xd.back();
+  const int64_t M = static_cast<int64_t>(x.element_count()) / std::max<int64_t>(K, 1);
+  const int64_t N = transpose_w ? wd[0] : wd[1];
+  if ((transpose_w ? wd[1] : wd[0]) != K)
+    return ffi::Error::InvalidArgument("small_m_matmul: contraction sizes differ");
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  std::vector<float> xbuf, obuf;
+  const float* xp = static_cast<const float*>(x.untyped_data());
+  const uint16_t* xh = nullptr;
+  if (x.element_type() == ffi::DataType::BF16) {
+    const uint16_t* raw = static_cast<const uint16_t*>(x.untyped_data());
+    xbuf.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) xbuf[i] = scalar(raw[i]);
+    xp = xbuf.data();
+    if (kHasDp && w.element_type() == ffi::DataType::BF16) xh = raw;
+  }
+  const bool out_bf16 = out->element_type() == ffi::DataType::BF16;
+  if (out_bf16) obuf.resize(M * N);
+  float* op = out_bf16 ? obuf.data() : static_cast<float*>(out->untyped_data());
+  if (K == 0) {
+    std::fill(op, op + M * N, 0.f);
+  } else if (w.element_type() == ffi::DataType::BF16) {
+    matmul(pool, xp, xh, static_cast<const uint16_t*>(w.untyped_data()), op, M, K, N, transpose_w);
+  } else {
+    matmul(pool, xp, nullptr, static_cast<const float*>(w.untyped_data()), op, M, K, N, transpose_w);
+  }
+  if (out_bf16) {
+    uint16_t* oh = static_cast<uint16_t*>(out->untyped_data());
+    for (int64_t i = 0; i < M * N; ++i) oh[i] = to_bf16(obuf[i]);
+  }
   return ffi::Error::Success();
 }
 
@@ -252,7 +382,7 @@ ffi::Error SmallMMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SsdJaxSmallMMatmul, SmallMMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Attr<bool>("transpose_w"));
