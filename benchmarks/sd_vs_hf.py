@@ -41,16 +41,15 @@ def _prompt_ids(n: int | None) -> tuple[list[dict], list[list[int]], tuple[int, 
     return prompts, [tok.encode(p["text"]) for p in prompts], tuple(tok.eos_ids)
 
 
-def worker_jax(n, max_new, k) -> dict:
+def worker_jax(n, max_new, k, dtype: str = "float32") -> dict:
     from models.load import load_model
     from ssd_jax.engine import Engine
     from ssd_jax.sampling import SamplingParams
 
     prompts, ids, _ = _prompt_ids(n)
-    engine = Engine(load_model(TARGET, "float32"), load_model(DRAFT, "float32"),
-                    placement="colocated")
+    engine = Engine(load_model(TARGET, dtype), load_model(DRAFT, dtype), placement="colocated")
     sp = SamplingParams(temperature=0.0)
-    out = dict(kind="jax")
+    out = dict(kind="jax", dtype=dtype)
     for mode in ("ar", "sd"):
         engine.generate([ids[0]], mode=mode, max_new_tokens=min(8, max_new), k=k, sampling=sp)  # warm-up
         per, tok_sum, time_sum, hist = [], 0, 0.0, [0] * (k + 1)
@@ -102,7 +101,7 @@ def render(rep: dict) -> str:
     for row in rep["results"]:
         j, h = row["jax"], row["torch"]
         out += [f"Cores {row['cores']}: {rep['prompts']} prompts, max {rep['max_new_tokens']} new "
-                f"tokens, K={rep['k']}, greedy, fp32 (ssd_jax) / {h['dtype']} (HF).", "",
+                f"tokens, K={rep['k']}, greedy, {j.get('dtype', 'float32')} (ssd_jax) / {h['dtype']} (HF).", "",
                 "| framework | AR tok/s | SD / assisted tok/s | SD/AR speed-up | tokens/round "
                 "| acceptance |", "|---|---|---|---|---|---|",
                 f"| ssd_jax (colocated) | {j['ar']['tokens_per_s']:.2f} | {j['sd']['tokens_per_s']:.2f} "
@@ -126,6 +125,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default benchmark_set.MAX_NEW_TOKENS")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--hf-dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="ssd_jax's dtype (bfloat16 is its fastest on a CPU with the kernel)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/sd_vs_hf-<time>.json)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
@@ -137,7 +138,7 @@ def main(argv=None) -> int:
 
     if a.worker:
         sys.path.insert(0, str(ROOT))
-        r = (worker_jax(n, a.max_new_tokens, a.k) if a.worker == "jax"
+        r = (worker_jax(n, a.max_new_tokens, a.k, a.dtype) if a.worker == "jax"
              else worker_torch(n, a.max_new_tokens, a.k, a.threads, a.hf_dtype))
         print(json.dumps(r))
         return 0
@@ -150,7 +151,7 @@ def main(argv=None) -> int:
     for cores in a.cores.split(";"):
         th = len(cores.split(","))
         print(f"[cores {cores}] ssd_jax ...", file=sys.stderr, flush=True)
-        j = run_worker(script, cores, ["jax", *common], th)
+        j = run_worker(script, cores, ["jax", "--dtype", a.dtype, *common], th)
         print(f"[cores {cores}] HF ...", file=sys.stderr, flush=True)
         h = run_worker(script, cores, ["torch", "--threads", str(th), "--hf-dtype", a.hf_dtype, *common], th)
         agree = [f"{_agree(x['token_ids'], y['token_ids'])}/{len(y['token_ids'])}"

@@ -32,7 +32,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-MAX_ROWS = 16  # past this XLA's GEMM is as fast (measured: equal at 32 rows on a 1536 x 17920 weight)
+MAX_ROWS = 16  # fp32: past this XLA's GEMM is as fast (measured: equal at 32 rows on 1536 x 17920)
 _TARGET = "ssd_jax_small_m_matmul"
 _SOURCE = Path(__file__).with_name("cpu_kernels") / "small_m_matmul.cc"
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-w")
@@ -138,9 +138,10 @@ def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, enabled: bo
     """x [..., K] @ w [K, N] (w [N, K] with `transpose_w`) -> [..., N], in x's dtype (or
     `preferred_element_type`).
 
-    The kernel serves fp32 and bf16 operands of one dtype with at most MAX_ROWS rows (the product
-    of x's leading dims) when the default backend is the CPU and `enabled` (a static choice:
-    `ModelConfig.cpu_kernels`); anything else is `reference`. `lax.platform_dependent` keeps the
+    The kernel serves fp32 operands with at most MAX_ROWS rows (the product of x's leading dims)
+    and bf16 operands with any number (XLA:CPU's bf16 GEMM is ~10x slower than its fp32 one, so a
+    bf16 prefill is faster in the kernel, compute-bound) when the default backend is the CPU and
+    `enabled` (a static choice: `ModelConfig.cpu_kernels`); anything else is `reference`. `lax.platform_dependent` keeps the
     reference for any non-CPU lowering.
     """
     rows = 1
@@ -148,7 +149,8 @@ def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, enabled: bo
         rows *= int(d)
     out_dtype = jnp.dtype(x.dtype if preferred_element_type is None else preferred_element_type)
     if not (enabled and x.dtype == w.dtype and x.dtype in _DTYPES and out_dtype in _DTYPES
-            and 0 < rows <= MAX_ROWS and jax.default_backend() == "cpu" and _load() is not None):
+            and 0 < rows and (rows <= MAX_ROWS or x.dtype == jnp.bfloat16)
+            and jax.default_backend() == "cpu" and _load() is not None):
         return reference(x, w, transpose_w, preferred_element_type)
     return jax.lax.platform_dependent(
         x, w, cpu=functools.partial(kernel, transpose_w=transpose_w, out_dtype=out_dtype),

@@ -44,7 +44,8 @@ def test_kernel_matches_reference(transpose_w, lead, K, N):
 @pytest.mark.parametrize("transpose_w", [False, True])
 @pytest.mark.parametrize("x_dtype,out_dtype", [(jnp.bfloat16, jnp.bfloat16), (jnp.bfloat16, jnp.float32),
                                                (jnp.float32, jnp.float32)])
-@pytest.mark.parametrize("lead,K,N", [((1,), 64, 200), ((5,), 300, 1000), ((3, 4), 17, 33), ((16,), 1536, 96)])
+@pytest.mark.parametrize("lead,K,N", [((1,), 64, 200), ((5,), 300, 1000), ((3, 4), 17, 33), ((16,), 1536, 96),
+                                      ((2, 100), 80, 3000)])
 def test_bf16_weights_match_the_exact_product(transpose_w, x_dtype, out_dtype, lead, K, N):
     # bf16 weights are widened to fp32 (or paired by vdpbf16ps where the CPU has AVX512_BF16);
     # the sum is fp32 either way, then rounded once if the result is bf16.
@@ -90,6 +91,7 @@ def test_matmul_uses_the_kernel_only_where_it_serves():
     assert _dispatches(lambda x, w: mm(x, w), xb, wb)
     assert mm(xb, wb).dtype == jnp.bfloat16
     assert mm(xb, wb, preferred_element_type=jnp.float32).dtype == jnp.float32
+    assert _dispatches(lambda x, w: mm(x, w), _rand((40, 64), 5).astype(jnp.bfloat16), wb)  # bf16: any rows
     assert not _dispatches(lambda x, w: mm(x, w), _rand((5, 64), 5), wb)  # mixed dtypes: XLA
     xh, wh = _rand((5, 64), 5).astype(jnp.float16), w.astype(jnp.float16)
     assert not _dispatches(lambda x, w: mm(x, w), xh, wh)

@@ -287,7 +287,10 @@ void matmul(ffi::ThreadPool& pool, const float* xp, const uint16_t* xh, const W*
     // A multiple of the thread count, so that no thread is left with one item more than the others.
     const int64_t align = transpose_w ? 1 : 64;
     const int64_t per_thread = (N + pool_threads - 1) / pool_threads;
-    const int64_t items = pool_threads * ((per_thread + kColumnsPerItem - 1) / kColumnsPerItem);
+    // Many rows (a bf16 prefill): narrower items, so that out's [M, columns] tile stays in L2
+    // while every group of rows passes over the same 8 rows of w.
+    const int64_t max_cols = M <= 16 ? kColumnsPerItem : std::max<int64_t>(64, (1 << 16) / M);
+    const int64_t items = pool_threads * ((per_thread + max_cols - 1) / max_cols);
     step = std::max<int64_t>(align, ((N + items - 1) / items + align - 1) / align * align);
     chunks = (N + step - 1) / step;
   }
