@@ -1,15 +1,20 @@
-// Small-M fp32 matmul for XLA:CPU, called through the XLA FFI.
+// Small-M matmul for XLA:CPU (fp32 or bf16 weights, fp32 sums), called through the XLA FFI.
 //
-// Why: XLA:CPU streams a one-row matmul (decode) at memory bandwidth, but for 2..8 rows (a K+1-token
+// Why: XLA:CPU streams a one-row matmul (decode) at memory bandwidth, but for 2..16 rows (a K+1-token
 // verify, a few tree branches) it switches to a GEMM that costs 1.5-2.8x the one-row time although
-// the weights are read once either way. This kernel streams each weight once for all rows, keeping
-// the M x columns accumulators in registers, so M = 5 costs little more than M = 1.
+// the weights are read once either way; and its bf16 dots are ~10x slower than fp32 ones. This
+// kernel streams each weight once for all rows: 8 rows of w at a time over a long run of columns,
+// the rows' x values broadcast in registers and out's rows kept hot in L1/L2. So M = 5 costs
+// 1.1-1.4x M = 1, and bf16 weights (widened in registers) read half the bytes.
 //
-// Determinism across M: every output element is accumulated in the same order whatever M and the
-// blocking (a lane-wise FMA over k from zero; for the transposed layout, a fixed 16-lane reduction
-// after), so a token's logits in a verify equal its logits in a one-token decode bit for bit.
+// Determinism across M: each output element is accumulated in the same order whatever M (ascending
+// k from zero: per lane FMAs, pairs of k with vdpbf16ps, ordered partial sums over row ranges, or a
+// fixed 16-lane reduction for the transposed layout; the choice depends on dtypes, K, N and the
+// thread count, never on M), so a token's logits in a verify equal its logits in a one-token decode
+// bit for bit.
 //
-// Portable C++ with GCC/Clang vector extensions: -march=native turns them into AVX-512 (or AVX2 halves).
+// Portable C++ with GCC/Clang vector extensions: -march=native turns them into AVX-512 (or AVX2
+// halves); the vdpbf16ps path is compiled only where the CPU has AVX512_BF16.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
