@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -141,12 +142,10 @@ def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, enabled: bo
     The kernel serves fp32 operands with at most MAX_ROWS rows (the product of x's leading dims)
     and bf16 operands with any number (XLA:CPU's bf16 GEMM is ~10x slower than its fp32 one, so a
     bf16 prefill is faster in the kernel, compute-bound) when the default backend is the CPU and
-    `enabled` (a static choice: `ModelConfig.cpu_kernels`); anything else is `reference`. `lax.platform_dependent` keeps the
-    reference for any non-CPU lowering.
+    `enabled` (a static choice: `ModelConfig.cpu_kernels`); anything else is `reference`.
+    `lax.platform_dependent` keeps the reference for any non-CPU lowering.
     """
-    rows = 1
-    for d in x.shape[:-1]:
-        rows *= int(d)
+    rows = math.prod(x.shape[:-1])
     out_dtype = jnp.dtype(x.dtype if preferred_element_type is None else preferred_element_type)
     if not (enabled and x.dtype == w.dtype and x.dtype in _DTYPES and out_dtype in _DTYPES
             and 0 < rows and (rows <= MAX_ROWS or x.dtype == jnp.bfloat16)

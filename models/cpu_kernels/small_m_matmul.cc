@@ -207,54 +207,33 @@ void nn_columns(const float* x, const uint16_t* xh, int64_t M, int64_t K, const 
 }
 
 constexpr int kPartials = 4;
-// out[m, n0+r] = dot(x[m, :], w[n0+r, :]) for NR rows of w [N, K] and MR rows of x. Each dot keeps
-// kPartials partial sums (k-steps of 16 taken round-robin) so one row streams without waiting on FMA
+// out[m, n] = dot(x[m, :], w[n, :]) for one row n of w [N, K] and MR rows of x. Each dot keeps
+// kPartials partial sums (k-steps of 16 taken round-robin) so the row streams without waiting on FMA
 // latency; they are combined in a fixed order, the same for every M.
-template <int MR, int NR, typename W>
-inline void nt_tile(const float* x, int64_t K, const W* w, int64_t N, float* out, int64_t n0) {
-  v16 acc[MR][NR][kPartials];
+template <int MR, typename W>
+inline void nt_tile(const float* x, int64_t K, const W* w, int64_t N, float* out, int64_t n) {
+  v16 acc[MR][kPartials];
   for (int m = 0; m < MR; ++m)
-    for (int r = 0; r < NR; ++r)
-      for (int p = 0; p < kPartials; ++p) acc[m][r][p] = v16{};
-  const W* wr = w + n0 * K;
+    for (int p = 0; p < kPartials; ++p) acc[m][p] = v16{};
+  const W* wr = w + n * K;
   const int64_t kb = K / (16 * kPartials) * (16 * kPartials);
   for (int64_t k = 0; k < kb; k += 16 * kPartials) {
     for (int p = 0; p < kPartials; ++p) {
-      v16 wv[NR];
-      for (int r = 0; r < NR; ++r) wv[r] = load(wr + r * K + k + 16 * p);
-      for (int m = 0; m < MR; ++m) {
-        v16 xv = load(x + m * K + k + 16 * p);
-        for (int r = 0; r < NR; ++r) acc[m][r][p] += xv * wv[r];
-      }
+      const v16 wv = load(wr + k + 16 * p);
+      for (int m = 0; m < MR; ++m) acc[m][p] += load(x + m * K + k + 16 * p) * wv;
     }
   }
   for (int64_t k = kb; k + 16 <= K; k += 16) {
-    for (int m = 0; m < MR; ++m) {
-      v16 xv = load(x + m * K + k);
-      for (int r = 0; r < NR; ++r) acc[m][r][0] += xv * load(wr + r * K + k);
-    }
+    const v16 wv = load(wr + k);
+    for (int m = 0; m < MR; ++m) acc[m][0] += load(x + m * K + k) * wv;
   }
   const int64_t kv = K / 16 * 16;
-  for (int m = 0; m < MR; ++m)
-    for (int r = 0; r < NR; ++r) {
-      v16 a = acc[m][r][0];
-      for (int p = 1; p < kPartials; ++p) a += acc[m][r][p];
-      float s = hsum(a);
-      for (int64_t k = kv; k < K; ++k) s = __builtin_fmaf(x[m * K + k], scalar(wr[r * K + k]), s);
-      out[m * N + n0 + r] = s;
-    }
-}
-
-template <int NR, typename W>
-inline void nt_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* out,
-                    int64_t n0) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) nt_tile<4, NR, W>(x + m * K, K, w, N, out + m * N, n0);
-  switch (M - m) {
-    case 3: nt_tile<3, NR, W>(x + m * K, K, w, N, out + m * N, n0); break;
-    case 2: nt_tile<2, NR, W>(x + m * K, K, w, N, out + m * N, n0); break;
-    case 1: nt_tile<1, NR, W>(x + m * K, K, w, N, out + m * N, n0); break;
-    default: break;
+  for (int m = 0; m < MR; ++m) {
+    v16 a = acc[m][0];
+    for (int p = 1; p < kPartials; ++p) a += acc[m][p];
+    float s = hsum(a);
+    for (int64_t k = kv; k < K; ++k) s = __builtin_fmaf(x[m * K + k], scalar(wr[k]), s);
+    out[m * N + n] = s;
   }
 }
 
@@ -262,8 +241,16 @@ inline void nt_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N,
 template <typename W>
 void nt_columns(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* out,
                 int64_t c0, int64_t c1) {
-  int64_t n = c0;
-  for (; n < c1; ++n) nt_rows<1, W>(x, M, K, w, N, out, n);
+  for (int64_t n = c0; n < c1; ++n) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) nt_tile<4, W>(x + m * K, K, w, N, out + m * N, n);
+    switch (M - m) {
+      case 3: nt_tile<3, W>(x + m * K, K, w, N, out + m * N, n); break;
+      case 2: nt_tile<2, W>(x + m * K, K, w, N, out + m * N, n); break;
+      case 1: nt_tile<1, W>(x + m * K, K, w, N, out + m * N, n); break;
+      default: break;
+    }
+  }
 }
 
 struct Work {
