@@ -47,6 +47,9 @@ def serve(channel: Channel, model) -> None:
                 placement = make_placement("colocated", jax.local_devices())
                 worker = DraftWorker(model, placement.draft, row_vocab)
             worker.start(tokens, lens, cache_len)
+        elif kind == "ready":
+            worker.ready()
+            channel.send(True)
         elif kind == "propose":
             _, s, run = msg
             spec, rows = worker.propose(s, run)

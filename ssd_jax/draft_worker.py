@@ -89,6 +89,10 @@ class DraftWorker:
                                                 self._put(prompt_tokens), self._put(prompt_lens)),
                             self._serial)
 
+    def ready(self):
+        """Block until the prompt's KV (dispatched by `start`) is computed."""
+        jax.block_until_ready(self.cache)
+
     def propose(self, s: RoundState, run: DraftRun, saguaro_top_n: tuple[int, ...] = (),
                 saguaro_c: float = 1.0):
         """K draft tokens from each row's bonus (SD drafting; also the neural backup)."""

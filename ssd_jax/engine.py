@@ -218,6 +218,10 @@ class Engine:
         if mode != "ar":
             self.worker.start(toks, batch.prompt_lens, cache_len)
         first, lp = np.asarray(first), np.asarray(lp)
+        if mode != "ar" and hasattr(self.worker, "ready"):
+            # the prefill ends when the draft's KV is there too: left in flight, it would be
+            # billed to the first round's drafting (and so to steady-state tokens/s)
+            self.worker.ready()
         for b in range(B):
             batch.emit(b, [first[b]], [lp[b]])
 

@@ -7,6 +7,7 @@ a user's own drafter plugs into `Engine(target, proposer=...)` the same way:
 
     class MyProposer:
         def start(self, prompt_tokens, prompt_lens, cache_len): ...      # once per generate call
+        def ready(self): ...     # optional: block until start's work (e.g. a prefill) is done
         def propose(self, state: RoundState, run: DraftRun):
             return tokens [B, K] int32, rows [B, K, V] (the distributions tokens were drawn from)
         def finish(self): ...
@@ -14,6 +15,10 @@ a user's own drafter plugs into `Engine(target, proposer=...)` the same way:
 `state` holds each row's bonus token, its position n, the previous token and the full history;
 `run` the seed, request ids, K and the draft sampling parameters (see `ssd_jax.draft_worker`).
 Only SD uses a proposer; SSD needs the draft model's tree (glue, fork, branch decode).
+
+`start` may return with work still in flight (the draft prefill overlaps the target's on separate
+meshes); the engine calls `ready()`, where a proposer has one, before it stops the prefill clock, so
+that the draft's prefill is not billed to the first round's drafting.
 """
 from __future__ import annotations
 
@@ -43,6 +48,9 @@ class PromptLookupProposer:
         self.ngram = int(ngram)
 
     def start(self, prompt_tokens, prompt_lens, cache_len):
+        pass
+
+    def ready(self):
         pass
 
     def propose(self, state, run):

@@ -80,6 +80,10 @@ class RemoteDraft:
         self.channel.send(("start", np.asarray(prompt_tokens), np.asarray(prompt_lens), int(cache_len),
                            int(self.row_vocab)))
 
+    def ready(self):
+        self.channel.send(("ready",))
+        self.channel.recv()
+
     def propose(self, s, run):
         self.channel.send(("propose", s, run))
         return self.channel.recv()

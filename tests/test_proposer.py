@@ -43,3 +43,55 @@ def test_proposer_errors(target):
                  compilation_cache=False)
     with pytest.raises(ValueError, match="rows of shape"):
         bad.generate(PROMPTS, mode="sd", k=2)
+
+
+class _Recording(PromptLookupProposer):
+    """Prompt lookup that logs the engine's calls and makes its 'prefill' take a known time."""
+
+    def __init__(self, *a, delay: float = 0.0, **kw):
+        super().__init__(*a, **kw)
+        self.calls, self.delay = [], delay
+
+    def start(self, *a):
+        self.calls.append("start")
+
+    def ready(self):
+        import time
+        time.sleep(self.delay)
+        self.calls.append("ready")
+
+    def propose(self, state, run):
+        self.calls.append("propose")
+        return super().propose(state, run)
+
+
+def test_proposer_ready_is_billed_to_prefill(target):
+    """The draft's prefill ends inside the prefill phase, not in the first round's drafting."""
+    prop = _Recording(CFG.vocab_size, delay=0.5)
+    eng = Engine(target, proposer=prop, compilation_cache=False)
+    eng.generate(PROMPTS, mode="sd", max_new_tokens=6, k=2)  # compile
+    prop.calls.clear()
+    out = eng.generate(PROMPTS, mode="sd", max_new_tokens=6, k=2)
+    assert prop.calls[:3] == ["start", "ready", "propose"]
+    assert prop.calls.count("ready") == 1
+    assert out.metrics.prefill_s >= 0.5
+    assert out.metrics.draft_s < out.metrics.prefill_s
+
+
+def test_proposer_without_ready_still_runs(target):
+    class NoReady:
+        def __init__(self):
+            self.inner = PromptLookupProposer(CFG.vocab_size)
+
+        def start(self, *a):
+            self.inner.start(*a)
+
+        def propose(self, state, run):
+            return self.inner.propose(state, run)
+
+        def finish(self):
+            self.inner.finish()
+
+    out = Engine(target, proposer=NoReady(), compilation_cache=False).generate(
+        PROMPTS, mode="sd", max_new_tokens=6, k=2)
+    assert all(len(t) == 6 for t in out.token_ids)
