@@ -41,15 +41,17 @@ def _prompt_ids(n: int | None) -> tuple[list[dict], list[list[int]], tuple[int, 
     return prompts, [tok.encode(p["text"]) for p in prompts], tuple(tok.eos_ids)
 
 
-def worker_jax(n, max_new, k, dtype: str = "float32") -> dict:
+def worker_jax(n, max_new, k, dtype: str = "float32", draft_quant: str = "none") -> dict:
     from models.load import load_model
+    from models.quant import quantize_model
     from ssd_jax.engine import Engine
     from ssd_jax.sampling import SamplingParams
 
     prompts, ids, _ = _prompt_ids(n)
-    engine = Engine(load_model(TARGET, dtype), load_model(DRAFT, dtype), placement="colocated")
+    engine = Engine(load_model(TARGET, dtype), quantize_model(load_model(DRAFT, dtype), draft_quant),
+                    placement="colocated")
     sp = SamplingParams(temperature=0.0)
-    out = dict(kind="jax", dtype=dtype)
+    out = dict(kind="jax", dtype=dtype, draft_quant=draft_quant)
     for mode in ("ar", "sd"):
         engine.generate([ids[0]], mode=mode, max_new_tokens=min(8, max_new), k=k, sampling=sp)  # warm-up
         per, tok_sum, time_sum, hist = [], 0, 0.0, [0] * (k + 1)
@@ -101,7 +103,7 @@ def render(rep: dict) -> str:
     for row in rep["results"]:
         j, h = row["jax"], row["torch"]
         out += [f"Cores {row['cores']}: {rep['prompts']} prompts, max {rep['max_new_tokens']} new "
-                f"tokens, K={rep['k']}, greedy, {j.get('dtype', 'float32')} (ssd_jax) / {h['dtype']} (HF).", "",
+                f"tokens, K={rep['k']}, greedy, {j.get('dtype', 'float32')}{' + int8 draft' if j.get('draft_quant', 'none') == 'int8' else ''} (ssd_jax) / {h['dtype']} (HF).", "",
                 "| framework | AR tok/s | SD / assisted tok/s | SD/AR speed-up | tokens/round "
                 "| acceptance |", "|---|---|---|---|---|---|",
                 f"| ssd_jax (colocated) | {j['ar']['tokens_per_s']:.2f} | {j['sd']['tokens_per_s']:.2f} "
@@ -127,6 +129,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hf-dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                     help="ssd_jax's dtype (bfloat16 is its fastest on a CPU with the kernel)")
+    ap.add_argument("--draft-quant", default="none", choices=("none", "int8"),
+                    help="ssd_jax's draft weights as int8 (models/quant.py); HF's draft stays in --hf-dtype")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/sd_vs_hf-<time>.json)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
@@ -138,7 +142,7 @@ def main(argv=None) -> int:
 
     if a.worker:
         sys.path.insert(0, str(ROOT))
-        r = (worker_jax(n, a.max_new_tokens, a.k, a.dtype) if a.worker == "jax"
+        r = (worker_jax(n, a.max_new_tokens, a.k, a.dtype, a.draft_quant) if a.worker == "jax"
              else worker_torch(n, a.max_new_tokens, a.k, a.threads, a.hf_dtype))
         print(json.dumps(r))
         return 0
@@ -151,7 +155,7 @@ def main(argv=None) -> int:
     for cores in a.cores.split(";"):
         th = len(cores.split(","))
         print(f"[cores {cores}] ssd_jax ...", file=sys.stderr, flush=True)
-        j = run_worker(script, cores, ["jax", "--dtype", a.dtype, *common], th)
+        j = run_worker(script, cores, ["jax", "--dtype", a.dtype, "--draft-quant", a.draft_quant, *common], th)
         print(f"[cores {cores}] HF ...", file=sys.stderr, flush=True)
         h = run_worker(script, cores, ["torch", "--threads", str(th), "--hf-dtype", a.hf_dtype, *common], th)
         agree = [f"{_agree(x['token_ids'], y['token_ids'])}/{len(y['token_ids'])}"

@@ -1,6 +1,7 @@
 """SSD in the paper's shape on this 2-core CPU: AR and SD colocated on one core; SSD with the target
 on that core and the draft on the other (two processes, jax.distributed). Also AR and SD given both
-cores, for the equal-hardware comparison. Greedy, fp32, the Qwen2.5-Coder pair, the benchmark set.
+cores, for the equal-hardware comparison. Greedy, the Qwen2.5-Coder pair, the benchmark set; fp32
+unless --dtype bfloat16, the draft's weights int8 with --draft-quant int8 (models/quant.py).
 
     python benchmarks/ssd_paper_shape.py --prompts 8 --max-new-tokens 64
 
@@ -73,16 +74,18 @@ def worker(args) -> None:
     """One layout in this process; prints one JSON line."""
     if args.layout == "ssd-two-process":
         from ssd_jax.transport import start_two_process
-        remote = start_two_process(args.draft, cores=(0, 1))
+        remote = start_two_process(args.draft, dtype=args.dtype, quant=args.draft_quant, cores=(0, 1))
     from models.load import load_model
+    from models.quant import quantize_model
     from ssd_jax.engine import Engine, SSDConfig
 
-    target = load_model(args.target)
+    target = load_model(args.target, args.dtype)
     prompts = _prompts(args.prompts)
     if args.layout == "ssd-two-process":
         eng = Engine(target, remote_draft=remote)
     else:
-        eng = Engine(target, load_model(args.draft), placement="colocated")
+        eng = Engine(target, quantize_model(load_model(args.draft, args.dtype), args.draft_quant),
+                     placement="colocated")
     if args.fanout == "plan" and args.layout == "ssd-two-process":
         raise SystemExit("--fanout plan is resolved by the full script from its AR/SD run")
     fan = None if args.fanout in ("uniform", "plan") else tuple(int(x) for x in args.fanout.split(","))
@@ -118,6 +121,8 @@ def main() -> None:
                    help="SSD F_0..F_K as a comma list, 'uniform' (one per position), or 'plan' "
                         "(default: ssd_jax.policy.plan from the 1-core AR/SD run's measurements)")
     p.add_argument("--backup", default="neural")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--draft-quant", default="none", choices=("none", "int8"))
     p.add_argument("--layout", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     args = p.parse_args()

@@ -1,4 +1,4 @@
-"""Small-M fp32 / bf16 matmul on the CPU: ssd_jax's XLA FFI kernel, and the plain-`jnp` reference beside it.
+"""Small-M fp32 / bf16 / int8-weight matmul on the CPU: ssd_jax's XLA FFI kernel, and the plain-`jnp` reference beside it.
 
 Why: XLA:CPU streams a one-row matmul (decode) at memory bandwidth but runs 2..16 rows (a K+1-token
 verify, a few tree branches) as a GEMM that costs 1.5-2.8x as much, although the weights are read
@@ -13,6 +13,9 @@ compiler) or is turned off (`SSD_JAX_CPU_KERNELS=0`), `matmul` is plain XLA and 
 
 Every output element is accumulated in the same order whatever the number of rows, so a token's
 logits in a verify equal its logits in a one-token decode bit for bit (tests/test_cpu_matmul.py).
+
+`matmul_int8` is the same kernel over int8 weights with one fp32 scale per column (a quantized
+draft, models/quant.py): a quarter of fp32's bytes per decode step.
 
 The custom call has no partitioning rule: on a mesh of several devices XLA would gather its operands,
 so tensor-parallel and data-parallel placements turn it off with `ModelConfig.cpu_kernels=False`.
@@ -35,6 +38,7 @@ import jax.numpy as jnp
 
 MAX_ROWS = 16  # fp32: past this XLA's GEMM is as fast (measured: equal at 32 rows on 1536 x 17920)
 _TARGET = "ssd_jax_small_m_matmul"
+_TARGET_INT8 = "ssd_jax_small_m_matmul_int8"
 _SOURCE = Path(__file__).with_name("cpu_kernels") / "small_m_matmul.cc"
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-w")
 
@@ -99,6 +103,8 @@ def _load() -> str | None:
     try:
         lib = ctypes.CDLL(str(_build(cxx, cache_dir() / "kernels")))
         jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.SsdJaxSmallMMatmul), platform="cpu")
+        jax.ffi.register_ffi_target(_TARGET_INT8, jax.ffi.pycapsule(lib.SsdJaxSmallMMatmulInt8),
+                                    platform="cpu")
     except (OSError, RuntimeError, AttributeError) as e:
         warnings.warn(f"ssd_jax: the small-M CPU matmul kernel did not build ({e}); using XLA",
                       stacklevel=3)
@@ -155,3 +161,41 @@ def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, enabled: bo
         x, w, cpu=functools.partial(kernel, transpose_w=transpose_w, out_dtype=out_dtype),
         default=functools.partial(reference, transpose_w=transpose_w,
                                   preferred_element_type=preferred_element_type))
+
+
+def reference_int8(x: jax.Array, q: jax.Array, scale: jax.Array,
+                   preferred_element_type=None) -> jax.Array:
+    """(x [..., K] @ q [K, N]) * scale [N] in fp32 -> [..., N] in x's dtype (or
+    `preferred_element_type`): what `kernel_int8` computes."""
+    out = jnp.einsum("...k,kn->...n", x.astype(jnp.float32), q.astype(jnp.float32)) * scale
+    return out.astype(x.dtype if preferred_element_type is None else preferred_element_type)
+
+
+def kernel_int8(x: jax.Array, q: jax.Array, scale: jax.Array, out_dtype=None) -> jax.Array:
+    """The FFI call (CPU only): x [..., K] fp32/bf16, q [K, N] int8, scale [N] fp32 ->
+    (x @ q) * scale [..., N] in `out_dtype` (default x's), summed in fp32."""
+    if _load() is None:
+        raise RuntimeError("the small-M CPU matmul kernel is not available on this machine")
+    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+    if (x.dtype not in _DTYPES or out_dtype not in _DTYPES or q.dtype != jnp.int8 or q.ndim != 2
+            or scale.dtype != jnp.float32 or scale.shape != q.shape[1:]):
+        raise ValueError(f"kernel_int8 takes fp32/bf16 x [..., K], int8 q [K, N], fp32 scale [N] "
+                         f"and an fp32/bf16 out, got x {x.dtype}{list(x.shape)}, q {q.dtype}"
+                         f"{list(q.shape)}, scale {scale.dtype}{list(scale.shape)}, out {out_dtype}")
+    if x.shape[-1] != q.shape[0]:
+        raise ValueError(f"contraction sizes differ: x {list(x.shape)}, q {list(q.shape)}")
+    out = jax.ShapeDtypeStruct((*x.shape[:-1], q.shape[1]), out_dtype)
+    return jax.ffi.ffi_call(_TARGET_INT8, out)(x, q, scale)
+
+
+def matmul_int8(x: jax.Array, q: jax.Array, scale: jax.Array, *, enabled: bool = True,
+                preferred_element_type=None) -> jax.Array:
+    """(x [..., K] @ q [K, N]) * scale [N]: `kernel_int8` for any number of rows where the CPU kernel
+    serves (XLA would widen all of q first), else `reference_int8`."""
+    out_dtype = jnp.dtype(x.dtype if preferred_element_type is None else preferred_element_type)
+    if not (enabled and x.dtype in _DTYPES and out_dtype in _DTYPES and math.prod(x.shape[:-1]) > 0
+            and jax.default_backend() == "cpu" and _load() is not None):
+        return reference_int8(x, q, scale, preferred_element_type)
+    return jax.lax.platform_dependent(
+        x, q, scale, cpu=functools.partial(kernel_int8, out_dtype=out_dtype),
+        default=functools.partial(reference_int8, preferred_element_type=preferred_element_type))

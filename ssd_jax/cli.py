@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", default="float32", help="float32/fp32 or bfloat16/bf16")
+    g.add_argument("--draft-quant", choices=("none", "int8"), default="none",
+                   help="int8: the draft's matmul weights as int8 with per-column scales (half "
+                        "bf16's bytes per draft step; output stays exact, acceptance may change)")
     g.add_argument("--k", type=int, default=4, help="lookahead K (draft tokens per round)")
     g.add_argument("--fanout", type=_fanout, default=None, help="F_0..F_K, e.g. 2,2,1,1,1")
     g.add_argument("--saguaro-c", type=float, default=1.0)
@@ -100,7 +103,11 @@ def _generate(args) -> int:
         with open(args.prompt_file, encoding="utf-8") as fh:
             prompt = fh.read()
     target = load_model(args.target, args.dtype, cache_dir=args.cache_dir)
-    draft = load_model(args.draft, args.dtype, cache_dir=args.cache_dir) if args.mode != "ar" else None
+    draft = None
+    if args.mode != "ar":
+        from models.quant import quantize_model
+        draft = quantize_model(load_model(args.draft, args.dtype, cache_dir=args.cache_dir),
+                               args.draft_quant)
     engine = Engine(target, draft, placement=args.placement, max_len=args.max_len)
     tok = target.tokenizer
     streamed: list[int] = []

@@ -97,6 +97,10 @@ def _gate_up_columns(w: np.ndarray, cfg: ModelConfig, tp: int) -> np.ndarray:
 
 def tp_layout(params: Params, cfg: ModelConfig, tp: int) -> tuple[TPConfig, Params]:
     """Host-side (numpy) re-layout of `params` for TP degree `tp`; returns (TPConfig, params)."""
+    from models.quant import is_quantized
+    if is_quantized(params):
+        raise ValueError("tensor-parallel placement takes unquantized params: int8 weights "
+                         "(models/quant.py) are for a single-device draft")
     tcfg = tp_config(cfg, tp)
     layers = []
     for lp in params.layers:

@@ -133,14 +133,15 @@ def _init(coordinator: str, process_id: int, cpu: int | None, timeout: int = 300
                                process_id=process_id, initialization_timeout=timeout)
 
 
-def start_two_process(draft: str | None, *, dtype: str = "float32",
+def start_two_process(draft: str | None, *, dtype: str = "float32", quant: str = "none",
                       cores: tuple[int, int] | None = (0, 1), cache_dir: str | None = None,
                       timeout: int = 300, draft_main: str | None = None,
                       coordinator: str | None = None) -> RemoteDraft:
     """Launch the draft process and join it. Call before any other JAX use in this process.
 
     draft: a default model name, a .gguf file, an HF folder, or a directory written by
-    `models.checkpoint.save` (how tests ship tiny random drafts). cores: (target core, draft core)
+    `models.checkpoint.save` (how tests ship tiny random drafts). quant: "int8" quantizes the
+    draft's weights in its process (models/quant.py). cores: (target core, draft core)
     to pin each process to, or None to leave placement to the OS. draft_main: a script to run
     instead of `-m ssd_jax.draft_process` (same arguments; e.g. an instrumented draft in tests).
 
@@ -165,7 +166,7 @@ def start_two_process(draft: str | None, *, dtype: str = "float32",
     coordinator = coordinator or f"127.0.0.1:{_free_port()}"
     entry = [draft_main] if draft_main is not None else ["-m", "ssd_jax.draft_process"]
     cmd = [sys.executable, *entry, "--coordinator", coordinator,
-           "--draft", str(draft), "--dtype", dtype]
+           "--draft", str(draft), "--dtype", dtype, "--quant", quant]
     if cores is not None:
         cmd += ["--cpu", str(cores[1])]
     if cache_dir is not None:

@@ -104,6 +104,10 @@ def test_generate_json_each_mode_agrees(pair, capsys):
     assert got["sd"]["token_ids"] == got["ar"]["token_ids"] == got["ssd"]["token_ids"]
     assert got["ssd"]["metrics"]["lookups"] > 0
     assert got["sd"]["metrics"]["accept_hist"] and sum(got["sd"]["metrics"]["accept_hist"]) > 0
+    # an int8 draft (models/quant.py) changes acceptance only: the target's tokens all the same
+    rc, out, err = run_cli(gen_args(pair, "--mode", "sd", "--draft-quant", "int8", "--json"), capsys)
+    assert rc == 0, err
+    assert json.loads(out)["token_ids"] == got["ar"]["token_ids"]
 
 
 def test_generate_streams_the_same_text(pair, capsys, tmp_path):
@@ -202,6 +206,7 @@ def assert_one_line_error(rc, err, *needles):
     (["--saguaro-c", "2"], "saguaro_c"),
     (["--dtype", "fp8"], "dtype"),
     (["--mode", "fast"], "--mode"),
+    (["--draft-quant", "int4"], "--draft-quant"),
     (["--bogus"], "--bogus"),
 ])
 def test_generate_bad_flags(pair, capsys, extra, needle):

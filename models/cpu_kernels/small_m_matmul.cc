@@ -1,4 +1,4 @@
-// Small-M matmul for XLA:CPU (fp32 or bf16 weights, fp32 sums), called through the XLA FFI.
+// Small-M matmul for XLA:CPU (fp32, bf16 or int8 weights, fp32 sums), called through the XLA FFI.
 //
 // Why: XLA:CPU streams a one-row matmul (decode) at memory bandwidth, but for 2..16 rows (a K+1-token
 // verify, a few tree branches) it switches to a GEMM that costs 1.5-2.8x the one-row time although
@@ -22,7 +22,7 @@
 #include <memory>
 #include <thread>
 #include <type_traits>
-#ifdef __AVX512BF16__
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #include <vector>
@@ -54,6 +54,25 @@ inline v16 load(const uint16_t* p) {
   std::memcpy(&r, &w, sizeof(r));
   return r;
 }
+// int8 weights (a quantized draft, models/quant.py): 16 widened to fp32 in registers; the
+// per-column scale is applied once to the finished sum, so a quarter of fp32's bytes are streamed.
+// (GCC scalarises __builtin_convertvector from int8, hence the intrinsics.)
+inline v16 load(const int8_t* p) {
+  v16 r;
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  std::memcpy(&r, &f, sizeof(r));
+#elif defined(__AVX2__)
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
+  std::memcpy(&r, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&r) + sizeof(lo), &hi, sizeof(hi));
+#else
+  for (int i = 0; i < 16; ++i) r[i] = float(p[i]);
+#endif
+  return r;
+}
+inline float scalar(int8_t v) { return float(v); }
 inline float scalar(float v) { return v; }
 inline float scalar(uint16_t v) {
   uint32_t u = uint32_t(v) << 16;
@@ -329,6 +348,33 @@ void matmul(ffi::ThreadPool& pool, const float* xp, const uint16_t* xh, const W*
 
 bool f32_or_bf16(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
 
+// Runs body(xp, xh, op) with x widened to fp32 (xp; xh: the raw bf16 x, or null) and op an fp32
+// [M, N] out, rounded to bf16 afterwards where out is bf16.
+template <typename Body>
+ffi::Error with_f32_io(ffi::AnyBuffer& x, ffi::Result<ffi::AnyBuffer>& out, int64_t M, int64_t K,
+                       int64_t N, Body body) {
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  std::vector<float> xbuf, obuf;
+  const float* xp = static_cast<const float*>(x.untyped_data());
+  const uint16_t* xh = nullptr;
+  if (x.element_type() == ffi::DataType::BF16) {
+    xh = static_cast<const uint16_t*>(x.untyped_data());
+    xbuf.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) xbuf[i] = scalar(xh[i]);
+    xp = xbuf.data();
+  }
+  const bool out_bf16 = out->element_type() == ffi::DataType::BF16;
+  if (out_bf16) obuf.resize(M * N);
+  float* op = out_bf16 ? obuf.data() : static_cast<float*>(out->untyped_data());
+  if (K == 0) std::fill(op, op + M * N, 0.f);
+  else body(xp, xh, op);
+  if (out_bf16) {
+    uint16_t* oh = static_cast<uint16_t*>(out->untyped_data());
+    for (int64_t i = 0; i < M * N; ++i) oh[i] = to_bf16(obuf[i]);
+  }
+  return ffi::Error::Success();
+}
+
 // x [..., K] and out [..., N] fp32 or bf16 (widened / rounded here: they are small), w fp32 or bf16.
 ffi::Error SmallMMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                         ffi::Result<ffi::AnyBuffer> out, bool transpose_w) {
@@ -344,32 +390,40 @@ ffi::Error SmallMMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
   const int64_t N = transpose_w ? wd[0] : wd[1];
   if ((transpose_w ? wd[1] : wd[0]) != K)
     return ffi::Error::InvalidArgument("small_m_matmul: contraction sizes differ");
-  if (M == 0 || N == 0) return ffi::Error::Success();
-  std::vector<float> xbuf, obuf;
-  const float* xp = static_cast<const float*>(x.untyped_data());
-  const uint16_t* xh = nullptr;
-  if (x.element_type() == ffi::DataType::BF16) {
-    const uint16_t* raw = static_cast<const uint16_t*>(x.untyped_data());
-    xbuf.resize(M * K);
-    for (int64_t i = 0; i < M * K; ++i) xbuf[i] = scalar(raw[i]);
-    xp = xbuf.data();
-    if (kHasDp && w.element_type() == ffi::DataType::BF16) xh = raw;
-  }
-  const bool out_bf16 = out->element_type() == ffi::DataType::BF16;
-  if (out_bf16) obuf.resize(M * N);
-  float* op = out_bf16 ? obuf.data() : static_cast<float*>(out->untyped_data());
-  if (K == 0) {
-    std::fill(op, op + M * N, 0.f);
-  } else if (w.element_type() == ffi::DataType::BF16) {
-    matmul(pool, xp, xh, static_cast<const uint16_t*>(w.untyped_data()), op, M, K, N, transpose_w);
-  } else {
-    matmul(pool, xp, nullptr, static_cast<const float*>(w.untyped_data()), op, M, K, N, transpose_w);
-  }
-  if (out_bf16) {
-    uint16_t* oh = static_cast<uint16_t*>(out->untyped_data());
-    for (int64_t i = 0; i < M * N; ++i) oh[i] = to_bf16(obuf[i]);
-  }
-  return ffi::Error::Success();
+  const bool w_bf16 = w.element_type() == ffi::DataType::BF16;
+  return with_f32_io(x, out, M, K, N, [&](const float* xp, const uint16_t* xh, float* op) {
+    if (w_bf16)
+      matmul(pool, xp, kHasDp ? xh : nullptr, static_cast<const uint16_t*>(w.untyped_data()), op,
+             M, K, N, transpose_w);
+    else
+      matmul(pool, xp, nullptr, static_cast<const float*>(w.untyped_data()), op, M, K, N,
+             transpose_w);
+  });
+}
+
+// out = (x @ q) * scale: q [K, N] int8, scale [N] fp32 (one per column of q).
+ffi::Error SmallMMatmulInt8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q,
+                            ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out) {
+  auto xd = x.dimensions();
+  auto qd = q.dimensions();
+  if (xd.size() < 1 || qd.size() != 2 || scale.dimensions().size() != 1)
+    return ffi::Error::InvalidArgument("small_m_matmul_int8: x must be [..., K], q 2-D, scale 1-D");
+  if (!f32_or_bf16(x.element_type()) || !f32_or_bf16(out->element_type()) ||
+      q.element_type() != ffi::DataType::S8 || scale.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument(
+        "small_m_matmul_int8: x and out must be float32 or bfloat16, q int8, scale float32");
+  const int64_t K = xd.back();
+  const int64_t M = static_cast<int64_t>(x.element_count()) / std::max<int64_t>(K, 1);
+  const int64_t N = qd[1];
+  if (qd[0] != K || scale.dimensions()[0] != N)
+    return ffi::Error::InvalidArgument("small_m_matmul_int8: q must be [K, N] and scale [N]");
+  const int8_t* qp = static_cast<const int8_t*>(q.untyped_data());
+  const float* sp = static_cast<const float*>(scale.untyped_data());
+  return with_f32_io(x, out, M, K, N, [&](const float* xp, const uint16_t*, float* op) {
+    matmul(pool, xp, nullptr, qp, op, M, K, N, false);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) op[m * N + n] *= sp[n];
+  });
 }
 
 }  // namespace
@@ -381,3 +435,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SsdJaxSmallMMatmul, SmallMMatmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<bool>("transpose_w"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SsdJaxSmallMMatmulInt8, SmallMMatmulInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());

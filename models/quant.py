@@ -1,0 +1,94 @@
+"""Int8 weights for a draft model: symmetric, one fp32 scale per output column.
+
+Why: on a CPU a decode step reads every weight once, so its time is its bytes. A 0.5B draft in bf16
+streams ~1 GB per step, about a third of the 1.5B target's; in int8 it streams half that, and SD's
+round (K draft steps + one verify) gets that much shorter. The draft's proposal rows come from the
+int8 model itself, so verification stays exact (spec §3: any proposal, as long as the tokens were
+drawn from the rows the verifier gets); only acceptance can change.
+
+Quantizing a *target* also works, but it changes the distribution SD is exact to: the int8 model is
+then the target. `Engine` quantizes nothing on its own; `ssd-jax generate --draft-quant int8` and
+`quantize_model` are explicit choices.
+
+Layout: each dense weight w [K, N] (`wqkv`, `wo`, `w_gate_up`, `w_down`, the head) becomes
+`Int8Weight(q [K, N] int8, scale [N] fp32)` with w ~= q * scale, scale = max_k |w[k, n]| / 127.
+Embedding rows, norms and biases stay in the model's dtype. A tied model gets its own int8 head
+(the embedding stays for the token lookup).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from models.params import Params
+
+QUANT_MODES = ("none", "int8")
+
+
+@struct.dataclass
+class Int8Weight:
+    q: jax.Array  # [K, N] int8
+    scale: jax.Array  # [N] float32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """w ~= q * scale [K, N] in `dtype`."""
+        return (self.q.astype(jnp.float32) * self.scale).astype(dtype)
+
+
+@jax.jit
+def quantize_int8(w: jax.Array) -> Int8Weight:
+    """w [K, N] (any float dtype) -> Int8Weight: per-column symmetric, |w - q * scale| <= scale / 2."""
+    w = jnp.asarray(w, jnp.float32)
+    amax = jnp.max(jnp.abs(w), axis=0)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)  # an all-zero column stays exactly zero
+    q = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
+    return Int8Weight(q=q, scale=scale)
+
+
+def _check_weight(name: str, w) -> jax.Array:
+    if isinstance(w, Int8Weight):
+        raise ValueError(f"{name} is already int8: quantize the original params")
+    w = jnp.asarray(w)
+    if w.ndim != 2 or not jnp.issubdtype(w.dtype, jnp.floating):
+        raise ValueError(f"{name} must be a 2-D float weight, got {w.dtype}{list(w.shape)}")
+    if not bool(jnp.all(jnp.isfinite(w))):
+        raise ValueError(f"{name} contains NaN or Inf: it cannot be quantized")
+    return w
+
+
+def quantize_params(params: Params) -> Params:
+    """Params with every dense weight (and the head) as Int8Weight; see the module docstring."""
+    if not isinstance(params, Params):
+        raise TypeError(f"quantize_params takes models.params.Params, got {type(params).__name__}")
+    layers = []
+    for i, lp in enumerate(params.layers):
+        layers.append(lp.replace(**{n: quantize_int8(_check_weight(f"layers[{i}].{n}", getattr(lp, n)))
+                                    for n in ("wqkv", "wo", "w_gate_up", "w_down")}))
+    head = params.lm_head if params.lm_head is not None else jnp.asarray(params.embed).T
+    return params.replace(layers=tuple(layers), lm_head=quantize_int8(_check_weight("lm_head", head)))
+
+
+def is_quantized(params: Params) -> bool:
+    return isinstance(params.lm_head, Int8Weight)
+
+
+def quantize_model(model, mode: str = "int8"):
+    """A models.model.Model with its params quantized (`mode` "int8"), or the model itself for
+    "none"; the tokenizer, config and name carry over (the name gains "+int8")."""
+    if mode not in QUANT_MODES:
+        raise ValueError(f"unknown quantization {mode!r}: choose one of {QUANT_MODES}")
+    if mode == "none" or is_quantized(model.params):
+        return model
+    return dataclasses.replace(model, params=quantize_params(model.params),
+                               name=f"{model.name}+int8" if model.name else "int8")
+
+
+__all__ = ["Int8Weight", "QUANT_MODES", "is_quantized", "quantize_int8",
+           "quantize_model", "quantize_params"]
