@@ -1,6 +1,7 @@
 """Target side of the two-process transport test (runs in its own process: jax.distributed).
 
-argv: draft HF folder, target HF folder, signal file (or "-"). Prints one JSON line: tokens of SSD
+argv: draft HF folder, target HF folder, signal file (or "-"), optionally the draft's quantization
+("int8"). Prints one JSON line: tokens of SSD
 (two backups) and SD, hit counts, and — with a signal file — whether every verify saw the draft's
 tree run while it was executing (the overlap proof)."""
 import json
@@ -15,7 +16,8 @@ from ssd_jax.transport import start_two_process
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17]]
 draft_dir, target_dir, signal = sys.argv[1], sys.argv[2], sys.argv[3]
-remote = start_two_process(draft_dir, cores=(0, 1),
+quant = sys.argv[4] if len(sys.argv) > 4 else "none"
+remote = start_two_process(draft_dir, cores=(0, 1), quant=quant,
                            draft_main=os.path.join(HERE, "_two_process_draft.py") if signal != "-" else None)
 
 import jax  # noqa: E402
@@ -65,7 +67,7 @@ for backup in ("neural", "random"):
     out[backup] = dict(tokens=r.token_ids, hits=r.metrics.hits, lookups=r.metrics.lookups,
                        exchange_s=[t.exchange_s for t in r.metrics.timeline])
 r = eng.generate(PROMPTS, mode="sd", max_new_tokens=20, k=3)
-out["sd"] = dict(tokens=r.token_ids)
+out["sd"] = dict(tokens=r.token_ids, accept_hist=list(r.metrics.accept_hist))
 out["saw_tree"] = saw_tree
 print(json.dumps(out))
 remote.close()
