@@ -150,7 +150,8 @@ constexpr int64_t kMinRun = 4096;  // columns (16 KiB) of a row one thread strea
 #ifdef __AVX512BF16__
 // bf16 x and w where the CPU has AVX512_BF16: vdpbf16ps multiplies pairs of bf16 along k into fp32
 // lanes, half the instructions of widening then FMA, which is what bounds a bf16 verify (5 FMAs per
-// 32 bytes of weights). Rows k, k+1 of w are interleaved into pairs with one vpermw.
+// 32 bytes of weights). Rows k, k+1 of w are interleaved into pairs: in-lane unpacks over 32
+// columns (out held permuted, see unpermute_dp32), a vpermw for a last block of 16.
 template <int MR>
 inline void nn_panel_dp(const uint16_t* xh, int64_t K, const uint16_t* w, int64_t N, float* out,
                         int64_t k0, int64_t c0, int64_t c1) {
@@ -168,6 +169,27 @@ inline void nn_panel_dp(const uint16_t* xh, int64_t K, const uint16_t* w, int64_
     }
   const uint16_t* wp = w + k0 * N;
   int64_t n = c0;
+  // 32 columns at a time: whole 64-byte rows of w, paired in-lane by vpunpck{l,h}wd (one uop, where
+  // vpermw needs an insert and a lane-crossing shuffle). Out's 32 columns are then held permuted
+  // (lo: 0-3, 8-11, 16-19, 24-27; hi: the others) until `unpermute_dp32` after the last pass.
+  for (; n + 32 <= c1; n += 32) {
+    __m512bh lo[P], hi[P];
+    for (int p = 0; p < P; ++p) {
+      const __m512i a = _mm512_loadu_si512(wp + (2 * p) * N + n);
+      const __m512i b = _mm512_loadu_si512(wp + (2 * p + 1) * N + n);
+      lo[p] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      hi[p] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    }
+    for (int m = 0; m < MR; ++m) {
+      __m512 al = _mm512_loadu_ps(out + m * N + n), ah = _mm512_loadu_ps(out + m * N + n + 16);
+      for (int p = 0; p < P; ++p) {
+        al = _mm512_dpbf16_ps(al, lo[p], xs[m][p]);
+        ah = _mm512_dpbf16_ps(ah, hi[p], xs[m][p]);
+      }
+      _mm512_storeu_ps(out + m * N + n, al);
+      _mm512_storeu_ps(out + m * N + n + 16, ah);
+    }
+  }
   for (; n + 16 <= c1; n += 16) {
     __m512bh wv[P];
     for (int p = 0; p < P; ++p) {
@@ -190,6 +212,21 @@ inline void nn_panel_dp(const uint16_t* xh, int64_t K, const uint16_t* w, int64_
     }
 }
 
+// Puts back in column order the 32-column blocks nn_panel_dp left permuted (the same blocks: from
+// c0 in steps of 32 while a whole block fits).
+inline void unpermute_dp32(float* out, int64_t M, int64_t N, int64_t c0, int64_t c1) {
+  alignas(64) static const int32_t kFirst[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+  alignas(64) static const int32_t kSecond[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+  const __m512i first = _mm512_load_si512(kFirst), second = _mm512_load_si512(kSecond);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = c0; n + 32 <= c1; n += 32) {
+      float* o = out + m * N + n;
+      const __m512 lo = _mm512_loadu_ps(o), hi = _mm512_loadu_ps(o + 16);
+      _mm512_storeu_ps(o, _mm512_permutex2var_ps(lo, first, hi));
+      _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(lo, second, hi));
+    }
+}
+
 inline void nn_rows_dp(const uint16_t* xh, int64_t M, int64_t K, const uint16_t* w, int64_t N,
                        float* out, int64_t k0, int64_t c0, int64_t c1) {
   int64_t m = 0;
@@ -207,6 +244,7 @@ constexpr bool kHasDp = true;
 #else
 inline void nn_rows_dp(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, float*, int64_t,
                        int64_t, int64_t) {}
+inline void unpermute_dp32(float*, int64_t, int64_t, int64_t, int64_t) {}
 constexpr bool kHasDp = false;
 #endif
 
@@ -218,8 +256,10 @@ void nn_columns(const float* x, const uint16_t* xh, int64_t M, int64_t K, const 
   for (int64_t m = 0; m < M; ++m) std::fill(out + m * N + c0, out + m * N + c1, 0.f);
   int64_t k0 = kb;
   if constexpr (std::is_same_v<W, uint16_t>) {
-    if (xh != nullptr)
+    if (xh != nullptr && k0 + kRowsPerPass <= ke) {
       for (; k0 + kRowsPerPass <= ke; k0 += kRowsPerPass) nn_rows_dp(xh, M, K, w, N, out, k0, c0, c1);
+      unpermute_dp32(out, M, N, c0, c1);
+    }
   }
   for (; k0 + kRowsPerPass <= ke; k0 += kRowsPerPass) nn_rows<kRowsPerPass, W>(x, M, K, w, N, out, k0, c0, c1);
   for (; k0 < ke; ++k0) nn_rows<1, W>(x, M, K, w, N, out, k0, c0, c1);
