@@ -37,6 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from models.config import ModelConfig
 from models.kv_cache import KVCache, init_cache
 from models.params import LayerParams, Params
+from models.quant import is_quantized
 
 TP_AXIS = "model"
 DP_AXIS = "data"
@@ -97,7 +98,6 @@ def _gate_up_columns(w: np.ndarray, cfg: ModelConfig, tp: int) -> np.ndarray:
 
 def tp_layout(params: Params, cfg: ModelConfig, tp: int) -> tuple[TPConfig, Params]:
     """Host-side (numpy) re-layout of `params` for TP degree `tp`; returns (TPConfig, params)."""
-    from models.quant import is_quantized
     if is_quantized(params):
         raise ValueError("tensor-parallel placement takes unquantized params: int8 weights "
                          "(models/quant.py) are for a single-device draft")
