@@ -46,38 +46,38 @@ def run_two_process(root, signal, quant="none"):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_two_process_equals_in_process_and_overlaps(pair):
-    root, t, d = pair
-    got = run_two_process(root, root / "signal.txt")
-    eng = Engine(Model(CFG, params_from_hf(t, CFG)), Model(CFG, params_from_hf(d, CFG)),
-                 compilation_cache=False)
+def assert_same_as_in_process(got: dict, eng: Engine):
+    """The two-process run's SSD (both backups) and SD outputs equal `eng`'s in-process ones:
+    tokens, cache hits and the SD accept histogram."""
     for backup in ("neural", "random"):
         want = eng.generate(PROMPTS, mode="ssd", max_new_tokens=20, k=3,
                             ssd=SSDConfig(fanout=(2, 2, 1, 1), backup=backup))
         assert got[backup]["tokens"] == want.token_ids, backup
-        assert got[backup]["hits"] == want.metrics.hits
-        assert 0 < got[backup]["hits"] < got[backup]["lookups"]
+        assert got[backup]["hits"] == want.metrics.hits, backup
     sd = eng.generate(PROMPTS, mode="sd", max_new_tokens=20, k=3)
     assert got["sd"]["tokens"] == sd.token_ids
+    assert got["sd"]["accept_hist"] == list(sd.metrics.accept_hist)
+
+
+def test_two_process_equals_in_process_and_overlaps(pair):
+    root, t, d = pair
+    got = run_two_process(root, root / "signal.txt")
+    assert_same_as_in_process(got, Engine(Model(CFG, params_from_hf(t, CFG)),
+                                          Model(CFG, params_from_hf(d, CFG)), compilation_cache=False))
+    for backup in ("neural", "random"):
+        assert 0 < got[backup]["hits"] < got[backup]["lookups"]
     # the overlap proof: every verify saw a tree step run while it was executing
     assert len(got["saw_tree"]) >= 4 and all(got["saw_tree"]), got["saw_tree"]
 
 
 def test_two_process_int8_draft_equals_in_process(pair):
     """`start_two_process(..., quant="int8")` quantizes in the draft's process exactly as
-    `models.quant.quantize_model` does in-process: same tokens, same hits."""
+    `models.quant.quantize_model` does in-process. An unquantized remote draft would give the same
+    tokens but not the same counts (this pair: random-backup hits 18 vs 17, SD accept histogram
+    [5, 5, 2, 10] vs [6, 5, 2, 10])."""
     from models.quant import quantize_model
     root, t, d = pair
     got = run_two_process(root, "-", quant="int8")
-    eng = Engine(Model(CFG, params_from_hf(t, CFG)), quantize_model(Model(CFG, params_from_hf(d, CFG))),
-                 compilation_cache=False)
-    for backup in ("neural", "random"):
-        want = eng.generate(PROMPTS, mode="ssd", max_new_tokens=20, k=3,
-                            ssd=SSDConfig(fanout=(2, 2, 1, 1), backup=backup))
-        assert got[backup]["tokens"] == want.token_ids, backup
-        assert got[backup]["hits"] == want.metrics.hits
-    sd = eng.generate(PROMPTS, mode="sd", max_new_tokens=20, k=3)
-    assert got["sd"]["tokens"] == sd.token_ids
-    # an unquantized remote draft would give the same tokens but not these counts
-    # (this pair: random-backup hits 18 vs 17, SD accept histogram [5, 5, 2, 10] vs [6, 5, 2, 10])
-    assert got["sd"]["accept_hist"] == list(sd.metrics.accept_hist)
+    assert_same_as_in_process(got, Engine(Model(CFG, params_from_hf(t, CFG)),
+                                          quantize_model(Model(CFG, params_from_hf(d, CFG))),
+                                          compilation_cache=False))
