@@ -33,10 +33,6 @@ class Int8Weight:
     q: jax.Array  # [K, N] int8
     scale: jax.Array  # [N] float32
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.q.shape
-
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         """w ~= q * scale [K, N] in `dtype`."""
         return (self.q.astype(jnp.float32) * self.scale).astype(dtype)
