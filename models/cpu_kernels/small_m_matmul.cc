@@ -154,6 +154,11 @@ constexpr int64_t kMinRun = 4096;  // columns (16 KiB) of a row one thread strea
 // lanes, half the instructions of widening then FMA, which is what bounds a bf16 verify (5 FMAs per
 // 32 bytes of weights). Rows k, k+1 of w are interleaved into pairs: in-lane unpacks over 32
 // columns (out held permuted, see unpermute_dp32), a vpermw for a last block of 16.
+// Each 32-column step reads one 64-byte line of each row. With several rows of x the dot products
+// slow the loads down, and prefetching the line 4 steps ahead keeps more misses in flight than the
+// hardware prefetchers do: on a Zen 4 core the 1.5B's 5-token verify went from ~207 to ~195 ms. A
+// one-row decode streams at bandwidth already and gained nothing in the model (so it does not).
+constexpr int64_t kDpPrefetch = 128;  // bf16 elements: 4 lines
 template <int MR>
 inline void nn_panel_dp(const uint16_t* xh, int64_t K, const uint16_t* w, int64_t N, float* out,
                         int64_t k0, int64_t c0, int64_t c1) {
@@ -176,6 +181,8 @@ inline void nn_panel_dp(const uint16_t* xh, int64_t K, const uint16_t* w, int64_
   // (lo: 0-3, 8-11, 16-19, 24-27; hi: the others) until `unpermute_dp32` after the last pass.
   for (; n + 32 <= c1; n += 32) {
     __m512bh lo[P], hi[P];
+    if constexpr (MR >= 2)
+      for (int r = 0; r < 2 * P; ++r) _mm_prefetch(reinterpret_cast<const char*>(wp + r * N + n + kDpPrefetch), _MM_HINT_T0);
     for (int p = 0; p < P; ++p) {
       const __m512i a = _mm512_loadu_si512(wp + (2 * p) * N + n);
       const __m512i b = _mm512_loadu_si512(wp + (2 * p + 1) * N + n);
