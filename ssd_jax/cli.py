@@ -10,6 +10,7 @@ import json
 import sys
 
 from models import registry
+from models.config import canonical_dtype
 
 EXIT_USAGE = 2
 
@@ -59,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--dtype", default="float32", help="float32/fp32 or bfloat16/bf16")
+    g.add_argument("--dtype", default="auto",
+                   help="float32/fp32, bfloat16/bf16, or auto (default): bf16 on an accelerator or "
+                        "where the CPU matmul kernel builds, else fp32 (models.cpu_matmul.fastest_dtype)")
     g.add_argument("--draft-quant", choices=("none", "int8"), default="none",
                    help="int8: the draft's matmul weights as int8 with per-column scales (half "
                         "bf16's bytes per draft step; output stays exact, acceptance may change)")
@@ -102,6 +105,10 @@ def _generate(args) -> int:
     if args.prompt_file is not None:
         with open(args.prompt_file, encoding="utf-8") as fh:
             prompt = fh.read()
+    if args.dtype == "auto":
+        from models.cpu_matmul import fastest_dtype
+        args.dtype = fastest_dtype()
+    args.dtype = canonical_dtype(args.dtype)
     target = load_model(args.target, args.dtype, cache_dir=args.cache_dir)
     draft = None
     if args.mode != "ar":
@@ -127,7 +134,7 @@ def _generate(args) -> int:
         seed=args.seed, stop=args.stop, chat=args.chat, on_tokens=None if args.json else on_tokens)
     if args.json:
         print(json.dumps({"text": out.texts[0], "token_ids": out.token_ids[0],
-                          "metrics": out.metrics.to_dict()}))
+                          "metrics": {**out.metrics.to_dict(), "dtype": args.dtype}}))
     else:
         sys.stdout.write("\n")
         print(out.metrics.summary(), file=sys.stderr)

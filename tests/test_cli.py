@@ -12,6 +12,7 @@ import pytest
 from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from models import cpu_matmul
 from models.config import tiny_config
 from models.params import perturb_hf_tensors, random_hf_tensors
 from models.tokenizer import _byte_alphabet
@@ -96,6 +97,7 @@ def test_generate_json_each_mode_agrees(pair, capsys):
         obj = json.loads(out)
         assert set(obj) == {"text", "token_ids", "metrics"}
         assert obj["metrics"]["mode"] == mode
+        assert obj["metrics"]["dtype"] == cpu_matmul.fastest_dtype()  # --dtype auto, the default
         assert 1 <= len(obj["token_ids"]) <= 12
         assert obj["metrics"]["new_tokens"] == len(obj["token_ids"])
         assert isinstance(obj["text"], str)
@@ -108,6 +110,9 @@ def test_generate_json_each_mode_agrees(pair, capsys):
     rc, out, err = run_cli(gen_args(pair, "--mode", "sd", "--draft-quant", "int8", "--json"), capsys)
     assert rc == 0, err
     assert json.loads(out)["token_ids"] == got["ar"]["token_ids"]
+    rc, out, err = run_cli(gen_args(pair, "--mode", "ar", "--dtype", "fp32", "--json"), capsys)
+    assert rc == 0, err
+    assert json.loads(out)["metrics"]["dtype"] == "float32"
 
 
 def test_generate_streams_the_same_text(pair, capsys, tmp_path):

@@ -26,6 +26,14 @@ def test_kernel_builds_on_this_machine():
     assert cpu_matmul.available(), "the CPU kernel did not build: see the warning above"
 
 
+def test_fastest_dtype_is_bf16_only_where_the_kernel_serves_it(monkeypatch):
+    assert cpu_matmul.fastest_dtype() == "bfloat16"  # CPU with the kernel
+    monkeypatch.setattr(cpu_matmul, "available", lambda: False)
+    assert cpu_matmul.fastest_dtype() == "float32"  # XLA's own CPU bf16 dots are ~10x slower
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert cpu_matmul.fastest_dtype() == "bfloat16"
+
+
 @pytest.mark.parametrize("transpose_w", [False, True])
 @pytest.mark.parametrize("lead", [(1,), (5,), (2, 3), (16,), (13,)])
 @pytest.mark.parametrize("K,N", [(1, 1), (7, 15), (16, 64), (64, 65), (100, 130), (257, 200)])
