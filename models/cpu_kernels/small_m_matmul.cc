@@ -148,12 +148,36 @@ inline void nn_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t N,
 constexpr int kRowsPerPass = 8;
 constexpr int64_t kColumnsPerItem = 32768;
 constexpr int64_t kMinRun = 4096;  // columns (16 KiB) of a row one thread streams before row ranges win
+#if defined(__AVX512F__)
+// Puts back in column order the 32-column blocks that nn_panel_dp / nn_panel_vnni leave permuted by
+// their in-lane pairing (lo lanes: columns 0-3, 8-11, 16-19, 24-27; hi: the others), in rows
+// [0, M) of stride ld, from c0 in steps of 32 while a whole block fits. It only moves 32-bit
+// lanes, so fp32 sums and int32 sums alike.
+template <typename T>
+inline void unpermute32(T* base, int64_t M, int64_t ld, int64_t c0, int64_t c1) {
+  static_assert(sizeof(T) == 4, "32-bit lanes");
+  alignas(64) static const int32_t kFirst[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+  alignas(64) static const int32_t kSecond[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+  const __m512i first = _mm512_load_si512(kFirst), second = _mm512_load_si512(kSecond);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = c0; n + 32 <= c1; n += 32) {
+      T* o = base + m * ld + n;
+      const __m512i lo = _mm512_loadu_si512(o), hi = _mm512_loadu_si512(o + 16);
+      _mm512_storeu_si512(o, _mm512_permutex2var_epi32(lo, first, hi));
+      _mm512_storeu_si512(o + 16, _mm512_permutex2var_epi32(lo, second, hi));
+    }
+}
+#else
+template <typename T>
+inline void unpermute32(T*, int64_t, int64_t, int64_t, int64_t) {}  // no permuting path without AVX-512
+#endif
+
 // Columns [c0, c1) of out = x @ w, w [K, N] row-major: accumulated over k in ascending order from 0.
 #ifdef __AVX512BF16__
 // bf16 x and w where the CPU has AVX512_BF16: vdpbf16ps multiplies pairs of bf16 along k into fp32
 // lanes, half the instructions of widening then FMA, which is what bounds a bf16 verify (5 FMAs per
 // 32 bytes of weights). Rows k, k+1 of w are interleaved into pairs: in-lane unpacks over 32
-// columns (out held permuted, see unpermute_dp32), a vpermw for a last block of 16.
+// columns (out held permuted, see unpermute32), a vpermw for a last block of 16.
 // Each 32-column step reads one 64-byte line of each row. With several rows of x the dot products
 // slow the loads down, and prefetching the line 4 steps ahead keeps more misses in flight than the
 // hardware prefetchers do: on a Zen 4 core the 1.5B's 5-token verify went from ~207 to ~195 ms. A
@@ -178,7 +202,7 @@ inline void nn_panel_dp(const uint16_t* xh, int64_t K, const uint16_t* w, int64_
   int64_t n = c0;
   // 32 columns at a time: whole 64-byte rows of w, paired in-lane by vpunpck{l,h}wd (one uop, where
   // vpermw needs an insert and a lane-crossing shuffle). Out's 32 columns are then held permuted
-  // (lo: 0-3, 8-11, 16-19, 24-27; hi: the others) until `unpermute_dp32` after the last pass.
+  // (lo: 0-3, 8-11, 16-19, 24-27; hi: the others) until `unpermute32` after the last pass.
   for (; n + 32 <= c1; n += 32) {
     __m512bh lo[P], hi[P];
     if constexpr (MR >= 2)
@@ -221,21 +245,6 @@ inline void nn_panel_dp(const uint16_t* xh, int64_t K, const uint16_t* w, int64_
     }
 }
 
-// Puts back in column order the 32-column blocks nn_panel_dp left permuted (the same blocks: from
-// c0 in steps of 32 while a whole block fits).
-inline void unpermute_dp32(float* out, int64_t M, int64_t N, int64_t c0, int64_t c1) {
-  alignas(64) static const int32_t kFirst[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
-  alignas(64) static const int32_t kSecond[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
-  const __m512i first = _mm512_load_si512(kFirst), second = _mm512_load_si512(kSecond);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = c0; n + 32 <= c1; n += 32) {
-      float* o = out + m * N + n;
-      const __m512 lo = _mm512_loadu_ps(o), hi = _mm512_loadu_ps(o + 16);
-      _mm512_storeu_ps(o, _mm512_permutex2var_ps(lo, first, hi));
-      _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(lo, second, hi));
-    }
-}
-
 inline void nn_rows_dp(const uint16_t* xh, int64_t M, int64_t K, const uint16_t* w, int64_t N,
                        float* out, int64_t k0, int64_t c0, int64_t c1) {
   int64_t m = 0;
@@ -253,7 +262,6 @@ constexpr bool kHasDp = true;
 #else
 inline void nn_rows_dp(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, float*, int64_t,
                        int64_t, int64_t) {}
-inline void unpermute_dp32(float*, int64_t, int64_t, int64_t, int64_t) {}
 constexpr bool kHasDp = false;
 #endif
 
@@ -334,19 +342,6 @@ inline void nn_rows_vnni(const int16_t* xq, int64_t M, int64_t K, const int8_t* 
   }
 }
 
-// Puts back in column order the 32-column blocks nn_panel_vnni left permuted (see unpermute_dp32).
-inline void unpermute_int32(int32_t* acc, int64_t M, int64_t ld, int64_t width) {
-  alignas(64) static const int32_t kFirst[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
-  alignas(64) static const int32_t kSecond[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
-  const __m512i first = _mm512_load_si512(kFirst), second = _mm512_load_si512(kSecond);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = 0; n + 32 <= width; n += 32) {
-      int32_t* o = acc + m * ld + n;
-      const __m512i lo = _mm512_loadu_si512(o), hi = _mm512_loadu_si512(o + 16);
-      _mm512_storeu_si512(o, _mm512_permutex2var_epi32(lo, first, hi));
-      _mm512_storeu_si512(o + 16, _mm512_permutex2var_epi32(lo, second, hi));
-    }
-}
 constexpr bool kHasVnni = true;
 
 // Rows [kb, ke) of q, columns [c0, c1): out (fp32) = the integer sums xq @ q, kIntChunk rows at a time.
@@ -362,7 +357,7 @@ void nn_columns(const int16_t* xq, const uint16_t*, int64_t M, int64_t K, const 
     if (M <= 2)
       for (; k0 + 16 <= ce; k0 += 16) nn_rows_vnni<8>(xq, M, K, w, N, acc.data(), width, k0, c0, c1, ahead(w, N, c0, c1, k0, 16, ke));
     for (; k0 + 8 <= ce; k0 += 8) nn_rows_vnni<4>(xq, M, K, w, N, acc.data(), width, k0, c0, c1, ahead(w, N, c0, c1, k0, 8, ke));
-    if (k0 > cb) unpermute_int32(acc.data(), M, width, width);
+    if (k0 > cb) unpermute32(acc.data(), M, width, 0, width);
     for (; k0 < ce; ++k0)  // the last rows when K is not a multiple of 8
       for (int64_t m = 0; m < M; ++m)
         for (int64_t n = c0; n < c1; ++n) acc[m * width + (n - c0)] += int32_t(xq[m * K + k0]) * int32_t(w[k0 * N + n]);
@@ -388,7 +383,7 @@ void nn_columns(const float* x, const uint16_t* xh, int64_t M, int64_t K, const 
   if constexpr (std::is_same_v<W, uint16_t>) {
     if (xh != nullptr && k0 + kRowsPerPass <= ke) {
       for (; k0 + kRowsPerPass <= ke; k0 += kRowsPerPass) nn_rows_dp(xh, M, K, w, N, out, k0, c0, c1);
-      unpermute_dp32(out, M, N, c0, c1);
+      unpermute32(out, M, N, c0, c1);
     }
   }
   for (; k0 + kRowsPerPass <= ke; k0 += kRowsPerPass) nn_rows<kRowsPerPass, W>(x, M, K, w, N, out, k0, c0, c1);
