@@ -277,8 +277,11 @@ constexpr int64_t kIntChunk = 512;  // a multiple of 16 (rows per pass)
 // for the hardware prefetchers, so a pass over rows [k0, k0 + rows) prefetches the next pass's rows
 // (one contiguous block), spread over its 32-column steps; null where none is wanted. Measured on a
 // Zen 4 core: w_down 4864 x 896 of the 0.5B in 0.29 ms instead of 0.48; bf16 rows of 3 KiB (the
-// 1.5B's) gained nothing and its verify lost.
+// 1.5B's) gained nothing and its verify lost. Wider rows with 2+ rows of x (tree branches, the
+// draft's catch-up) prefetch each row 4 lines ahead instead, as nn_panel_dp does: the 0.5B's head
+// at M = 3 in ~8.4 ms instead of ~9.7-12.
 constexpr int64_t kPrefetchBelow = 4096;
+constexpr int64_t kVnniPrefetch = 256;  // int8 elements: 4 lines ahead in each row
 inline const int8_t* ahead(const int8_t* w, int64_t N, int64_t c0, int64_t c1, int64_t k0, int64_t rows, int64_t ke) {
   const bool narrow = c0 == 0 && c1 == N && N % 32 == 0 && N <= kPrefetchBelow;
   return narrow && k0 + 2 * rows <= ke ? w + (k0 + rows) * N : nullptr;
@@ -298,8 +301,11 @@ inline void nn_panel_vnni(const int16_t* xq, int64_t K, const int8_t* w, int64_t
   // The same in-lane pairing as nn_panel_dp: acc's 32-column blocks are held permuted.
   for (; n + 32 <= c1; n += 32) {
     __m512i lo[P], hi[P];
-    if (pf != nullptr)
+    if (pf != nullptr) {
       for (int i = 0; i < P; ++i) _mm_prefetch(reinterpret_cast<const char*>(pf + ((n - c0) / 32 * P + i) * 64), _MM_HINT_T0);
+    } else if (MR >= 2 && ((n - c0) & 63) == 0) {  // as nn_panel_dp: a line per row, 4 ahead
+      for (int r = 0; r < 2 * P; ++r) _mm_prefetch(reinterpret_cast<const char*>(wp + r * N + n + kVnniPrefetch), _MM_HINT_T0);
+    }
     for (int p = 0; p < P; ++p) {
       const __m512i a = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + (2 * p) * N + n)));
       const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + (2 * p + 1) * N + n)));
