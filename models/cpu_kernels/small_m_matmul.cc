@@ -348,8 +348,6 @@ inline void nn_rows_vnni(const int16_t* xq, int64_t M, int64_t K, const int8_t* 
   }
 }
 
-constexpr bool kHasVnni = true;
-
 // Rows [kb, ke) of q, columns [c0, c1): out (fp32) = the integer sums xq @ q, kIntChunk rows at a time.
 void nn_columns(const int16_t* xq, const uint16_t*, int64_t M, int64_t K, const int8_t* w, int64_t N,
                 float* out, int64_t c0, int64_t c1, int64_t kb, int64_t ke) {
@@ -371,12 +369,6 @@ void nn_columns(const int16_t* xq, const uint16_t*, int64_t M, int64_t K, const 
       for (int64_t n = c0; n < c1; ++n) out[m * N + n] += float(acc[m * width + (n - c0)]);
   }
 }
-#else
-constexpr bool kHasVnni = false;
-// Never called (SmallMMatmulInt8 sums the same integers in fp32 without VNNI); it lets matmul<int16_t>
-// compile.
-void nn_columns(const int16_t*, const uint16_t*, int64_t, int64_t, const int8_t*, int64_t, float*,
-                int64_t, int64_t, int64_t, int64_t) {}
 #endif
 
 // Rows [kb, ke) of w only: out holds that part of the sum.
@@ -611,12 +603,12 @@ ffi::Error SmallMMatmulInt8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
       for (int64_t k = 0; k < K; ++k)
         xq[m * K + k] = finite ? int16_t(std::clamp(std::nearbyint(r[k] * inv), -32767.f, 32767.f)) : 0;
     }
-    if constexpr (kHasVnni) {
-      matmul(pool, xq.data(), nullptr, qp, op, M, K, N, false);
-    } else {  // the same integers, summed in fp32
-      std::vector<float> xf(xq.begin(), xq.end());
-      matmul(pool, xf.data(), nullptr, qp, op, M, K, N, false);
-    }
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    matmul(pool, xq.data(), nullptr, qp, op, M, K, N, false);
+#else  // the same integers, summed in fp32
+    std::vector<float> xf(xq.begin(), xq.end());
+    matmul(pool, xf.data(), nullptr, qp, op, M, K, N, false);
+#endif
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = 0; n < N; ++n) op[m * N + n] = op[m * N + n] * sp[n] * sx[m];
   });
