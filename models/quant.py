@@ -13,18 +13,21 @@ then the target. `Engine` quantizes nothing on its own; `ssd-jax generate --draf
 Layout: each dense weight w [K, N] (`wqkv`, `wo`, `w_gate_up`, `w_down`, the head) becomes
 `Int8Weight(q [K, N] int8, scale [N] fp32)` with w ~= q * scale, scale = max_k |w[k, n]| / 127.
 Embedding rows, norms and biases stay in the model's dtype. A tied model gets its own int8 head
-(the embedding stays for the token lookup). The matmul takes each row of activations as int16 with
+(the embedding stays for the token lookup). Narrow weights (rows under 4 KiB) are tiled for the CPU
+kernel where it can read them (`cpu_matmul.tile_int8`): the same values in another order. The matmul takes each row of activations as int16 with
 its own scale (`models.cpu_matmul.quantize_rows_int16`, 2^-16 of the row's largest value), so on a
 CPU with AVX512_VNNI the products are exact integer dot products.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
+from models import cpu_matmul
 from models.params import Params
 
 QUANT_MODES = ("none", "int8")
@@ -32,22 +35,25 @@ QUANT_MODES = ("none", "int8")
 
 @struct.dataclass
 class Int8Weight:
-    q: jax.Array  # [K, N] int8
+    q: jax.Array  # [K, N] int8, row-major, or laid out by cpu_matmul.tile_int8 where `tiled`
     scale: jax.Array  # [N] float32
+    tiled: bool = struct.field(pytree_node=False, default=False)
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        """w ~= q * scale [K, N] in `dtype`."""
-        return (self.q.astype(jnp.float32) * self.scale).astype(dtype)
+        """w ~= q * scale [K, N] in `dtype` (row-major whatever the layout of q)."""
+        q = cpu_matmul.untile_int8(self.q) if self.tiled else self.q
+        return (q.astype(jnp.float32) * self.scale).astype(dtype)
 
 
-@jax.jit
-def quantize_int8(w: jax.Array) -> Int8Weight:
-    """w [K, N] (any float dtype) -> Int8Weight: per-column symmetric, |w - q * scale| <= scale / 2."""
+@functools.partial(jax.jit, static_argnames="tiled")
+def quantize_int8(w: jax.Array, tiled: bool = False) -> Int8Weight:
+    """w [K, N] (any float dtype) -> Int8Weight: per-column symmetric, |w - q * scale| <= scale / 2;
+    with `tiled`, q laid out by `cpu_matmul.tile_int8` (K, N must be `cpu_matmul.tileable`)."""
     w = jnp.asarray(w, jnp.float32)
     amax = jnp.max(jnp.abs(w), axis=0)
     scale = jnp.where(amax > 0, amax / 127.0, 1.0)  # an all-zero column stays exactly zero
     q = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
-    return Int8Weight(q=q, scale=scale)
+    return Int8Weight(q=cpu_matmul.tile_int8(q) if tiled else q, scale=scale, tiled=tiled)
 
 
 def _check_weight(name: str, w) -> jax.Array:
@@ -61,16 +67,24 @@ def _check_weight(name: str, w) -> jax.Array:
     return w
 
 
-def quantize_params(params: Params) -> Params:
-    """Params with every dense weight (and the head) as Int8Weight; see the module docstring."""
+def _quantize(name: str, w, tile: bool) -> Int8Weight:
+    w = _check_weight(name, w)
+    return quantize_int8(w, tiled=tile and cpu_matmul.tileable(*w.shape))
+
+
+def quantize_params(params: Params, tile: bool | None = None) -> Params:
+    """Params with every dense weight (and the head) as Int8Weight; see the module docstring.
+    `tile`: lay out the narrow ones with `cpu_matmul.tile_int8` (default: where `int8_tiles()`,
+    i.e. this machine's CPU kernel reads them; the values, and every result, stay the same)."""
     if not isinstance(params, Params):
         raise TypeError(f"quantize_params takes models.params.Params, got {type(params).__name__}")
+    tile = cpu_matmul.int8_tiles() if tile is None else bool(tile)
     layers = []
     for i, lp in enumerate(params.layers):
-        layers.append(lp.replace(**{n: quantize_int8(_check_weight(f"layers[{i}].{n}", getattr(lp, n)))
+        layers.append(lp.replace(**{n: _quantize(f"layers[{i}].{n}", getattr(lp, n), tile)
                                     for n in ("wqkv", "wo", "w_gate_up", "w_down")}))
     head = params.lm_head if params.lm_head is not None else jnp.asarray(params.embed).T
-    return params.replace(layers=tuple(layers), lm_head=quantize_int8(_check_weight("lm_head", head)))
+    return params.replace(layers=tuple(layers), lm_head=_quantize("lm_head", head, tile))
 
 
 def is_quantized(params: Params) -> bool:

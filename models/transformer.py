@@ -51,7 +51,7 @@ def dense(cfg: ModelConfig, x: jax.Array, w: jax.Array | Int8Weight, transpose_w
     """x [..., K] @ w [K, N] (w [N, K] with `transpose_w`; an Int8Weight is always [K, N]): the
     CPU small-M kernel where it serves."""
     if isinstance(w, Int8Weight):
-        return cpu_matmul.matmul_int8(x, w.q, w.scale, enabled=cfg.cpu_kernels,
+        return cpu_matmul.matmul_int8(x, w.q, w.scale, enabled=cfg.cpu_kernels, tiled=w.tiled,
                                       preferred_element_type=preferred_element_type)
     return cpu_matmul.matmul(x, w, transpose_w=transpose_w, enabled=cfg.cpu_kernels,
                              preferred_element_type=preferred_element_type)

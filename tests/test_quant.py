@@ -88,6 +88,44 @@ def test_int8_kernel_row_is_the_same_whatever_the_row_count(x_dtype, K):
         np.testing.assert_array_equal(np.asarray(f(x[:M])), one[:M])
 
 
+def test_tile_int8_round_trips_and_names_bad_shapes():
+    q = quantize_int8(_rand((48, 96), 9)).q
+    t = cpu_matmul.tile_int8(q)
+    assert t.shape == q.shape and t.dtype == jnp.int8
+    np.testing.assert_array_equal(np.asarray(cpu_matmul.untile_int8(t)), np.asarray(q))
+    # tile (rows 16-31, columns 64-95) is the 5th block of 512 bytes; its line 3 holds rows 22, 23,
+    # column by column: byte 2 * 5 + 1 of it is row 23, column 69
+    assert np.asarray(t).reshape(-1)[5 * 512 + 3 * 64 + 2 * 5 + 1] == np.asarray(q)[23, 69]
+    for shape in [(40, 96), (48, 100), (16, 4128)]:
+        assert not cpu_matmul.tileable(*shape)
+        with pytest.raises(ValueError, match="tiled int8 q"):
+            cpu_matmul.tile_int8(jnp.zeros(shape, jnp.int8))
+    with pytest.raises(ValueError, match="tiled int8 q"):
+        quantize_int8(_rand((40, 96), 0), tiled=True)
+
+
+needs_tiles = pytest.mark.skipif(not cpu_matmul.int8_tiles(),
+                                 reason="this CPU's int8 kernel reads no tiled q (no AVX512_VNNI)")
+
+
+@needs_tiles
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 7])
+@pytest.mark.parametrize("K,N", [(64, 32), (896, 1152), (1040, 96)])  # 1040: three int32 chunks
+def test_tiled_int8_kernel_equals_the_row_major_one(K, N, M):
+    w = _rand((K, N), 10)
+    rm, tl = quantize_int8(w), quantize_int8(w, tiled=True)
+    assert tl.tiled and not rm.tiled
+    np.testing.assert_array_equal(np.asarray(tl.dequantize()), np.asarray(rm.dequantize()))
+    x = _rand((M, K), 11)
+    want = np.asarray(cpu_matmul.kernel_int8(x, rm.q, rm.scale))
+    np.testing.assert_array_equal(np.asarray(cpu_matmul.kernel_int8(x, tl.q, tl.scale, tiled=True)), want)
+    np.testing.assert_allclose(  # the reference untiles
+        np.asarray(cpu_matmul.matmul_int8(x, tl.q, tl.scale, tiled=True, enabled=False)), want,
+        rtol=0, atol=1e-5 * float(np.max(np.abs(want))))
+    with pytest.raises(ValueError, match="tiled int8 q"):
+        cpu_matmul.kernel_int8(x[:, :K - 8], rm.q[:K - 8], rm.scale, tiled=True)
+
+
 def test_matmul_int8_dispatch_and_reference_agree():
     qw = quantize_int8(_rand((64, 32), 5))
     x = _rand((20, 64), 6)  # past MAX_ROWS: int8 is served at any row count
@@ -148,6 +186,13 @@ def test_int8_forward_kernel_matches_reference_and_stays_near_the_float_model(ar
     # a rounding that moves an activation across an int16 step moves it by 2^-16 of its row's max.
     rel = float(jnp.max(jnp.abs(outs[True] - outs[False])) / jnp.max(jnp.abs(outs[False])))
     assert rel < 1e-4, rel
+    # tiling (where this CPU's kernel reads it: every weight of a tiny model is narrow) moves bytes,
+    # not values: the row-major int8 model gives the same logits bit for bit
+    assert all(lp.w_down.tiled == cpu_matmul.int8_tiles() for lp in qp.layers)
+    rm = quantize_params(params, tile=False)
+    assert not any(lp.wo.tiled for lp in rm.layers)
+    np.testing.assert_array_equal(np.asarray(fwd(rm, cfg, toks, init_cache(cfg, 2, 16))[0]),
+                                  np.asarray(outs[True]))
     full, _ = fwd(params, cfg, toks, init_cache(cfg, 2, 16))
     rel = float(jnp.max(jnp.abs(outs[True] - full)) / jnp.max(jnp.abs(full)))
     assert rel < 0.05, rel  # int8 per-column weights: close, not equal
