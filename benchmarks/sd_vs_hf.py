@@ -41,7 +41,7 @@ def _prompt_ids(n: int | None) -> tuple[list[dict], list[list[int]], tuple[int, 
     return prompts, [tok.encode(p["text"]) for p in prompts], tuple(tok.eos_ids)
 
 
-def worker_jax(n, max_new, k, dtype: str = "float32", draft_quant: str = "none") -> dict:
+def worker_jax(n, max_new, ks, dtype: str = "float32", draft_quant: str = "none") -> dict:
     from models.load import load_model
     from models.quant import quantize_model
     from ssd_jax.engine import Engine
@@ -51,8 +51,8 @@ def worker_jax(n, max_new, k, dtype: str = "float32", draft_quant: str = "none")
     engine = Engine(load_model(TARGET, dtype), quantize_model(load_model(DRAFT, dtype), draft_quant),
                     placement="colocated")
     sp = SamplingParams(temperature=0.0)
-    out = dict(kind="jax", dtype=dtype, draft_quant=draft_quant)
-    for mode in ("ar", "sd"):
+    out = dict(kind="jax", dtype=dtype, draft_quant=draft_quant, sd_by_k={})
+    for mode, k in [("ar", ks[0])] + [("sd", k) for k in ks]:
         engine.generate([ids[0]], mode=mode, max_new_tokens=min(8, max_new), k=k, sampling=sp)  # warm-up
         per, tok_sum, time_sum, hist = [], 0, 0.0, [0] * (k + 1)
         for p, x in zip(prompts, ids):
@@ -75,11 +75,15 @@ def worker_jax(n, max_new, k, dtype: str = "float32", draft_quant: str = "none")
             agg.update(accept_hist=hist,
                        tokens_per_round=sum((j + 1) * c for j, c in enumerate(hist)) / total,
                        acceptance_rate=sum(j * c for j, c in enumerate(hist)) / (total * k))
-        out[mode] = agg
+        if mode == "sd":
+            out["sd_by_k"][str(k)] = agg
+            out.setdefault("sd", agg)  # the first K
+        else:
+            out[mode] = agg
     return out
 
 
-def worker_torch(n, max_new, k, threads, dtype) -> dict:
+def worker_torch(n, max_new, ks, threads, dtype) -> dict:
     """HF AR and assisted generation: `ssd_jax.bench.worker_hf` (the loop `ssd-jax bench` runs),
     greedy, on the same prompts; (new tokens - 1) / (generate time - separately timed prefill)."""
     from ssd_jax.bench import worker_hf
@@ -87,10 +91,13 @@ def worker_torch(n, max_new, k, threads, dtype) -> dict:
 
     prompts = load_prompts()
     job = dict(target=TARGET, draft=DRAFT, cache_dir=None, prompts=prompts[:n] if n else prompts,
-               hf_dtype=dtype, k=k, temperature=0.0, top_k=0, top_p=1.0, seed=0, warmup=True,
-               max_new_tokens=max_new)
+               hf_dtype=dtype, k=ks[0], ks=ks, temperature=0.0, top_k=0, top_p=1.0, seed=0,
+               warmup=True, max_new_tokens=max_new)
     r = worker_hf(job, threads)
-    return dict(kind="torch", dtype=dtype, threads=r["torch_threads"], **r["modes"])
+    modes = r["modes"]
+    by_k = {str(k): modes["assisted" if k == ks[0] else f"assisted@{k}"] for k in ks}
+    return dict(kind="torch", dtype=dtype, threads=r["torch_threads"], ar=modes["ar"],
+                assisted=modes["assisted"], assisted_by_k=by_k)
 
 
 def _agree(a: list[int], b: list[int]) -> int:
@@ -98,22 +105,36 @@ def _agree(a: list[int], b: list[int]) -> int:
     return leading_equal(a, b)
 
 
+def _best(by_k: dict, ar: float) -> tuple[str, float]:
+    """(K, speed-up over AR) of the fastest K."""
+    k = max(by_k, key=lambda k: by_k[k]["tokens_per_s"])
+    return k, by_k[k]["tokens_per_s"] / ar
+
+
 def render(rep: dict) -> str:
     out = []
     for row in rep["results"]:
         j, h = row["jax"], row["torch"]
+        jk = j.get("sd_by_k") or {str(rep["k"]): j["sd"]}
+        hk = h.get("assisted_by_k") or {str(rep["k"]): h["assisted"]}
+        j_ar, h_ar = j["ar"]["tokens_per_s"], h["ar"]["tokens_per_s"]
         out += [f"Cores {row['cores']}: {rep['prompts']} prompts, max {rep['max_new_tokens']} new "
-                f"tokens, K={rep['k']}, greedy, {j.get('dtype', 'float32')}{' + int8 draft' if j.get('draft_quant', 'none') == 'int8' else ''} (ssd_jax) / {h['dtype']} (HF).", "",
-                "| framework | AR tok/s | SD / assisted tok/s | SD/AR speed-up | tokens/round "
-                "| acceptance |", "|---|---|---|---|---|---|",
-                f"| ssd_jax (colocated) | {j['ar']['tokens_per_s']:.2f} | {j['sd']['tokens_per_s']:.2f} "
-                f"| {j['sd']['tokens_per_s'] / j['ar']['tokens_per_s']:.2f}x | "
-                f"{j['sd']['tokens_per_round']:.2f} | {j['sd']['acceptance_rate']:.2f} |",
-                f"| HF transformers | {h['ar']['tokens_per_s']:.2f} | {h['assisted']['tokens_per_s']:.2f} "
-                f"| {h['assisted']['tokens_per_s'] / h['ar']['tokens_per_s']:.2f}x | — | — |", "",
-                f"- ssd_jax SD / HF assisted tok/s: "
+                f"tokens, greedy, {j.get('dtype', 'float32')}{' + int8 draft' if j.get('draft_quant', 'none') == 'int8' else ''} (ssd_jax) / {h['dtype']} (HF).", "",
+                "| framework | K | AR tok/s | SD / assisted tok/s | SD/AR speed-up | tokens/round "
+                "| acceptance |", "|---|---|---|---|---|---|---|"]
+        for k, sd in jk.items():
+            out.append(f"| ssd_jax (colocated) | {k} | {j_ar:.2f} | {sd['tokens_per_s']:.2f} "
+                       f"| {sd['tokens_per_s'] / j_ar:.2f}x | {sd['tokens_per_round']:.2f} "
+                       f"| {sd['acceptance_rate']:.2f} |")
+        for k, a in hk.items():
+            out.append(f"| HF transformers | {k} | {h_ar:.2f} | {a['tokens_per_s']:.2f} "
+                       f"| {a['tokens_per_s'] / h_ar:.2f}x | — | — |")
+        (bj, sj), (bh, sh) = _best(jk, j_ar), _best(hk, h_ar)
+        out += ["", f"- speed-up ratio, each framework at its fastest K (ssd_jax K={bj}, HF K={bh}): "
+                    f"{sj:.2f}x / {sh:.2f}x = **{sj / sh:.2f}**",
+                f"- ssd_jax SD / HF assisted tok/s at the first K: "
                 f"{j['sd']['tokens_per_s'] / h['assisted']['tokens_per_s']:.2f}; ssd_jax AR / HF AR: "
-                f"{j['ar']['tokens_per_s'] / h['ar']['tokens_per_s']:.2f}",
+                f"{j_ar / h_ar:.2f}",
                 f"- greedy agreement (leading tokens equal, ssd_jax SD vs HF AR): "
                 f"{row['agreement']}", ""]
     return "\n".join(out)
@@ -125,7 +146,8 @@ def main(argv=None) -> int:
                     "several sets separated by ';'")
     ap.add_argument("--prompts", type=int, default=0, help="use the first N prompts (default all)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default benchmark_set.MAX_NEW_TOKENS")
-    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--k", default="4", help="draft tokens per round; several separated by commas "
+                    "(e.g. 4,6,8) run SD and assisted generation at each, AR once")
     ap.add_argument("--hf-dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                     help="ssd_jax's dtype (bfloat16 is its fastest on a CPU with the kernel)")
@@ -139,11 +161,17 @@ def main(argv=None) -> int:
         from ssd_jax.benchmark_set import MAX_NEW_TOKENS
         a.max_new_tokens = MAX_NEW_TOKENS
     n = a.prompts or None
+    try:
+        ks = [int(k) for k in a.k.split(",")]
+    except ValueError:
+        ap.error(f"--k takes integers separated by commas, got {a.k!r}")
+    if not ks or min(ks) < 1:
+        ap.error(f"--k takes positive integers, got {a.k!r}")
 
     if a.worker:
         sys.path.insert(0, str(ROOT))
-        r = (worker_jax(n, a.max_new_tokens, a.k, a.dtype, a.draft_quant) if a.worker == "jax"
-             else worker_torch(n, a.max_new_tokens, a.k, a.threads, a.hf_dtype))
+        r = (worker_jax(n, a.max_new_tokens, ks, a.dtype, a.draft_quant) if a.worker == "jax"
+             else worker_torch(n, a.max_new_tokens, ks, a.threads, a.hf_dtype))
         print(json.dumps(r))
         return 0
 
@@ -163,7 +191,7 @@ def main(argv=None) -> int:
         results.append(dict(cores=cores, threads=th, jax=j, torch=h, agreement=agree))
     rep = dict(machine=machine_info(), command=" ".join(["python", *sys.argv]),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               target=TARGET, draft=DRAFT, prompts=n_prompts, max_new_tokens=a.max_new_tokens, k=a.k,
+               target=TARGET, draft=DRAFT, prompts=n_prompts, max_new_tokens=a.max_new_tokens, k=ks,
                results=results)
     text = render(rep)
     print(text)

@@ -725,10 +725,11 @@ def worker_hf(job: dict, threads: int = 1) -> dict:
     for m in (target, draft):
         m.generation_config.pad_token_id = pad
         m.generation_config.eos_token_id = eos or None
-    k = job["k"]
-    draft.generation_config.num_assistant_tokens = k
     draft.generation_config.num_assistant_tokens_schedule = "constant"
     draft.generation_config.assistant_confidence_threshold = 0.0
+    # job["ks"] (optional): more K to run assisted generation at, as modes "assisted@K"
+    runs = [("ar", None)] + [("assisted" if kk == job["k"] else f"assisted@{kk}", kk)
+                             for kk in dict.fromkeys([job["k"], *job.get("ks", ())])]
     t = job["temperature"]
     sample = (dict(do_sample=True, temperature=t, top_k=job["top_k"], top_p=job["top_p"])
               if t > 0 else dict(do_sample=False))
@@ -748,7 +749,10 @@ def worker_hf(job: dict, threads: int = 1) -> dict:
     torch.manual_seed(job["seed"])
     modes = {}
     with torch.inference_mode():
-        for mode, assisted in (("ar", False), ("assisted", True)):
+        for mode, k in runs:
+            assisted = k is not None
+            if assisted:
+                draft.generation_config.num_assistant_tokens = k
             if job["warmup"]:
                 gen(torch.tensor([ids[0]]), min(8, job["max_new_tokens"]), assisted)
                 _event(f"hf {mode} warm-up")
