@@ -67,7 +67,8 @@ def _plan(ar_sd: dict, k: int):
 
     res = {r["mode"]: r for r in ar_sd["results"]}
     ar, sd = res["ar"], res["sd"]
-    return policy.plan_from_sd(ar["step_s"], sd["verify_s"], sd["draft_s"], sd["accept_hist"], ks=(k,))
+    return policy.plan_from_sd(ar["step_s"], sd["verify_s"], sd["draft_s"], sd["accept_hist"], ks=(k,),
+                               width_slope=ar_sd.get("draft_width_slope"))
 
 
 def worker(args) -> None:
@@ -104,7 +105,10 @@ def worker(args) -> None:
             outs.append(eng.generate([p], **kw))
         results.append(_summary(outs, mode))
         results[-1]["token_ids"] = [o.token_ids[0] for o in outs]
-    print("RESULT " + json.dumps({"layout": args.layout, "results": results}))
+    out = {"layout": args.layout, "results": results}
+    if args.layout != "ssd-two-process":  # the planner's tree cost: timed on this draft
+        out["draft_width_slope"] = eng.draft_width_slope()
+    print("RESULT " + json.dumps(out))
     if args.layout == "ssd-two-process":
         remote.close()
 
@@ -182,7 +186,8 @@ def main() -> None:
     ]
     if chosen is not None:
         lines.append(f"- SSD fan-out {chosen.fanout} chosen by ssd_jax.policy.plan from the 1-core run "
-                     f"(T_1, T_v, draft time, acceptance; predicted p_hit {chosen.p_hit:.2f}, "
+                     f"(T_1, T_v, draft time, the draft's width slope "
+                     f"{table[0].get('draft_width_slope') or float('nan'):.2f}, acceptance; predicted p_hit {chosen.p_hit:.2f}, "
                      f"predicted SSD/AR {chosen.predicted_speedup:.2f}x)")
     report = "\n".join(lines)
     print(report)

@@ -7,6 +7,7 @@ transport to another process carries unchanged (`ssd_jax.transport`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import jax
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.kv_cache import init_cache
+from models.transformer import forward
 from ssd_jax import backups, steps
 from ssd_jax.placement import settle, spans_processes, to_host, to_mesh
 from ssd_jax.speculation_cache import lookup
@@ -50,6 +52,11 @@ class DraftRun:
     gather_kernel: bool = False
 
 
+@functools.partial(jax.jit, static_argnames="cfg")
+def _logits(params, cfg, tokens, cache):
+    return forward(params, cfg, tokens, cache)[0]
+
+
 class DraftWorker:
     def __init__(self, draft, sharding, row_vocab: int):
         self.model = draft
@@ -67,6 +74,24 @@ class DraftWorker:
         self._tree = None
         self._tree_s = None
         self._serial = spans_processes(sharding.mesh)
+
+    def width_times(self, widths: tuple[int, ...] = (1, 8), context: int = 128,
+                    repeats: int = 3) -> dict[int, float]:
+        """{M: seconds} of one draft forward over M new tokens (batch 1, `context` tokens of KV),
+        the median of `repeats` after a compile: what a tree step over M branches costs on this
+        draft's devices (`policy.width_slope_from_times` makes the planner's slope of it)."""
+        cache = init_cache(self.cfg, 1, context + max(widths), sharding=self.sharding)
+        cache = cache.with_lengths(to_mesh(np.asarray([context], np.int32), self.sharding))
+        out = {}
+        for m in widths:
+            toks = to_mesh(np.zeros((1, m), np.int32), self.sharding)
+            ts = []
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                jax.block_until_ready(_logits(self.params, self.cfg, toks, cache))
+                ts.append(time.perf_counter() - t0)
+            out[m] = float(np.median(ts[1:]))
+        return out
 
     def _put(self, x):
         x = np.asarray(x)

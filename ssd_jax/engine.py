@@ -25,7 +25,7 @@ from ssd_jax.batch import Batch, GenerationResult
 from ssd_jax.compile_cache import enable_compilation_cache
 from ssd_jax.draft_worker import DraftRun, DraftWorker, RoundState
 from ssd_jax.metrics import CompileTimer, Metrics, RoundTimes
-from ssd_jax.policy import BackupChooser, plan_from_sd, ssd_speedup
+from ssd_jax.policy import BackupChooser, plan_from_sd, ssd_speedup, width_slope_from_times
 from ssd_jax.proposer import Proposer
 from ssd_jax.placement import Placement, make_placement, settle, spans_processes, to_mesh
 from ssd_jax.sampling import SamplingParams
@@ -123,6 +123,7 @@ class Engine:
         self.eos_ids = tuple(tok.eos_ids) if tok is not None else ()
         self._t1: float | None = None  # last measured plain decode step (for the §6 prediction)
         self._sd: dict | None = None  # last SD run's verify / draft medians and accept histogram
+        self._width_slope: float | None = None  # the local draft's, measured once (plan_fanout)
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str, *, mode: str = "ssd",
@@ -375,7 +376,15 @@ class Engine:
         if sum(sd["accept_hist"]) == 0:
             raise ValueError("fanout='plan': the last SD run completed no timed round")
         return plan_from_sd(self._t1, sd["tv"], sd["draft_s"], sd["accept_hist"], ks=(k,),
-                            batch=batch).fanout
+                            batch=batch, width_slope=self.draft_width_slope()).fanout
+
+    def draft_width_slope(self) -> float | None:
+        """The extra cost per row of this engine's draft forward relative to one row (what a tree
+        branch adds to a tree step), timed once on the draft's devices; None for a remote draft
+        or a proposer (the planner then reads a slope off the target's verify)."""
+        if self._width_slope is None and isinstance(self.worker, DraftWorker):
+            self._width_slope = width_slope_from_times(self.worker.width_times())
+        return self._width_slope
 
     def _predict(self, m: Metrics) -> float | None:
         """Spec §6 speedup over plain decoding from this run's measured quantities (needs T_1 from

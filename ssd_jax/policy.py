@@ -8,7 +8,7 @@ Users override anything by passing explicit values.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -46,15 +46,23 @@ class Costs:
     t_backup_fast: float = 0.0
 
     @classmethod
-    def measured(cls, t1: float, tv: float, draft_s: float, k: int) -> "Costs":
+    def measured(cls, t1: float, tv: float, draft_s: float, k: int,
+                 width_slope: float | None = None) -> "Costs":
         """Costs from one run's medians: t1 a plain decode step, tv a K+1-token verify, draft_s
-        an SD round's drafting (catch-up + K draft steps). The extra cost per row is not
-        assumed: it is read off the target, whose verify is the same forward K+1 rows wide, as
-        width_slope = (tv / t1 - 1) / K (about 0.3 on XLA:CPU, about 0 on a GPU at batch 1)."""
+        an SD round's drafting (catch-up + K draft steps). The extra cost per row of a tree step
+        is best measured on the draft itself (`width_slope`, from `width_slope_from_times`);
+        without it, it is read off the target, whose verify is the same forward K+1 rows wide:
+        (tv / t1 - 1) / K. That guess can be far off: the 1.5B bf16 target's is ~0.07, the 0.5B
+        int8 draft's own ~0.26 on a CPU core, and a plan on the guess picked an 8-branch tree
+        that took 1.9x the verify it was meant to hide behind."""
         if min(t1, tv, draft_s) <= 0 or k < 1:
             raise ValueError(f"need positive times and K >= 1, got t1={t1}, tv={tv}, "
                              f"draft_s={draft_s}, K={k}")
-        return cls(t1=t1, tv=tv, td=draft_s / k, width_slope=max(tv / t1 - 1.0, 0.0) / k)
+        if width_slope is None:
+            width_slope = max(tv / t1 - 1.0, 0.0) / k
+        elif not width_slope >= 0:
+            raise ValueError(f"width_slope must be >= 0, got {width_slope}")
+        return cls(t1=t1, tv=tv, td=draft_s / k, width_slope=float(width_slope))
 
     def tree(self, k: int, mq: int) -> float:
         """T_p = glue (K+1 tokens) + K tree steps over MQ branches."""
@@ -110,17 +118,30 @@ def acceptance_from_hist(accept_hist: Sequence[int]) -> float:
     return acc / (acc + rej)
 
 
+def width_slope_from_times(times: Mapping[int, float]) -> float:
+    """A forward's extra cost per row relative to one row, from measured times {M rows: seconds}
+    that include M = 1: the least-squares s (never negative) of T(M) ~= T(1) (1 + s (M - 1))."""
+    if 1 not in times or len(times) < 2 or min(times) < 1 or not min(times.values()) > 0:
+        raise ValueError(f"need positive times at M = 1 and at least one M > 1, got {dict(times)}")
+    t1 = times[1]
+    num = sum((m - 1) * (t / t1 - 1.0) for m, t in times.items())
+    den = sum((m - 1) ** 2 for m in times)
+    return max(num / den, 0.0)
+
+
 def plan_from_sd(t1: float, tv: float, draft_s: float, accept_hist: Sequence[int], *,
-                 miss_c: float | None = None, miss_r: float = 1.0, **kw) -> Plan:
+                 miss_c: float | None = None, miss_r: float = 1.0,
+                 width_slope: float | None = None, **kw) -> Plan:
     """`plan` from what an AR run and an SD run measure: t1 (AR step), tv and draft_s (SD round
     medians) and the SD accept histogram (its length gives the SD K). miss_c defaults to 1 - a:
     at temperature 0 the one-candidate fork misses exactly when the draft's top bonus guess
     disagrees with the target's, which happens about as often as a draft token is rejected; at
-    temperature > 0 fit c, r with `calibrate_miss_rates` and pass them. kw go to `plan` (ks, ...)."""
+    temperature > 0 fit c, r with `calibrate_miss_rates` and pass them. width_slope: the draft's
+    measured extra cost per tree branch (`Costs.measured`). kw go to `plan` (ks, ...)."""
     k = len(accept_hist) - 1
     a = acceptance_from_hist(accept_hist)
     c = max(1.0 - a, 1e-3) if miss_c is None else miss_c
-    return plan(Costs.measured(t1, tv, draft_s, k), a, miss_c=c, miss_r=miss_r, **kw)
+    return plan(Costs.measured(t1, tv, draft_s, k, width_slope), a, miss_c=c, miss_r=miss_r, **kw)
 
 
 class BackupChooser:

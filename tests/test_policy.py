@@ -81,6 +81,27 @@ def test_costs_measured_reads_the_width_cost_off_the_verify():
         policy.Costs.measured(0.25, 0.0, 0.4, 4)
 
 
+def test_a_measured_draft_width_slope_replaces_the_verify_guess():
+    # T(M) = T(1) (1 + 0.25 (M - 1)) exactly, then with noise around it
+    assert policy.width_slope_from_times({1: 0.02, 4: 0.035, 8: 0.055}) == pytest.approx(0.25)
+    assert policy.width_slope_from_times({1: 0.02, 8: 0.0549, 4: 0.0352}) == pytest.approx(0.25, abs=0.01)
+    assert policy.width_slope_from_times({1: 0.02, 8: 0.019}) == 0.0  # never negative
+    for bad in ({8: 0.05}, {1: 0.02}, {1: 0.0, 8: 0.05}, {0: 0.01, 1: 0.02, 8: 0.05}):
+        with pytest.raises(ValueError, match="M = 1"):
+            policy.width_slope_from_times(bad)
+    c = policy.Costs.measured(t1=0.158, tv=0.204, draft_s=0.108, k=4, width_slope=0.26)
+    assert c.width_slope == 0.26 and c.td == pytest.approx(0.027)
+    with pytest.raises(ValueError, match="width_slope"):
+        policy.Costs.measured(0.158, 0.204, 0.108, 4, width_slope=-0.1)
+    # The paper-shape run that motivated it: on the target's slope (~0.07) the plan takes a wide
+    # tree it predicts to fit behind the verify; on the draft's measured 0.26 the tree narrows.
+    hist = [3, 9, 4, 4, 40]
+    guess = policy.plan_from_sd(0.158, 0.204, 0.108, hist, ks=(4,))
+    measured = policy.plan_from_sd(0.158, 0.204, 0.108, hist, ks=(4,), width_slope=0.26)
+    assert sum(measured.fanout) < sum(guess.fanout)
+    assert policy.Costs.measured(0.158, 0.204, 0.108, 4, 0.26).tree(4, sum(measured.fanout)) < 0.204
+
+
 def test_plan_from_sd_reads_k_and_acceptance_off_the_histogram():
     hist = [2, 6, 2, 3, 37]  # k = 0..4 accepted
     a = policy.acceptance_from_hist(hist)

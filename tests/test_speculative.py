@@ -117,8 +117,10 @@ def test_planned_fanout_comes_from_the_engines_own_measurements(target, drafts, 
             eng.generate(PROMPTS, mode=mode, max_new_tokens=24, k=3)
     from ssd_jax.policy import plan_from_sd
     sd = eng._sd
+    slope = eng.draft_width_slope()  # timed on the draft once, then kept for every plan
+    assert slope is not None and slope >= 0 and eng.draft_width_slope() == slope
     want = plan_from_sd(eng._t1, sd["tv"], sd["draft_s"], sd["accept_hist"], ks=(3,),
-                        batch=len(PROMPTS)).fanout
+                        batch=len(PROMPTS), width_slope=slope).fanout
     out = eng.generate(PROMPTS, mode="ssd", max_new_tokens=24, k=3, ssd=SSDConfig(fanout="plan"))
     assert out.metrics.fanout == want == eng.plan_fanout(3, len(PROMPTS))
     assert len(want) == 4 and sum(want) >= 1
