@@ -13,7 +13,9 @@ nothing compiled; a warm-up generate runs first). HF: one warm-up generate, then
 (new tokens - 1) / (generate time - prefill time), the prefill time being a separately timed
 forward of the prompt through the target (and, for assisted generation, the draft too), so both
 count the same tokens over the same phase. HF assisted generation is configured to match SD with K:
-`num_assistant_tokens=K`, schedule "constant", `assistant_confidence_threshold=0`.
+`num_assistant_tokens=K`, schedule "constant", `assistant_confidence_threshold=0`. With several
+K (`--k 4,6`) both frameworks run at each (AR once) and the headline ratio compares each at its own
+fastest K: our draft step costs ~0.18 of a target step and HF's ~0.37, so one shared K favours one.
 The JSON of the run (machine, versions, command, per-prompt figures) goes to benchmarks/results/.
 """
 from __future__ import annotations
