@@ -292,16 +292,36 @@ inline const int8_t* ahead(const int8_t* w, int64_t N, int64_t c0, int64_t c1, i
   const bool narrow = c0 == 0 && c1 == N && N % 32 == 0 && N <= kPrefetchBelow;
   return narrow && k0 + 2 * rows <= ke ? w + (k0 + rows) * N : nullptr;
 }
+// x's int16 pairs (k0 + 2p, k0 + 2p + 1) of rows 0..MR-1, each broadcast to every int32 lane.
 template <int MR, int P>
-inline void nn_panel_vnni(const int16_t* xq, int64_t K, const int8_t* w, int64_t N, int32_t* acc,
-                          int64_t ld, int64_t k0, int64_t c0, int64_t c1, const int8_t* pf) {
-  __m512i xs[MR][P];
+inline void broadcast_pairs(const int16_t* xq, int64_t K, int64_t k0, __m512i (&xs)[MR][P]) {
   for (int m = 0; m < MR; ++m)
     for (int p = 0; p < P; ++p) {
       const uint32_t pair = uint32_t(uint16_t(xq[m * K + k0 + 2 * p])) |
                             (uint32_t(uint16_t(xq[m * K + k0 + 2 * p + 1])) << 16);
       xs[m][p] = _mm512_set1_epi32(int(pair));
     }
+}
+// acc[m, 0..31] (rows of stride ld) += the P pairs of weights in lo / hi times row m's pairs.
+template <int MR, int P>
+inline void dpwssd_block(int32_t* acc, int64_t ld, const __m512i (&lo)[P], const __m512i (&hi)[P],
+                         const __m512i (&xs)[MR][P]) {
+  for (int m = 0; m < MR; ++m) {
+    int32_t* o = acc + m * ld;
+    __m512i al = _mm512_loadu_si512(o), ah = _mm512_loadu_si512(o + 16);
+    for (int p = 0; p < P; ++p) {
+      al = _mm512_dpwssd_epi32(al, lo[p], xs[m][p]);
+      ah = _mm512_dpwssd_epi32(ah, hi[p], xs[m][p]);
+    }
+    _mm512_storeu_si512(o, al);
+    _mm512_storeu_si512(o + 16, ah);
+  }
+}
+template <int MR, int P>
+inline void nn_panel_vnni(const int16_t* xq, int64_t K, const int8_t* w, int64_t N, int32_t* acc,
+                          int64_t ld, int64_t k0, int64_t c0, int64_t c1, const int8_t* pf) {
+  __m512i xs[MR][P];
+  broadcast_pairs<MR, P>(xq, K, k0, xs);
   const int8_t* wp = w + k0 * N;
   int64_t n = c0;
   // The same in-lane pairing as nn_panel_dp: acc's 32-column blocks are held permuted.
@@ -318,16 +338,7 @@ inline void nn_panel_vnni(const int16_t* xq, int64_t K, const int8_t* w, int64_t
       lo[p] = _mm512_unpacklo_epi16(a, b);
       hi[p] = _mm512_unpackhi_epi16(a, b);
     }
-    for (int m = 0; m < MR; ++m) {
-      int32_t* o = acc + m * ld + (n - c0);
-      __m512i al = _mm512_loadu_si512(o), ah = _mm512_loadu_si512(o + 16);
-      for (int p = 0; p < P; ++p) {
-        al = _mm512_dpwssd_epi32(al, lo[p], xs[m][p]);
-        ah = _mm512_dpwssd_epi32(ah, hi[p], xs[m][p]);
-      }
-      _mm512_storeu_si512(o, al);
-      _mm512_storeu_si512(o + 16, ah);
-    }
+    dpwssd_block<MR, P>(acc + (n - c0), ld, lo, hi, xs);
   }
   for (; n < c1; ++n)  // ragged last columns, in column order
     for (int m = 0; m < MR; ++m) {
@@ -369,12 +380,7 @@ inline void tile_panel_vnni(const int16_t* xq, int64_t K, const int8_t* w, int64
                             int64_t ld, int64_t k0, int64_t c0, int64_t c1) {
   constexpr int P = kTileRows / 2;
   __m512i xs[MR][P];
-  for (int m = 0; m < MR; ++m)
-    for (int p = 0; p < P; ++p) {
-      const uint32_t pair = uint32_t(uint16_t(xq[m * K + k0 + 2 * p])) |
-                            (uint32_t(uint16_t(xq[m * K + k0 + 2 * p + 1])) << 16);
-      xs[m][p] = _mm512_set1_epi32(int(pair));
-    }
+  broadcast_pairs<MR, P>(xq, K, k0, xs);
   const int8_t* t = w + k0 * N + c0 * kTileRows;
   for (int64_t n = c0; n < c1; n += kTileCols, t += kTileRows * kTileCols) {
     __m512i lo[P], hi[P];
@@ -382,16 +388,7 @@ inline void tile_panel_vnni(const int16_t* xq, int64_t K, const int8_t* w, int64
       lo[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 64 * p)));
       hi[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 64 * p + 32)));
     }
-    for (int m = 0; m < MR; ++m) {
-      int32_t* o = acc + m * ld + (n - c0);
-      __m512i al = _mm512_loadu_si512(o), ah = _mm512_loadu_si512(o + 16);
-      for (int p = 0; p < P; ++p) {
-        al = _mm512_dpwssd_epi32(al, lo[p], xs[m][p]);
-        ah = _mm512_dpwssd_epi32(ah, hi[p], xs[m][p]);
-      }
-      _mm512_storeu_si512(o, al);
-      _mm512_storeu_si512(o + 16, ah);
-    }
+    dpwssd_block<MR, P>(acc + (n - c0), ld, lo, hi, xs);
   }
 }
 inline void tile_rows_vnni(const int16_t* xq, int64_t M, int64_t K, const int8_t* w, int64_t N,
