@@ -13,10 +13,11 @@ then the target. `Engine` quantizes nothing on its own; `ssd-jax generate --draf
 Layout: each dense weight w [K, N] (`wqkv`, `wo`, `w_gate_up`, `w_down`, the head) becomes
 `Int8Weight(q [K, N] int8, scale [N] fp32)` with w ~= q * scale, scale = max_k |w[k, n]| / 127.
 Embedding rows, norms and biases stay in the model's dtype. A tied model gets its own int8 head
-(the embedding stays for the token lookup). Narrow weights (rows under 4 KiB) are tiled for the CPU
-kernel where it can read them (`cpu_matmul.tile_int8`): the same values in another order. The matmul takes each row of activations as int16 with
-its own scale (`models.cpu_matmul.quantize_rows_int16`, 2^-16 of the row's largest value), so on a
-CPU with AVX512_VNNI the products are exact integer dot products.
+(the embedding stays for the token lookup). Narrow weights (rows under 4 KiB) are tiled for the
+CPU kernel where it can read them (`cpu_matmul.tile_int8`): the same values in another order. The
+matmul takes each row of activations as int16 with its own scale
+(`models.cpu_matmul.quantize_rows_int16`, 2^-16 of the row's largest value), so on a CPU with
+AVX512_VNNI the products are exact integer dot products.
 """
 from __future__ import annotations
 
