@@ -187,7 +187,8 @@ def main() -> None:
     if chosen is not None:
         lines.append(f"- SSD fan-out {chosen.fanout} chosen by ssd_jax.policy.plan from the 1-core run "
                      f"(T_1, T_v, draft time, the draft's width slope "
-                     f"{table[0].get('draft_width_slope') or float('nan'):.2f}, acceptance; predicted p_hit {chosen.p_hit:.2f}, "
+                     f"{table[0].get('draft_width_slope') or float('nan'):.2f}, acceptance; "
+                     f"predicted p_hit {chosen.p_hit:.2f}, "
                      f"predicted SSD/AR {chosen.predicted_speedup:.2f}x)")
     report = "\n".join(lines)
     print(report)
