@@ -105,7 +105,8 @@ def test_tile_int8_round_trips_and_names_bad_shapes():
 
 
 needs_tiles = pytest.mark.skipif(not cpu_matmul.int8_tiles(),
-                                 reason="this CPU's int8 kernel reads no tiled q (no AVX512_VNNI)")
+                                 reason="nothing is tiled here: the CPU kernel is off "
+                                        "(SSD_JAX_CPU_KERNELS=0) or lacks AVX512_VNNI")
 
 
 @needs_tiles

@@ -274,11 +274,7 @@ constexpr bool kHasDp = false;
 constexpr int64_t kIntChunk = 512;  // a multiple of 16 (rows per pass)
 constexpr int64_t kTileRows = 16, kTileCols = 32;  // tiled int8 weights: see tile_panel_vnni
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-constexpr bool kHasTiles = true;
-#else
-constexpr bool kHasTiles = false;
-#endif
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kHasTiles = true;  // only the VNNI path reads tiled q
 // Narrow full-width int8 rows (wo, w_down, wqkv of a small draft: under 4 KiB) are too short a run
 // for the hardware prefetchers, so a pass over rows [k0, k0 + rows) prefetches the next pass's rows
 // (one contiguous block), spread over its 32-column steps; null where none is wanted. Measured on a
@@ -403,7 +399,8 @@ inline void tile_rows_vnni(const int16_t* xq, int64_t M, int64_t K, const int8_t
 }
 
 // Rows [kb, ke) of q, columns [c0, c1): out (fp32) = the integer sums xq @ q, kIntChunk rows at a
-// time. Tiled q: kb, ke, c0 and c1 are whole tiles (the caller checks).
+// time. Tiled q: kb, ke, c0 and c1 are whole tiles (SmallMMatmulInt8 checks K and N; `matmul`
+// aligns row ranges to 16 rows and column ranges to 64 columns).
 void nn_columns(const int16_t* xq, const uint16_t*, int64_t M, int64_t K, const int8_t* w, int64_t N,
                 float* out, int64_t c0, int64_t c1, int64_t kb, int64_t ke, bool tiled) {
   const int64_t width = c1 - c0;
@@ -426,6 +423,8 @@ void nn_columns(const int16_t* xq, const uint16_t*, int64_t M, int64_t K, const 
       for (int64_t n = c0; n < c1; ++n) out[m * N + n] += float(acc[m * width + (n - c0)]);
   }
 }
+#else
+constexpr bool kHasTiles = false;
 #endif
 
 // Rows [kb, ke) of w only: out holds that part of the sum.
