@@ -9,6 +9,7 @@ from pathlib import Path
 from models import checkpoint, registry
 from models.config import ModelConfig, canonical_dtype
 from models.model import Model
+from models.packed import pack_params
 from models.params import params_from_hf, untie_lm_head
 
 
@@ -34,7 +35,10 @@ def cpu_kernel_head() -> bool:
 
 
 def load_model(name_or_path: str | Path, dtype: str = "float32", *, use_cache: bool = True,
-               cache_dir: str | Path | None = None, with_tokenizer: bool = True) -> Model:
+               cache_dir: str | Path | None = None, with_tokenizer: bool = True,
+               pack: bool | None = None) -> Model:
+    """`pack`: lay out bf16 dense weights for the CPU kernel (models/packed.py); default: for a
+    bf16 model where `cpu_matmul.bf16_strips()`. The values, and every result, stay the same."""
     dtype = canonical_dtype(dtype)
     import jax
     if jax.process_count() > 1:
@@ -56,5 +60,10 @@ def load_model(name_or_path: str | Path, dtype: str = "float32", *, use_cache: b
             checkpoint.save(ckpt, params, cfg)
     if cfg.tie_embeddings and cpu_kernel_head():
         params = untie_lm_head(params)
+    if pack is None:
+        from models import cpu_matmul
+        pack = dtype == "bfloat16" and jax.default_backend() == "cpu" and cpu_matmul.bf16_strips()
+    if pack:
+        params = pack_params(params)
     tok = _tokenizer(path) if with_tokenizer else None
     return Model(cfg=cfg, params=params, tokenizer=tok, name=str(name_or_path))

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from models import cpu_matmul
+from models.packed import unpack_params
 from models.params import Params
 
 QUANT_MODES = ("none", "int8")
@@ -80,6 +81,7 @@ def quantize_params(params: Params, tile: bool | None = None) -> Params:
     if not isinstance(params, Params):
         raise TypeError(f"quantize_params takes models.params.Params, got {type(params).__name__}")
     tile = cpu_matmul.int8_tiles() if tile is None else bool(tile)
+    params = unpack_params(params)
     layers = []
     for i, lp in enumerate(params.layers):
         layers.append(lp.replace(**{n: _quantize(f"layers[{i}].{n}", getattr(lp, n), tile)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.kv_cache import init_cache
+from models.packed import unpack_params
 from models.transformer import forward
 from ssd_jax import backups, steps
 from ssd_jax.placement import settle, spans_processes, to_host, to_mesh
@@ -66,7 +67,9 @@ class DraftWorker:
         self.sharding = sharding  # replicated on the draft mesh: weights and scalars
         self.rows = sharding  # per-sequence arrays: batch-sharded on a 2+ device mesh (see start)
         self._batch = None
-        self.params = to_mesh(draft.params, sharding)
+        # packed weights are the kernel's layout: XLA would unpack them in every call
+        params = draft.params if self.cfg.cpu_kernels else unpack_params(draft.params)
+        self.params = to_mesh(params, sharding)
         self.row_vocab = int(row_vocab)  # the target's rows: proposals are padded/cut to match
         tok = draft.tokenizer
         self.vocab_size = tok.vocab_size if tok is not None else min(self.cfg.vocab_size, row_vocab)

@@ -37,6 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from models.config import ModelConfig
 from models.kv_cache import KVCache, init_cache
 from models.params import LayerParams, Params
+from models.packed import unpack_params
 from models.quant import is_quantized
 
 TP_AXIS = "model"
@@ -101,6 +102,7 @@ def tp_layout(params: Params, cfg: ModelConfig, tp: int) -> tuple[TPConfig, Para
     if is_quantized(params):
         raise ValueError("tensor-parallel placement takes unquantized params: int8 weights "
                          "(models/quant.py) are for a single-device draft")
+    params = unpack_params(params)  # packing is the CPU kernel's layout, which TP turns off
     tcfg = tp_config(cfg, tp)
     layers = []
     for lp in params.layers:

@@ -497,6 +497,29 @@ struct Work {
   int64_t chunks = 0;
 };
 
+// Runs run(c) for c in [0, chunks) on the pool's threads and the caller's, and returns when all are done.
+template <typename Run>
+void parallel_chunks(ffi::ThreadPool& pool, int64_t chunks, Run run) {
+  const int64_t threads = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), chunks);
+  if (threads <= 1) {
+    for (int64_t c = 0; c < chunks; ++c) run(c);
+    return;
+  }
+  auto work = std::make_shared<Work>();
+  work->chunks = chunks;
+  // Workers take chunks until none is left; one scheduled late finds none and touches nothing,
+  // so the caller only waits for chunks actually taken and cannot deadlock on a busy pool.
+  auto drain = [work, run]() {
+    for (int64_t c; (c = work->next.fetch_add(1)) < work->chunks;) {
+      run(c);
+      work->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t t = 1; t < threads; ++t) pool.Schedule([drain]() { drain(); });
+  drain();
+  while (work->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+}
+
 // op [M, N] = xp [M, K] @ w, fp32 in and out, w [K, N] (or [N, K] with transpose_w) of type W.
 template <typename X, typename W>
 void matmul(ffi::ThreadPool& pool, const X* xp, const uint16_t* xh, const W* wp, float* op,
@@ -547,26 +570,25 @@ void matmul(ffi::ThreadPool& pool, const X* xp, const uint16_t* xh, const W* wp,
       for (int64_t i = 0; i < M * N; ++i) op[i] += src[i];
     }
   };
-  const int64_t threads = std::min(pool_threads, chunks);
-  if (threads <= 1) {
-    for (int64_t c = 0; c < chunks; ++c) run(c);
-    reduce();
-    return;
-  }
-  auto work = std::make_shared<Work>();
-  work->chunks = chunks;
-  // Workers take chunks until none is left; one scheduled late finds none and touches nothing,
-  // so the caller only waits for chunks actually taken and cannot deadlock on a busy pool.
-  auto drain = [work, run]() {
-    for (int64_t c; (c = work->next.fetch_add(1)) < work->chunks;) {
-      run(c);
-      work->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t t = 1; t < threads; ++t) pool.Schedule([drain]() { drain(); });
-  drain();
-  while (work->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+  parallel_chunks(pool, chunks, run);
   reduce();
+}
+
+#include "bf16_strips.h"
+
+// op [M, N] = xh [M, K] @ w packed in strips (bf16_strips.h). Threads take runs of whole strips,
+// about four runs a thread so that one started late still finds work; a run is one contiguous
+// block of w.
+void matmul_strips(ffi::ThreadPool& pool, const uint16_t* xh, const uint16_t* wp, float* op,
+                   int64_t M, int64_t K, int64_t N) {
+  const int64_t strips = N / kStripCols;
+  const int64_t runs = 4 * std::max<int64_t>(pool.num_threads(), 1);
+  int64_t step = (strips + runs - 1) / runs;
+  step = (step + kStripGroup - 1) / kStripGroup * kStripGroup;
+  const int64_t chunks = (strips + step - 1) / step;
+  parallel_chunks(pool, chunks, [=](int64_t c) {
+    strip_columns(xh, M, K, wp, N, op, c * step, std::min(strips, (c + 1) * step));
+  });
 }
 
 bool f32_or_bf16(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
@@ -600,7 +622,7 @@ ffi::Error with_f32_io(ffi::AnyBuffer& x, ffi::Result<ffi::AnyBuffer>& out, int6
 
 // x [..., K] and out [..., N] fp32 or bf16 (widened / rounded here: they are small), w fp32 or bf16.
 ffi::Error SmallMMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                        ffi::Result<ffi::AnyBuffer> out, bool transpose_w) {
+                        ffi::Result<ffi::AnyBuffer> out, bool transpose_w, bool packed) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   if (xd.size() < 1 || wd.size() != 2)
@@ -614,8 +636,14 @@ ffi::Error SmallMMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
   if ((transpose_w ? wd[1] : wd[0]) != K)
     return ffi::Error::InvalidArgument("small_m_matmul: contraction sizes differ");
   const bool w_bf16 = w.element_type() == ffi::DataType::BF16;
+  if (packed && (!kHasStrips || !w_bf16 || x.element_type() != ffi::DataType::BF16 || transpose_w ||
+                 K % 2 != 0 || N % kStripCols != 0))
+    return ffi::Error::InvalidArgument(
+        "small_m_matmul: packed w needs AVX512_BF16, bf16 x and w, and K, N multiples of 2, 32");
   return with_f32_io(x, out, M, K, N, [&](const float* xp, const uint16_t* xh, float* op) {
-    if (w_bf16)
+    if (packed)
+      matmul_strips(pool, xh, static_cast<const uint16_t*>(w.untyped_data()), op, M, K, N);
+    else if (w_bf16)
       matmul(pool, xp, kHasDp ? xh : nullptr, static_cast<const uint16_t*>(w.untyped_data()), op,
              M, K, N, transpose_w);
     else
@@ -683,7 +711,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SsdJaxSmallMMatmul, SmallMMatmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<bool>("transpose_w"));
+                                  .Attr<bool>("transpose_w")
+                                  .Attr<bool>("packed"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SsdJaxSmallMMatmulInt8, SmallMMatmulInt8,
                               ffi::Ffi::Bind()
@@ -696,3 +725,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SsdJaxSmallMMatmulInt8, SmallMMatmulInt8,
 
 // Whether SsdJaxSmallMMatmulInt8 takes tiled q (models/cpu_matmul.py `int8_tiles`).
 extern "C" int SsdJaxInt8Tiles() { return kHasTiles ? 1 : 0; }
+
+// Whether SsdJaxSmallMMatmul takes packed bf16 w (models/cpu_matmul.py `bf16_strips`).
+extern "C" int SsdJaxBf16Strips() { return kHasStrips ? 1 : 0; }

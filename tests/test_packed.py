@@ -1,0 +1,166 @@
+"""Packed bf16 weights (models/packed.py, cpu_kernels/bf16_strips.h): the layout's round trip, the
+packed kernel against the row-major one and the exact product, its row-count invariance, its
+dispatch and errors, and a packed model giving the same logits and greedy tokens."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import cpu_matmul, registry
+from models.config import tiny_config
+from models.kv_cache import init_cache
+from models.load import load_model
+from models.packed import PackedWeight, is_packed, pack_params, pack_weight, unpack_params
+from models.params import decode_bytes, random_params
+from models.quant import quantize_params
+from models.transformer import forward
+from ssd_jax.near_tie import assert_greedy_agreement
+from ssd_jax.sharding import tp_layout
+
+
+def _rand(shape, seed, dtype=jnp.bfloat16):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32), dtype)
+
+
+needs_strips = pytest.mark.skipif(not cpu_matmul.bf16_strips(),
+                                  reason="nothing is packed here: the CPU kernel is off "
+                                         "(SSD_JAX_CPU_KERNELS=0) or lacks AVX512_BF16")
+
+
+def test_pack_bf16_round_trips_and_names_bad_shapes():
+    w = _rand((6, 96), 0)
+    p = cpu_matmul.pack_bf16(w)
+    assert p.shape == w.shape and p.dtype == w.dtype
+    np.testing.assert_array_equal(np.asarray(cpu_matmul.unpack_bf16(p)), np.asarray(w))
+    # strip 1, pair 2, second half, column 3, odd row: w[2*2 + 1, 32 + 16 + 3], at flat index
+    # ((1 * 3 + 2) * 2 + 1) * 32 + 3 * 2 + 1 in strip order
+    assert p.reshape(-1)[((1 * 3 + 2) * 2 + 1) * 32 + 7] == w[5, 51]
+    assert cpu_matmul.packable(2, 32) and not cpu_matmul.packable(3, 32)
+    assert not cpu_matmul.packable(4, 48) and not cpu_matmul.packable(0, 32)
+    for bad in ((3, 32), (4, 48), (4,)):
+        with pytest.raises(ValueError, match="K even and N a multiple of 32"):
+            cpu_matmul.pack_bf16(jnp.zeros(bad, jnp.bfloat16))
+    assert not isinstance(pack_weight(jnp.zeros((4, 48), jnp.bfloat16)), PackedWeight)  # left as is
+    assert not isinstance(pack_weight(jnp.zeros((4, 64), jnp.float32)), PackedWeight)  # fp32: as is
+    assert isinstance(pack_weight(jnp.zeros((4, 64), jnp.bfloat16)), PackedWeight)
+
+
+@needs_strips
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 6, 7, 13, 40])
+@pytest.mark.parametrize("K,N", [(16, 96), (24, 1536), (2056, 8288)])
+def test_packed_kernel_equals_the_row_major_one(K, N, M):
+    # These shapes the row-major kernel sums over all of K in one range on any thread count (K
+    # under 32 rows, or N past 8192 columns), as the packed one always does, and all with
+    # vdpbf16ps (K a multiple of its 8 rows a pass): the same sequence, so equal bit for bit. 2056 x 8288: 259 strips (not a multiple of 2 or 4) and 1028
+    # pairs, past one K-block for the 40-row prefill.
+    w, x = _rand((K, N), 1), _rand((M, K), 2)
+    got = cpu_matmul.kernel(x, cpu_matmul.pack_bf16(w), packed=True, out_dtype=jnp.float32)
+    want = cpu_matmul.kernel(x, w, out_dtype=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@needs_strips
+@pytest.mark.parametrize("lead,K,N", [((1,), 8960, 1536), ((5,), 1536, 2048), ((3, 4), 64, 96),
+                                      ((2, 20), 2050, 160)])
+def test_packed_kernel_matches_the_exact_product_and_every_row_count(lead, K, N):
+    w, x = _rand((K, N), 3), _rand((*lead, K), 4)
+    wp = cpu_matmul.pack_bf16(w)
+    got = np.asarray(cpu_matmul.kernel(x, wp, packed=True, out_dtype=jnp.float32), np.float64)
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    bound = K * 2.0 ** -24 * (np.abs(x64) @ np.abs(w64))  # products of bf16 are exact in fp32
+    assert np.all(np.abs(got - x64 @ w64) <= bound + 1e-30)
+    rows = x.reshape(-1, K)
+    one = np.concatenate([np.asarray(cpu_matmul.kernel(rows[i:i + 1], wp, packed=True,
+                                                       out_dtype=jnp.float32))
+                          for i in range(rows.shape[0])])
+    np.testing.assert_array_equal(got.reshape(-1, N), one)  # a row is the same whatever M
+
+
+@needs_strips
+def test_packed_matmul_dispatch_and_its_reference():
+    w, x = _rand((64, 96), 5), _rand((5, 64), 6)
+    wp = cpu_matmul.pack_bf16(w)
+    f = jax.jit(lambda x, w: cpu_matmul.matmul(x, w, packed=True))
+    assert "ssd_jax_small_m_matmul" in f.lower(x, wp).as_text()
+    off = cpu_matmul.matmul(x, wp, packed=True, enabled=False, preferred_element_type=jnp.float32)
+    want = cpu_matmul.reference(x, w, preferred_element_type=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(off), np.asarray(want))  # unpacked, then XLA
+    np.testing.assert_allclose(np.asarray(f(x, wp), np.float32), np.asarray(want), rtol=1e-2,
+                               atol=1e-2)
+
+
+@needs_strips
+def test_packed_kernel_errors_name_the_problem():
+    w, x = _rand((64, 96), 5), _rand((5, 64), 6)
+    wp = cpu_matmul.pack_bf16(w)
+    with pytest.raises(ValueError, match="bf16 x and no transpose"):
+        cpu_matmul.kernel(x.astype(jnp.float32), wp.astype(jnp.float32), packed=True)
+    with pytest.raises(ValueError, match="K even and N a multiple of 32"):
+        cpu_matmul.kernel(_rand((5, 64), 6), _rand((64, 80), 5), packed=True)
+    with pytest.raises(ValueError, match="bf16 x and no transpose"):
+        cpu_matmul.kernel(x, jnp.zeros((96, 64), jnp.bfloat16), transpose_w=True, packed=True)
+
+
+def _tiny(arch="qwen2", seed=7):
+    cfg = tiny_config(arch, vocab_size=96, dtype="bfloat16")
+    return cfg, random_params(cfg, seed=seed)
+
+
+def test_pack_params_round_trip_and_what_it_leaves_alone():
+    cfg, params = _tiny()
+    packed = pack_params(params)
+    assert is_packed(packed) and not is_packed(params)
+    assert all(isinstance(getattr(lp, n), PackedWeight) for lp in packed.layers
+               for n in ("wqkv", "wo", "w_gate_up", "w_down"))
+    assert isinstance(packed.lm_head, PackedWeight)
+    assert packed.embed is params.embed and packed.layers[0].attn_norm is params.layers[0].attn_norm
+    assert decode_bytes(packed) == decode_bytes(params)
+    back = unpack_params(packed)
+    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    fp32 = random_params(tiny_config("qwen2", vocab_size=96), seed=7)
+    assert not is_packed(pack_params(fp32))  # the kernel packs bf16 only
+    # quantizing or a tensor-parallel re-layout start from the row-major values
+    for a, b in zip(jax.tree_util.tree_leaves(quantize_params(packed, tile=False)),
+                    jax.tree_util.tree_leaves(quantize_params(params, tile=False))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _, tp_packed = tp_layout(packed, cfg, 2)
+    _, tp_plain = tp_layout(params, cfg, 2)
+    for a, b in zip(jax.tree_util.tree_leaves(tp_packed), jax.tree_util.tree_leaves(tp_plain)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@needs_strips
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_packed_model_logits_and_a_verify_equal_to_its_decodes(arch):
+    cfg, params = _tiny(arch)
+    packed = pack_params(params)
+    fwd = jax.jit(forward, static_argnums=1)
+    toks = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 9)), jnp.int32)
+    want, _ = fwd(params, cfg, toks, init_cache(cfg, 2, 16))
+    got, _ = fwd(packed, cfg, toks, init_cache(cfg, 2, 16))
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=2e-2, atol=2e-2)  # bf16 activations; sums in another split
+    # a 5-token verify after a 4-token prefill equals five one-token decodes, bit for bit
+    _, cache = fwd(packed, cfg, toks[:, :4], init_cache(cfg, 2, 16))
+    verify, _ = fwd(packed, cfg, toks[:, 4:], cache)
+    steps = []
+    for t in range(4, 9):
+        lg, cache = fwd(packed, cfg, toks[:, t:t + 1], cache)
+        steps.append(lg)
+    np.testing.assert_array_equal(np.asarray(verify), np.asarray(jnp.concatenate(steps, axis=1)))
+
+
+@pytest.mark.slow
+@needs_strips
+def test_smollm2_bf16_loads_packed_and_decodes_the_same_tokens():
+    registry.fetch("smollm2-135m", progress=False)
+    from ssd_jax.engine import Engine
+    packed = load_model("smollm2-135m", "bfloat16")
+    plain = load_model("smollm2-135m", "bfloat16", pack=False)
+    assert is_packed(packed.params) and not is_packed(plain.params)
+    ids = [packed.tokenizer.encode(p) for p in ("def quicksort(arr):\n", "The capital of France is")]
+    got = Engine(packed, None).generate(ids, mode="ar", max_new_tokens=24, eos_ids=[]).token_ids
+    want = Engine(plain, None).generate(ids, mode="ar", max_new_tokens=24, eos_ids=[]).token_ids
+    for p, g, w in zip(ids, got, want):
+        assert_greedy_agreement(plain.params, plain.cfg, p, g, w)
