@@ -80,7 +80,7 @@ def worker(args) -> None:
     from models.quant import quantize_model
     from ssd_jax.engine import Engine, SSDConfig
 
-    target = load_model(args.target, args.dtype)
+    target = load_model(args.target, args.dtype, pack=False if args.no_pack else None)
     prompts = _prompts(args.prompts)
     if args.layout == "ssd-two-process":
         eng = Engine(target, remote_draft=remote)
@@ -127,6 +127,9 @@ def main() -> None:
     p.add_argument("--backup", default="neural")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--draft-quant", default="none", choices=("none", "int8"))
+    p.add_argument("--no-pack", action="store_true",
+                   help="keep the target's bf16 weights row-major (models/packed.py): its verify is "
+                        "then compute-bound and leaves the memory bus to the draft's core")
     p.add_argument("--layout", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     args = p.parse_args()
