@@ -144,6 +144,22 @@ def test_untied_head_copy_gives_the_same_logits_and_reads_the_same_bytes():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(__import__("platform").machine() not in ("x86_64", "AMD64"),
+                    reason="the -march names below are x86's")
+@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3", "skylake-avx512"])
+def test_kernel_source_compiles_where_the_cpu_lacks_avx512_bf16_or_vnni(march):
+    # The machine builds with -march=native, so code behind its feature checks (vdpbf16ps, packed
+    # strips, vpdpwssd, tiles) always compiles here; a fallback that does not would only break on a
+    # user's older CPU, where the kernel would then silently turn into XLA.
+    cxx = cpu_matmul._compiler()
+    assert cxx is not None, "no C++ compiler: CI installs one"
+    flags = [f for f in cpu_matmul._FLAGS if f not in ("-march=native", "-shared")]
+    done = subprocess.run([cxx, *flags, f"-march={march}", "-fsyntax-only",
+                           f"-I{jax.ffi.include_dir()}", str(cpu_matmul._SOURCE)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_turned_off_by_the_environment_variable():
     code = ("from models import cpu_matmul; import jax.numpy as jnp; "
             "assert not cpu_matmul.available(); "

@@ -18,12 +18,12 @@
 // where that path sums a column over all of K in one range; and it is the same for any number of
 // rows (many rows only split K into blocks, with acc stored and reloaded between them, exact).
 // Threads take whole strips, so the result does not depend on the thread count either.
-#ifdef __AVX512BF16__
-constexpr bool kHasStrips = true;
 constexpr int64_t kStripCols = 32;
 // Many rows (a prefill): K is taken in blocks of this many pairs, so that a block of 4 strips
 // (4 x 1024 x 128 bytes = 512 KiB) stays in L2 while every group of rows passes over it.
 constexpr int64_t kStripBlockPairs = 1024, kStripGroup = 4;
+#ifdef __AVX512BF16__
+constexpr bool kHasStrips = true;
 
 // out[0:MR, strips [s0, s0 + S)] = (or +=, from pair pb > 0) x[0:MR, pairs [pb, pe)] @ those strips.
 template <int MR, int S>
@@ -94,9 +94,8 @@ inline void strip_columns(const uint16_t* xh, int64_t M, int64_t K, const uint16
     }
   }
 }
-#else
+#else  // SmallMMatmul refuses packed w here: the Python side packs only where kHasStrips
 constexpr bool kHasStrips = false;
-constexpr int64_t kStripCols = 32;
 inline void strip_columns(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, float*,
                           int64_t, int64_t) {}
 #endif
