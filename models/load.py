@@ -62,7 +62,7 @@ def load_model(name_or_path: str | Path, dtype: str = "float32", *, use_cache: b
         params = untie_lm_head(params)
     if pack is None:
         from models import cpu_matmul
-        pack = dtype == "bfloat16" and jax.default_backend() == "cpu" and cpu_matmul.bf16_strips()
+        pack = dtype == "bfloat16" and cpu_matmul.bf16_strips()
     if pack:
         params = pack_params(params)
     tok = _tokenizer(path) if with_tokenizer else None
