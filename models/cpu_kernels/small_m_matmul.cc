@@ -594,19 +594,23 @@ void matmul_strips(ffi::ThreadPool& pool, const uint16_t* xh, const uint16_t* wp
 bool f32_or_bf16(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
 
 // Runs body(xp, xh, op) with x widened to fp32 (xp; xh: the raw bf16 x, or null) and op an fp32
-// [M, N] out, rounded to bf16 afterwards where out is bf16.
+// [M, N] out, rounded to bf16 afterwards where out is bf16. With widen_x false a bf16 x is passed
+// as xh only (xp null): the packed path reads nothing else, and a prefill's x is megabytes.
 template <typename Body>
 ffi::Error with_f32_io(ffi::AnyBuffer& x, ffi::Result<ffi::AnyBuffer>& out, int64_t M, int64_t K,
-                       int64_t N, Body body) {
+                       int64_t N, Body body, bool widen_x = true) {
   if (M == 0 || N == 0) return ffi::Error::Success();
   std::vector<float> xbuf, obuf;
   const float* xp = static_cast<const float*>(x.untyped_data());
   const uint16_t* xh = nullptr;
   if (x.element_type() == ffi::DataType::BF16) {
     xh = static_cast<const uint16_t*>(x.untyped_data());
-    xbuf.resize(M * K);
-    for (int64_t i = 0; i < M * K; ++i) xbuf[i] = scalar(xh[i]);
-    xp = xbuf.data();
+    xp = nullptr;
+    if (widen_x) {
+      xbuf.resize(M * K);
+      for (int64_t i = 0; i < M * K; ++i) xbuf[i] = scalar(xh[i]);
+      xp = xbuf.data();
+    }
   }
   const bool out_bf16 = out->element_type() == ffi::DataType::BF16;
   if (out_bf16) obuf.resize(M * N);
@@ -649,7 +653,7 @@ ffi::Error SmallMMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
     else
       matmul(pool, xp, nullptr, static_cast<const float*>(w.untyped_data()), op, M, K, N,
              transpose_w);
-  });
+  }, /*widen_x=*/!packed);
 }
 
 // out = (x @ q) * scale: q [K, N] int8, scale [N] fp32 (one per column of q).
