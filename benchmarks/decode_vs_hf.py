@@ -98,35 +98,43 @@ def _stats(ts: list[float]) -> dict:
 
 
 # ---------------------------------------------------------------------------- workers
+def _parallel_round(threads: int, fn) -> float:
+    """fn(i) on `threads` threads at once: seconds from all starting to all finishing."""
+    start, end = threading.Barrier(threads + 1), threading.Barrier(threads + 1)
+
+    def body(i):
+        start.wait()
+        fn(i)
+        end.wait()
+
+    ths = [threading.Thread(target=body, args=(i,)) for i in range(threads)]
+    [t.start() for t in ths]
+    start.wait()
+    t0 = time.perf_counter()
+    end.wait()
+    dt = time.perf_counter() - t0
+    [t.join() for t in ths]
+    return dt
+
+
+def _arrays(threads: int, mib: int):
+    """A `mib` MiB source and destination per thread; their total size in bytes."""
+    import numpy as np
+    srcs = [np.ones(mib << 18, np.float32) for _ in range(threads)]
+    return srcs, [np.empty_like(s) for s in srcs], sum(s.nbytes for s in srcs)
+
+
 def worker_bandwidth(threads: int, mib: int, iters: int) -> dict:
     """numpy copy of a `mib` MiB array per thread, (read + write) bytes / s over all threads (the
     goal's reference); and, for context, a read-only pass (`sum`) over the same arrays: a decode
     only reads, and this VM reads alone slower than it copies."""
     import numpy as np
-    srcs = [np.ones(mib << 18, np.float32) for _ in range(threads)]
-    dsts = [np.empty_like(s) for s in srcs]
-    barrier = threading.Barrier(threads)
+    srcs, dsts, nbytes = _arrays(threads, mib)
 
     def times(fn) -> list[float]:
-        out: list[float] = []
+        _parallel_round(threads, fn)  # warm-up: first touch of the pages
+        return [_parallel_round(threads, fn) for _ in range(iters)]
 
-        def body(i, rounds):
-            for _ in range(rounds):
-                barrier.wait()
-                t0 = time.perf_counter()
-                fn(i)
-                barrier.wait()
-                if i == 0:
-                    out.append(time.perf_counter() - t0)
-
-        for rounds in (1, iters):  # a warm-up round, then the measured ones
-            out.clear()
-            ths = [threading.Thread(target=body, args=(i, rounds)) for i in range(threads)]
-            [t.start() for t in ths]
-            [t.join() for t in ths]
-        return out
-
-    nbytes = sum(s.nbytes for s in srcs)
     copy = times(lambda i: np.copyto(dsts[i], srcs[i]))
     read_s = min(times(lambda i: srcs[i].sum()))
     return dict(kind="bandwidth", threads=threads, bytes_per_s=2 * nbytes / min(copy),
@@ -134,7 +142,8 @@ def worker_bandwidth(threads: int, mib: int, iters: int) -> dict:
                 median_s=statistics.median(copy), read_bytes_per_s=nbytes / read_s)
 
 
-def worker_jax(context: int, iters: int, k: int, dtype: str = "float32") -> dict:
+def worker_jax(context: int, iters: int, k: int, dtype: str = "float32", threads: int = 1,
+               bw_mib: int = 512) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -183,7 +192,34 @@ def worker_jax(context: int, iters: int, k: int, dtype: str = "float32") -> dict
     v = _times(verify, iters)
     cpu = (time.process_time() - t0[0]) / (time.perf_counter() - t0[1])
     return dict(kind="jax", dtype=dtype, param_bytes=nbytes, decode=_stats(d), verify=_stats(v),
-                cores_used=cpu, cache_len=cache.max_len)
+                cores_used=cpu, cache_len=cache.max_len,
+                paired=_paired(decode, nbytes, threads, bw_mib, iters))
+
+
+def _paired(decode, nbytes: int, threads: int, mib: int, iters: int) -> dict:
+    """Decode steps each right after a copy round on the same cores, in this process.
+
+    On a shared VM the bandwidth a neighbour leaves moves by tens of percent within minutes, so a
+    copy measured in another process minutes earlier can be from a different machine state. Here
+    each decode is paired with the copy just before it, and the fraction is taken per pair. The
+    pauses let XLA's worker threads stop spinning before numpy's copy threads run, and the reverse.
+    """
+    import numpy as np
+    srcs, dsts, cbytes = _arrays(threads, mib)
+    copy = lambda i: np.copyto(dsts[i], srcs[i])  # noqa: E731
+    _parallel_round(threads, copy)  # first touch of the pages
+    pairs = []
+    for _ in range(iters):
+        c = _parallel_round(threads, copy)
+        time.sleep(0.05)
+        t0 = time.perf_counter()
+        decode()
+        pairs.append((c, time.perf_counter() - t0))
+        time.sleep(0.05)
+    fr = [(nbytes / d) / (2 * cbytes / c) for c, d in pairs]
+    return dict(copy=_stats([c for c, _ in pairs]), decode=_stats([d for _, d in pairs]),
+                copy_bytes=2 * cbytes, fraction_median=statistics.median(fr),
+                fraction_min=min(fr), fraction_max=max(fr))
 
 
 def worker_torch(context: int, iters: int, k: int, dtype: str, threads: int) -> dict:
@@ -237,7 +273,7 @@ def main(argv=None) -> int:
         if a.worker == "bw":
             r = worker_bandwidth(a.threads, a.bw_mib, a.iters)
         elif a.worker == "jax":
-            r = worker_jax(a.context, a.iters, a.k, a.dtype)
+            r = worker_jax(a.context, a.iters, a.k, a.dtype, a.threads, a.bw_mib)
         else:
             r = worker_torch(a.context, a.iters, a.k, a.dtype, a.threads)
         print(json.dumps(r))
@@ -254,7 +290,8 @@ def main(argv=None) -> int:
                                                       str(a.bw_mib), "--iters", "5"], n)
         for dt in [d for d in a.jax_dtypes.split(",") if d]:
             print(f"[cores {cores}] jax {dt} ...", file=sys.stderr, flush=True)
-            row[f"jax_{dt}"] = run_worker(script, cores, ["jax", "--dtype", dt, *common], n)
+            row[f"jax_{dt}"] = run_worker(script, cores, ["jax", "--dtype", dt, "--threads", str(n),
+                                                          "--bw-mib", str(a.bw_mib), *common], n)
         for dt in [d for d in a.torch_dtypes.split(",") if d]:
             print(f"[cores {cores}] torch {dt} ...", file=sys.stderr, flush=True)
             row[f"torch_{dt}"] = run_worker(script, cores, ["torch", "--dtype", dt, "--threads",
@@ -303,33 +340,49 @@ def render(report: dict) -> str:
             "framework's fastest dtype: decode no slower than HF at equal cores; decode weight reads "
             ">= 70% of copy bandwidth (read bandwidth shown for context); verify <= 1.5x decode.",
             "The table's fraction is the decode's median against the copy's best (the strictest "
-            "pairing). The goal is judged like for like: the decode's median against the copy's "
-            "median, and its best against the copy's best, both >= 70%. On a shared VM the two "
-            "are measured minutes apart and neighbours' traffic comes and goes."]
+            "pairing), measured in separate processes minutes apart, while neighbours' traffic "
+            "on this shared VM comes and goes. The goal is judged on `paired`: each decode step "
+            "right after a copy round on the same cores in the JAX process, the median of the "
+            "per-pair fractions (older JSONs without it: median/median and best/best, both "
+            ">= 70%). The separate-process pairings are shown beside it."]
     for row in report["results"]:
         j = _fastest(row, "jax")
-        hf = _fastest(row, "torch_")
         fr = fractions(j, row["bandwidth"])
         vd = j["verify"]["median_s"] / j["decode"]["median_s"]
-        # an older JSON without the copy's median is judged on the strict pairing instead
-        met = min(fr["median"] if fr["median"] is not None else fr["strict"], fr["best"]) >= 0.7
+        if fr["paired"] is not None:
+            met = fr["paired"] >= 0.7
+        else:  # an older JSON without the copy's median is judged on the strict pairing instead
+            met = min(fr["median"] if fr["median"] is not None else fr["strict"], fr["best"]) >= 0.7
         shown = ", ".join(f"{k} {v:.0%}" for k, v in fr.items() if v is not None)
-        out.append(f"- cores {row['cores']}: decode ours({j['dtype']})/HF({hf['dtype']}) = "
-                   f"{j['decode']['median_s'] / hf['decode']['median_s']:.2f} "
-                   f"({'met' if j['decode']['median_s'] <= hf['decode']['median_s'] else 'NOT met'}); "
-                   f"bandwidth fraction ({shown}) ({'met' if met else 'NOT met'}); "
+        if any(x.startswith("torch_") for x in row):
+            hf = _fastest(row, "torch_")
+            vs_hf = (f"decode ours({j['dtype']})/HF({hf['dtype']}) = "
+                     f"{j['decode']['median_s'] / hf['decode']['median_s']:.2f} "
+                     f"({'met' if j['decode']['median_s'] <= hf['decode']['median_s'] else 'NOT met'})")
+        else:
+            vs_hf = "no HF run"
+        out.append(f"- cores {row['cores']}: {vs_hf}; bandwidth fraction ({shown}) ({'met' if met else 'NOT met'}); "
                    f"verify/decode {vd:.2f} ({'met' if vd <= 1.5 else 'NOT met'}); "
                    f"JAX process used {j['cores_used']:.2f} cores")
+        if "paired" in j:
+            pr = j["paired"]
+            copy_bw = pr["copy_bytes"] / pr["copy"]["median_s"]
+            out.append(f"  - paired ({pr['decode']['n']} pairs): copy {copy_bw / 1e9:.1f} GB/s, decode {pr['decode']['median_s'] * 1e3:.1f} ms "
+                       f"({j['param_bytes'] / pr['decode']['median_s'] / 1e9:.1f} GB/s) (medians); "
+                       f"per-pair fraction median {pr['fraction_median']:.0%}, "
+                       f"range {pr['fraction_min']:.0%}-{pr['fraction_max']:.0%}")
     return "\n".join(out)
 
 
 def fractions(j: dict, bw: dict) -> dict:
-    """The decode's weight-read rate over the copy bandwidth: like for like (median over median,
-    best over best; None where an older JSON lacks the copy's median) and strict (median over
-    best, the table's)."""
+    """The decode's weight-read rate over the copy bandwidth: paired (median of per-pair fractions,
+    copy and decode back to back in one process, see `_paired`), like for like across processes
+    (median over median, best over best) and strict (median over best, the table's). None where
+    an older JSON lacks the figure."""
     nbytes, dec = j["param_bytes"], j["decode"]
     med = bw.get("median_bytes_per_s")
-    return dict(median=None if med is None else nbytes / dec["median_s"] / med,
+    paired = j.get("paired", {}).get("fraction_median")
+    return dict(paired=paired, median=None if med is None else nbytes / dec["median_s"] / med,
                 best=nbytes / dec["min_s"] / bw["bytes_per_s"],
                 strict=nbytes / dec["median_s"] / bw["bytes_per_s"])
 
