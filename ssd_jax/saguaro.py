@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from ssd_jax.sampling import SamplingParams, probs_from_logits, sample_from_probs
-from ssd_jax.small_topk import kth_largest
+from ssd_jax.small_topk import argmax, kth_largest
 
 
 def saguaro_scale(q: jax.Array, raw_logits: jax.Array, top_n: int, c: float) -> jax.Array:
@@ -44,7 +44,7 @@ def propose(logits: jax.Array, sampling: SamplingParams, keys: jax.Array, *,
     q = saguaro_scale(q, logits, saguaro_top_n, saguaro_c)
     rows = q.astype(row_dtype)
     if sampling.greedy:
-        return jnp.argmax(rows, axis=-1).astype(jnp.int32), rows
+        return argmax(rows), rows
     return sample_from_probs(rows.astype(jnp.float32), keys), rows
 
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ssd_jax.small_topk import kth_largest
+from ssd_jax.small_topk import argmax, kth_largest
 
 # Streams separate the independent random draws made at one (request, position): drafting a token,
 # the accept coin for it, the residual/bonus draw, plain sampling, and a backup speculator's draws.
@@ -178,7 +178,7 @@ def probs_from_logits(logits, params: SamplingParams, vocab_size: int | None = N
       `[..., V]` float32 rows summing to 1 (never NaN).
 
     Order: mask padded rows, temperature, top-k, top-p (on the top-k-renormalised distribution, as
-    HF applies its warpers in sequence), renormalise. Temperature 0 -> one-hot at `jnp.argmax` of the
+    HF applies its warpers in sequence), renormalise. Temperature 0 -> one-hot at the `argmax` of the
     masked logits (first maximum, as plain greedy decoding breaks ties). A row with no finite logit
     also falls back to that one-hot (instead of 0/0 = NaN).
     """
@@ -188,7 +188,7 @@ def probs_from_logits(logits, params: SamplingParams, vocab_size: int | None = N
     if valid is not None:
         logits = jnp.where(valid, logits, -jnp.inf)
     # Greedy fallback token: first maximum of the masked logits, like jnp.argmax in plain decoding.
-    argmax_onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
+    argmax_onehot = jax.nn.one_hot(argmax(logits), V, dtype=jnp.float32)
     if params.greedy:
         return argmax_onehot
 
@@ -253,7 +253,7 @@ def sample_from_probs(probs, keys):
     flat_p = probs.reshape(-1, V)
     e = jax.vmap(lambda k: jax.random.exponential(k, (V,), jnp.float32))(flat_keys)
     score = jnp.where(flat_p > 0, jnp.log(flat_p) - jnp.log(e), -jnp.inf)
-    return jnp.argmax(score, axis=-1).astype(jnp.int32).reshape(batch_shape)
+    return argmax(score).reshape(batch_shape)
 
 
 def sample(logits, params: SamplingParams, keys, vocab_size: int | None = None):
@@ -269,5 +269,5 @@ def sample(logits, params: SamplingParams, keys, vocab_size: int | None = None):
     if params.greedy:
         # One-hot rows: the race would pick the same token; skip the random draws.
         _as_keys(keys, probs.shape[:-1])
-        return jnp.argmax(probs, axis=-1).astype(jnp.int32), probs
+        return argmax(probs), probs
     return sample_from_probs(probs, keys), probs
