@@ -361,14 +361,16 @@ def render(report: dict) -> str:
                      f"({'met' if j['decode']['median_s'] <= hf['decode']['median_s'] else 'NOT met'})")
         else:
             vs_hf = "no HF run"
-        out.append(f"- cores {row['cores']}: {vs_hf}; bandwidth fraction ({shown}) ({'met' if met else 'NOT met'}); "
+        out.append(f"- cores {row['cores']}: {vs_hf}; "
+                   f"bandwidth fraction ({shown}) ({'met' if met else 'NOT met'}); "
                    f"verify/decode {vd:.2f} ({'met' if vd <= 1.5 else 'NOT met'}); "
                    f"JAX process used {j['cores_used']:.2f} cores")
         if "paired" in j:
             pr = j["paired"]
             copy_bw = pr["copy_bytes"] / pr["copy"]["median_s"]
-            out.append(f"  - paired ({pr['decode']['n']} pairs): copy {copy_bw / 1e9:.1f} GB/s, decode {pr['decode']['median_s'] * 1e3:.1f} ms "
-                       f"({j['param_bytes'] / pr['decode']['median_s'] / 1e9:.1f} GB/s) (medians); "
+            dec = pr["decode"]["median_s"]
+            out.append(f"  - paired ({pr['decode']['n']} pairs): copy {copy_bw / 1e9:.1f} GB/s, "
+                       f"decode {dec * 1e3:.1f} ms ({j['param_bytes'] / dec / 1e9:.1f} GB/s) (medians); "
                        f"per-pair fraction median {pr['fraction_median']:.0%}, "
                        f"range {pr['fraction_min']:.0%}-{pr['fraction_max']:.0%}")
     return "\n".join(out)

@@ -43,17 +43,19 @@ def _prompt_ids(n: int | None) -> tuple[list[dict], list[list[int]], tuple[int, 
     return prompts, [tok.encode(p["text"]) for p in prompts], tuple(tok.eos_ids)
 
 
-def worker_jax(n, max_new, ks, dtype: str = "float32", draft_quant: str = "none") -> dict:
+def worker_jax(n, max_new, ks, dtype: str = "float32", draft_quant: str = "none",
+               draft_vocab: int | None = None) -> dict:
+    from models.draft_head import prepare_draft
     from models.load import load_model
-    from models.quant import quantize_model
     from ssd_jax.engine import Engine
     from ssd_jax.sampling import SamplingParams
 
     prompts, ids, _ = _prompt_ids(n)
-    engine = Engine(load_model(TARGET, dtype), quantize_model(load_model(DRAFT, dtype), draft_quant),
+    engine = Engine(load_model(TARGET, dtype),
+                    prepare_draft(load_model(DRAFT, dtype), draft_quant, draft_vocab),
                     placement="colocated")
     sp = SamplingParams(temperature=0.0)
-    out = dict(kind="jax", dtype=dtype, draft_quant=draft_quant, sd_by_k={})
+    out = dict(kind="jax", dtype=dtype, draft_quant=draft_quant, draft_vocab=draft_vocab, sd_by_k={})
     for mode, k in [("ar", ks[0])] + [("sd", k) for k in ks]:
         engine.generate([ids[0]], mode=mode, max_new_tokens=min(8, max_new), k=k, sampling=sp)  # warm-up
         per, tok_sum, time_sum, hist = [], 0, 0.0, [0] * (k + 1)
@@ -120,8 +122,11 @@ def render(rep: dict) -> str:
         jk = j.get("sd_by_k") or {str(rep["k"]): j["sd"]}
         hk = h.get("assisted_by_k") or {str(rep["k"]): h["assisted"]}
         j_ar, h_ar = j["ar"]["tokens_per_s"], h["ar"]["tokens_per_s"]
+        draft = " + int8 draft" if j.get("draft_quant", "none") == "int8" else ""
+        if j.get("draft_vocab"):
+            draft += f" (head cut to {j['draft_vocab']} ids)"
         out += [f"Cores {row['cores']}: {rep['prompts']} prompts, max {rep['max_new_tokens']} new "
-                f"tokens, greedy, {j.get('dtype', 'float32')}{' + int8 draft' if j.get('draft_quant', 'none') == 'int8' else ''} (ssd_jax) / {h['dtype']} (HF).", "",
+                f"tokens, greedy, {j.get('dtype', 'float32')}{draft} (ssd_jax) / {h['dtype']} (HF).", "",
                 "| framework | K | AR tok/s | SD / assisted tok/s | SD/AR speed-up | tokens/round "
                 "| acceptance |", "|---|---|---|---|---|---|---|"]
         for k, sd in jk.items():
@@ -155,6 +160,9 @@ def main(argv=None) -> int:
                     help="ssd_jax's dtype (bfloat16 is its fastest on a CPU with the kernel)")
     ap.add_argument("--draft-quant", default="none", choices=("none", "int8"),
                     help="ssd_jax's draft weights as int8 (models/quant.py); HF's draft stays in --hf-dtype")
+    ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                    help="cut ssd_jax's draft head to token ids [0, N) (models/draft_head.py); HF's "
+                         "draft keeps its whole head")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/sd_vs_hf-<time>.json)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
@@ -172,7 +180,7 @@ def main(argv=None) -> int:
 
     if a.worker:
         sys.path.insert(0, str(ROOT))
-        r = (worker_jax(n, a.max_new_tokens, ks, a.dtype, a.draft_quant) if a.worker == "jax"
+        r = (worker_jax(n, a.max_new_tokens, ks, a.dtype, a.draft_quant, a.draft_vocab) if a.worker == "jax"
              else worker_torch(n, a.max_new_tokens, ks, a.threads, a.hf_dtype))
         print(json.dumps(r))
         return 0
@@ -185,7 +193,9 @@ def main(argv=None) -> int:
     for cores in a.cores.split(";"):
         th = len(cores.split(","))
         print(f"[cores {cores}] ssd_jax ...", file=sys.stderr, flush=True)
-        j = run_worker(script, cores, ["jax", "--dtype", a.dtype, "--draft-quant", a.draft_quant, *common], th)
+        vocab = ["--draft-vocab", str(a.draft_vocab)] if a.draft_vocab else []
+        j = run_worker(script, cores, ["jax", "--dtype", a.dtype, "--draft-quant", a.draft_quant, *vocab,
+                                       *common], th)
         print(f"[cores {cores}] HF ...", file=sys.stderr, flush=True)
         h = run_worker(script, cores, ["torch", "--threads", str(th), "--hf-dtype", a.hf_dtype, *common], th)
         agree = [f"{_agree(x['token_ids'], y['token_ids'])}/{len(y['token_ids'])}"

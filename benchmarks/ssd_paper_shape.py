@@ -75,9 +75,10 @@ def worker(args) -> None:
     """One layout in this process; prints one JSON line."""
     if args.layout == "ssd-two-process":
         from ssd_jax.transport import start_two_process
-        remote = start_two_process(args.draft, dtype=args.dtype, quant=args.draft_quant, cores=(0, 1))
+        remote = start_two_process(args.draft, dtype=args.dtype, quant=args.draft_quant,
+                                   draft_vocab=args.draft_vocab, cores=(0, 1))
     from models.load import load_model
-    from models.quant import quantize_model
+    from models.draft_head import prepare_draft
     from ssd_jax.engine import Engine, SSDConfig
 
     target = load_model(args.target, args.dtype, pack=False if args.no_pack else None)
@@ -85,7 +86,8 @@ def worker(args) -> None:
     if args.layout == "ssd-two-process":
         eng = Engine(target, remote_draft=remote)
     else:
-        eng = Engine(target, quantize_model(load_model(args.draft, args.dtype), args.draft_quant),
+        eng = Engine(target, prepare_draft(load_model(args.draft, args.dtype), args.draft_quant,
+                                           args.draft_vocab),
                      placement="colocated")
     if args.fanout == "plan" and args.layout == "ssd-two-process":
         raise SystemExit("--fanout plan is resolved by the full script from its AR/SD run")
@@ -127,6 +129,8 @@ def main() -> None:
     p.add_argument("--backup", default="neural")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--draft-quant", default="none", choices=("none", "int8"))
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="cut the draft's head to token ids [0, N) (models/draft_head.py)")
     p.add_argument("--no-pack", action="store_true",
                    help="keep the target's bf16 weights row-major (models/packed.py): its verify is "
                         "then compute-bound and leaves the memory bus to the draft's core")

@@ -126,7 +126,11 @@ def _logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
         out = dense(cfg, x, params.embed, transpose_w=True, preferred_element_type=jnp.float32)
     else:
         out = dense(cfg, x, params.lm_head, preferred_element_type=jnp.float32)
-    return out.astype(jnp.float32)
+    out = out.astype(jnp.float32)
+    n = out.shape[-1]
+    if n < cfg.vocab_size:  # a head cut to ids [0, n) (models/draft_head.py): the rest never win
+        out = jnp.concatenate([out, jnp.full((*out.shape[:-1], cfg.vocab_size - n), -jnp.inf)], -1)
+    return out
 
 
 @functools.partial(jax.vmap, in_axes=(0, 0, 0))

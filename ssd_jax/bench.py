@@ -98,6 +98,8 @@ def add_arguments(b: argparse.ArgumentParser, fanout_type) -> None:
     b.add_argument("--dtype", default="float32", help="float32/fp32 or bfloat16/bf16")
     b.add_argument("--draft-quant", choices=("none", "int8"), default="none",
                    help="int8: the draft's matmul weights as int8 (models/quant.py)")
+    b.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="cut the draft's head to token ids [0, N) (models/draft_head.py)")
     b.add_argument("--layouts", type=_csv(LAYOUTS, "--layouts"), default=("colocated", "two-process"),
                    help="comma-separated subset of colocated,split,two-process "
                         "(default colocated,two-process)")
@@ -306,7 +308,8 @@ def run(args) -> int:
                        list(args.fanout) if args.fanout else None), saguaro_c=args.saguaro_c,
                backup=args.backup, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                seed=args.seed, modes=list(args.modes), warmup=args.warmup, max_len=args.max_len,
-               cores=list(cores), hf_dtype=args.hf_dtype, draft_quant=args.draft_quant)
+               cores=list(cores), hf_dtype=args.hf_dtype, draft_quant=args.draft_quant,
+               draft_vocab=args.draft_vocab)
     job_path = out / "job.json"
     job_path.write_text(json.dumps(job, indent=1))
     report = dict(
@@ -605,7 +608,7 @@ def worker_layout(layout: str, job: dict) -> dict:
     if layout == "two-process":
         from ssd_jax.transport import start_two_process  # before any other JAX use
         remote = start_two_process(job["draft"], dtype=job["dtype"], quant=job.get("draft_quant", "none"),
-                                   cores=tuple(cores),
+                                   draft_vocab=job.get("draft_vocab"), cores=tuple(cores),
                                    cache_dir=job["cache_dir"])
     import jax
     if layout == "split":  # two CPU devices (one per mesh); other platforms keep their devices
@@ -623,9 +626,9 @@ def worker_layout(layout: str, job: dict) -> dict:
     if remote is not None:
         engine = Engine(target, remote_draft=remote, max_len=job["max_len"])
     else:
-        from models.quant import quantize_model
-        draft = (quantize_model(load_model(job["draft"], job["dtype"], cache_dir=job["cache_dir"]),
-                                job.get("draft_quant", "none"))
+        from models.draft_head import prepare_draft
+        draft = (prepare_draft(load_model(job["draft"], job["dtype"], cache_dir=job["cache_dir"]),
+                               job.get("draft_quant", "none"), job.get("draft_vocab"))
                  if set(job["modes"]) - {"ar"} else None)
         engine = Engine(target, draft, placement="colocated" if layout == "colocated" else "split",
                         max_len=job["max_len"])

@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-quant", choices=("none", "int8"), default="none",
                    help="int8: the draft's matmul weights as int8 with per-column scales (half "
                         "bf16's bytes per draft step; output stays exact, acceptance may change)")
+    g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="cut the draft's head to token ids [0, N) (models/draft_head.py): fewer bytes per "
+                        "draft step; output stays exact, acceptance may change")
     g.add_argument("--k", type=int, default=4, help="lookahead K (draft tokens per round)")
     g.add_argument("--fanout", type=_fanout, default=None, help="F_0..F_K, e.g. 2,2,1,1,1")
     g.add_argument("--saguaro-c", type=float, default=1.0)
@@ -112,9 +115,9 @@ def _generate(args) -> int:
     target = load_model(args.target, args.dtype, cache_dir=args.cache_dir)
     draft = None
     if args.mode != "ar":
-        from models.quant import quantize_model
-        draft = quantize_model(load_model(args.draft, args.dtype, cache_dir=args.cache_dir),
-                               args.draft_quant)
+        from models.draft_head import prepare_draft
+        draft = prepare_draft(load_model(args.draft, args.dtype, cache_dir=args.cache_dir),
+                              args.draft_quant, args.draft_vocab)
     engine = Engine(target, draft, placement=args.placement, max_len=args.max_len)
     tok = target.tokenizer
     streamed: list[int] = []

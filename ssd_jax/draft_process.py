@@ -14,17 +14,18 @@ import numpy as np
 from ssd_jax.transport import DRAFT, Channel, _init
 
 
-def _load(spec: str, dtype: str, cache_dir: str | None, quant: str = "none"):
+def _load(spec: str, dtype: str, cache_dir: str | None, quant: str = "none",
+          draft_vocab: int | None = None):
+    from models.draft_head import prepare_draft
     from models.load import load_model
-    from models.quant import quantize_model
 
     path = Path(spec)
     # An HF folder without tokenizer files (how tests ship tiny random drafts) loads without one.
     with_tok = not (path.is_dir() and not (path / "tokenizer.json").exists())
     # No orbax cache here: orbax coordinates across all processes of the jax.distributed runtime,
     # and only this one is loading.
-    model = quantize_model(load_model(spec, dtype, cache_dir=cache_dir, use_cache=False,
-                                      with_tokenizer=with_tok), quant)
+    model = prepare_draft(load_model(spec, dtype, cache_dir=cache_dir, use_cache=False,
+                                     with_tokenizer=with_tok), quant, draft_vocab)
     if model.tokenizer is None:
         return model, model.cfg.vocab_size, None
     return model, model.tokenizer.vocab_size, model.tokenizer.fingerprint()
@@ -79,13 +80,14 @@ def main(argv=None) -> None:
     p.add_argument("--draft", required=True)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--quant", choices=("none", "int8"), default="none")
+    p.add_argument("--draft-vocab", type=int, default=None)
     p.add_argument("--cpu", type=int, default=None)
     p.add_argument("--cache-dir", default=None)
     a = p.parse_args(argv)
     _init(a.coordinator, DRAFT, a.cpu)
     channel = Channel()
     try:
-        model, vocab_size, fingerprint = _load(a.draft, a.dtype, a.cache_dir, a.quant)
+        model, vocab_size, fingerprint = _load(a.draft, a.dtype, a.cache_dir, a.quant, a.draft_vocab)
     except Exception as e:  # tell the target instead of leaving it waiting
         channel.send({"error": f"{type(e).__name__}: {e}"})
         return

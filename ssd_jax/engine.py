@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.draft_head import head_width
 from ssd_jax import fanout as fo
 from ssd_jax import steps
 from ssd_jax.batch import Batch, GenerationResult
@@ -88,6 +89,11 @@ class Engine:
         process, started by `start_two_process`) instead of a local draft. proposer: any
         `ssd_jax.proposer.Proposer` (SD only) instead of a draft model."""
         enable_compilation_cache(compilation_cache)
+        if head_width(target.params) < target.cfg.vocab_size:
+            raise ValueError(f"the target's head scores only {head_width(target.params)} of "
+                             f"{target.cfg.vocab_size} token ids (models.draft_head.truncate_head): "
+                             "the output would be exact to that cut model, not the target; cut "
+                             "the draft's head instead")
         if sum(x is not None for x in (draft, remote_draft, proposer)) > 1:
             raise ValueError("give one of draft, remote_draft or proposer")
         if remote_draft is not None:

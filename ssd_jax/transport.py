@@ -134,6 +134,7 @@ def _init(coordinator: str, process_id: int, cpu: int | None, timeout: int = 300
 
 
 def start_two_process(draft: str | None, *, dtype: str = "float32", quant: str = "none",
+                      draft_vocab: int | None = None,
                       cores: tuple[int, int] | None = (0, 1), cache_dir: str | None = None,
                       timeout: int = 300, draft_main: str | None = None,
                       coordinator: str | None = None) -> RemoteDraft:
@@ -141,7 +142,8 @@ def start_two_process(draft: str | None, *, dtype: str = "float32", quant: str =
 
     draft: a default model name, a .gguf file, an HF folder, or a directory written by
     `models.checkpoint.save` (how tests ship tiny random drafts). quant: "int8" quantizes the
-    draft's weights in its process (models/quant.py). cores: (target core, draft core)
+    draft's weights in its process (models/quant.py); draft_vocab: cut its head to token ids
+    [0, draft_vocab) there (models/draft_head.py). cores: (target core, draft core)
     to pin each process to, or None to leave placement to the OS. draft_main: a script to run
     instead of `-m ssd_jax.draft_process` (same arguments; e.g. an instrumented draft in tests).
 
@@ -167,6 +169,8 @@ def start_two_process(draft: str | None, *, dtype: str = "float32", quant: str =
     entry = [draft_main] if draft_main is not None else ["-m", "ssd_jax.draft_process"]
     cmd = [sys.executable, *entry, "--coordinator", coordinator,
            "--draft", str(draft), "--dtype", dtype, "--quant", quant]
+    if draft_vocab is not None:
+        cmd += ["--draft-vocab", str(int(draft_vocab))]
     if cores is not None:
         cmd += ["--cpu", str(cores[1])]
     if cache_dir is not None:

@@ -1,7 +1,7 @@
 """Target side of the two-process transport test (runs in its own process: jax.distributed).
 
 argv: draft HF folder, target HF folder, signal file (or "-"), optionally the draft's quantization
-("int8"). Prints one JSON line: tokens of SSD
+("int8") and the width of its cut head (models/draft_head.py). Prints one JSON line: tokens of SSD
 (two backups) and SD, hit counts, and — with a signal file — whether every verify saw the draft's
 tree run while it was executing (the overlap proof)."""
 import json
@@ -17,7 +17,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17]]
 draft_dir, target_dir, signal = sys.argv[1], sys.argv[2], sys.argv[3]
 quant = sys.argv[4] if len(sys.argv) > 4 else "none"
-remote = start_two_process(draft_dir, cores=(0, 1), quant=quant,
+draft_vocab = int(sys.argv[5]) if len(sys.argv) > 5 else None
+remote = start_two_process(draft_dir, cores=(0, 1), quant=quant, draft_vocab=draft_vocab,
                            draft_main=os.path.join(HERE, "_two_process_draft.py") if signal != "-" else None)
 
 import jax  # noqa: E402

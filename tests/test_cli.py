@@ -110,6 +110,11 @@ def test_generate_json_each_mode_agrees(pair, capsys):
     rc, out, err = run_cli(gen_args(pair, "--mode", "sd", "--draft-quant", "int8", "--json"), capsys)
     assert rc == 0, err
     assert json.loads(out)["token_ids"] == got["ar"]["token_ids"]
+    # so does a draft head cut to the first 40 of 97 ids (models/draft_head.py)
+    rc, out, err = run_cli(gen_args(pair, "--mode", "sd", "--draft-quant", "int8", "--draft-vocab", "40",
+                                    "--json"), capsys)
+    assert rc == 0, err
+    assert json.loads(out)["token_ids"] == got["ar"]["token_ids"]
     rc, out, err = run_cli(gen_args(pair, "--mode", "ar", "--dtype", "fp32", "--json"), capsys)
     assert rc == 0, err
     assert json.loads(out)["metrics"]["dtype"] == "float32"
@@ -212,6 +217,8 @@ def assert_one_line_error(rc, err, *needles):
     (["--dtype", "fp8"], "dtype"),
     (["--mode", "fast"], "--mode"),
     (["--draft-quant", "int4"], "--draft-quant"),
+    (["--draft-vocab", "0"], "draft head's vocabulary"),
+    (["--draft-vocab", "98"], "[1, 97]"),
     (["--bogus"], "--bogus"),
 ])
 def test_generate_bad_flags(pair, capsys, extra, needle):

@@ -15,6 +15,7 @@ import pytest
 import ssd_jax.steps
 import ssd_jax.tree
 from models.config import tiny_config
+from models.draft_head import truncate_model_head
 from models.kv_cache import init_cache
 from models.model import Model
 from models.params import perturb, random_params
@@ -133,3 +134,19 @@ def test_planted_q_not_q_prime_fails_sd(pair, q_not_q_prime):
 def test_planted_saguaro_q_verified_fails_ssd(pair, q_not_q_prime):
     res, _ = verdict(pair, "ssd", T10, ssd=SSDConfig(fanout=(2, 2, 1), saguaro_c=0.2))
     assert not res.passed, str(res)
+
+
+@pytest.mark.parametrize("mode,sampling,kw", [
+    ("sd", T10, {}),
+    ("ssd", T07, dict(ssd=SSDConfig(fanout=(2, 2, 1), saguaro_c=0.5))),
+], ids=["sd-t1.0", "ssd-t0.7-saguaro0.5"])
+def test_a_draft_head_cut_to_half_the_vocabulary_keeps_the_target_distribution(pair, mode, sampling, kw):
+    # models/draft_head.py: the draft proposes only ids 0 and 1; ids 2 and 3 must still come out
+    # at the target's rates, through the residual after a rejection.
+    target, draft = pair
+    toks, metrics = sample_windows((target, truncate_model_head(draft, V // 2)), mode, sampling, **kw)
+    res = distribution_test(window_counts(toks, V), exact(sampling))
+    assert res.passed, str(res)
+    assert np.mean(toks >= V // 2) > 0.1  # the cut ids are a real share of the output
+    hist = np.sum([m.accept_hist for m in metrics], axis=0)
+    assert np.all(hist > 0), f"every accept length 0..K must occur: {hist}"

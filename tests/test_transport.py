@@ -36,11 +36,12 @@ def pair(tmp_path_factory):
     return root, t, d
 
 
-def run_two_process(root, signal, quant="none"):
+def run_two_process(root, signal, quant="none", draft_vocab=None):
     env = dict(os.environ, JAX_PLATFORMS="cpu", SSD_JAX_TEST_SIGNAL=str(signal),
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "_two_process_target.py"),
-                           str(root / "draft"), str(root / "target"), str(signal), quant],
+                           str(root / "draft"), str(root / "target"), str(signal), quant,
+                           *([str(draft_vocab)] if draft_vocab else [])],
                           capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -70,14 +71,16 @@ def test_two_process_equals_in_process_and_overlaps(pair):
     assert len(got["saw_tree"]) >= 4 and all(got["saw_tree"]), got["saw_tree"]
 
 
-def test_two_process_int8_draft_equals_in_process(pair):
-    """`start_two_process(..., quant="int8")` quantizes in the draft's process exactly as
-    `models.quant.quantize_model` does in-process. An unquantized remote draft would give the same
-    tokens but not the same counts (this pair: random-backup hits 18 vs 17, SD accept histogram
-    [5, 5, 2, 10] vs [6, 5, 2, 10])."""
-    from models.quant import quantize_model
+@pytest.mark.parametrize("draft_vocab", [None, 40])
+def test_two_process_int8_draft_equals_in_process(pair, draft_vocab):
+    """`start_two_process(..., quant="int8", draft_vocab=n)` prepares the draft in its process
+    exactly as `models.draft_head.prepare_draft` does in-process. An unquantized remote draft
+    would give the same tokens but not the same counts (this pair: random-backup hits 18 vs 17, SD
+    accept histogram [5, 5, 2, 10] vs [6, 5, 2, 10]); an uncut one differs from a cut one too."""
+    from models.draft_head import prepare_draft
     root, t, d = pair
-    got = run_two_process(root, "-", quant="int8")
+    got = run_two_process(root, "-", quant="int8", draft_vocab=draft_vocab)
     assert_same_as_in_process(got, Engine(Model(CFG, params_from_hf(t, CFG)),
-                                          quantize_model(Model(CFG, params_from_hf(d, CFG))),
+                                          prepare_draft(Model(CFG, params_from_hf(d, CFG)), "int8",
+                                                        draft_vocab),
                                           compilation_cache=False))

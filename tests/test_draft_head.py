@@ -1,0 +1,111 @@
+"""A draft head cut to ids [0, n) (models/draft_head.py): the logits it keeps, -inf past them, every
+head form (float, tied, packed bf16, int8), exact SD and SSD with it, and errors that name the
+problem. Its distribution exactness at temperature > 0 is in tests/test_engine_exactness.py."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import cpu_matmul
+from models.config import tiny_config
+from models.draft_head import head_width, prepare_draft, truncate_head, truncate_model_head
+from models.kv_cache import init_cache
+from models.model import Model
+from models.packed import PackedWeight, pack_params
+from models.params import random_params
+from models.quant import Int8Weight, quantize_params
+from models.transformer import forward
+from ssd_jax.engine import Engine
+from ssd_jax.near_tie import assert_greedy_agreement
+
+V, N = 64, 24
+
+
+def _logits(params, cfg, seed=0):
+    toks = jax.random.randint(jax.random.key(seed), (2, 5), 0, cfg.vocab_size)
+    return np.asarray(forward(params, cfg, toks, init_cache(cfg, 2, 16))[0])
+
+
+@pytest.mark.parametrize("arch,tied", [("qwen2", False), ("llama", True), ("qwen3", True)])
+def test_cut_head_keeps_the_first_n_logits_and_scores_the_rest_minus_inf(arch, tied):
+    cfg = tiny_config(arch, vocab_size=V, tie_embeddings=tied)
+    params = random_params(cfg, 1)
+    cut = truncate_head(params, N)
+    assert head_width(params) == V and head_width(cut) == N
+    assert cut.lm_head.shape == (cfg.hidden_size, N)
+    np.testing.assert_array_equal(np.asarray(cut.embed), np.asarray(params.embed))  # lookups stay whole
+    full, got = _logits(params, cfg), _logits(cut, cfg)
+    assert got.shape == full.shape
+    np.testing.assert_allclose(got[..., :N], full[..., :N], rtol=1e-5, atol=1e-5)
+    assert np.all(got[..., N:] == -np.inf)
+    assert truncate_head(params, V).lm_head.shape == (cfg.hidden_size, V)
+
+
+def test_cutting_an_int8_head_equals_quantizing_a_cut_head():
+    # per-column scales: the kept columns quantize the same either way, bit for bit
+    cfg = tiny_config("qwen2", vocab_size=V)
+    params = random_params(cfg, 2)
+    a = truncate_head(quantize_params(params), N)
+    b = quantize_params(truncate_head(params, N))
+    assert isinstance(a.lm_head, Int8Weight) and head_width(a) == N
+    np.testing.assert_array_equal(np.asarray(a.lm_head.q), np.asarray(b.lm_head.q))
+    np.testing.assert_array_equal(np.asarray(a.lm_head.scale), np.asarray(b.lm_head.scale))
+    np.testing.assert_array_equal(_logits(a, cfg), _logits(b, cfg))
+
+
+@pytest.mark.skipif(not cpu_matmul.bf16_strips(), reason="packs only where the AVX512_BF16 kernel runs")
+def test_cutting_a_packed_head_equals_packing_a_cut_head():
+    cfg = tiny_config("qwen2", vocab_size=256, dtype="bfloat16")
+    params = random_params(cfg, 3)
+    a = truncate_head(pack_params(params), 96)
+    b = pack_params(truncate_head(params, 96))
+    assert isinstance(a.lm_head, PackedWeight) and head_width(a) == 96
+    np.testing.assert_array_equal(np.asarray(a.lm_head.w), np.asarray(b.lm_head.w))
+    np.testing.assert_array_equal(_logits(a, cfg), _logits(b, cfg))
+
+
+def test_bad_cuts_name_the_problem():
+    cfg = tiny_config("qwen2", vocab_size=V)
+    model = Model(cfg, random_params(cfg, 0), name="tiny")
+    for bad in (0, V + 1, -3, True, 2.5):
+        with pytest.raises(ValueError, match=r"must be an int in \[1, 64\]"):
+            truncate_head(model.params, bad)
+    with pytest.raises(ValueError, match="cannot be widened"):
+        truncate_head(truncate_head(model.params, N), N + 1)
+    with pytest.raises(TypeError, match="Params"):
+        truncate_head({"lm_head": None}, N)
+    cut = truncate_model_head(model, N)
+    assert cut.name == f"tiny+head{N}" and truncate_model_head(cut, N) is cut
+    assert truncate_model_head(model, V) is model
+    with pytest.raises(ValueError, match="target's head scores only 24 of 64"):
+        Engine(cut, model, compilation_cache=False)
+
+
+def test_greedy_sd_and_ssd_with_a_cut_int8_draft_equal_plain_decoding():
+    # draft = the target with its head cut to 24 of 64 ids: whenever the target's next token is
+    # >= 24 the draft cannot propose it, so it is rejected and the token comes from the residual.
+    cfg = tiny_config("qwen2", vocab_size=V)
+    target = Model(cfg, random_params(cfg, 0, scale=1.0), name="tiny")
+    draft = prepare_draft(target, "int8", N)
+    assert draft.name == f"tiny+head{N}+int8" and head_width(draft.params) == N
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [20, 21]]
+    want = Engine(target, None, compilation_cache=False).generate(prompts, mode="ar",
+                                                                   max_new_tokens=24).token_ids
+    assert any(t >= N for w in want for t in w), "the test needs target tokens the draft cannot propose"
+    eng = Engine(target, draft, compilation_cache=False)
+    for mode in ("sd", "ssd"):
+        out = eng.generate(prompts, mode=mode, max_new_tokens=24, k=3)
+        for p, g, w in zip(prompts, out.token_ids, want):
+            assert_greedy_agreement(target.params, cfg, p, g, w)
+        hist = out.metrics.accept_hist
+        assert hist[0] > 0 and hist[-1] > 0, (mode, hist)  # rejections (cut ids) and full accepts
+
+
+def test_proposal_rows_of_a_cut_draft_are_zero_past_the_cut():
+    from ssd_jax.sampling import SamplingParams, probs_from_logits
+
+    cfg = tiny_config("qwen2", vocab_size=V)
+    cut = truncate_head(random_params(cfg, 4), N)
+    rows = probs_from_logits(jnp.asarray(_logits(cut, cfg)), SamplingParams(temperature=1.0), V)
+    assert np.all(np.asarray(rows)[..., N:] == 0.0)
+    np.testing.assert_allclose(np.asarray(rows).sum(-1), 1.0, rtol=1e-5)
