@@ -77,8 +77,7 @@ def worker(args) -> None:
         from ssd_jax.transport import start_two_process
         remote = start_two_process(args.draft, dtype=args.dtype, quant=args.draft_quant,
                                    draft_vocab=args.draft_vocab, cores=(0, 1))
-    from models.load import load_model
-    from models.draft_head import prepare_draft
+    from models.load import load_draft, load_model
     from ssd_jax.engine import Engine, SSDConfig
 
     target = load_model(args.target, args.dtype, pack=False if args.no_pack else None)
@@ -86,8 +85,7 @@ def worker(args) -> None:
     if args.layout == "ssd-two-process":
         eng = Engine(target, remote_draft=remote)
     else:
-        eng = Engine(target, prepare_draft(load_model(args.draft, args.dtype), args.draft_quant,
-                                           args.draft_vocab),
+        eng = Engine(target, load_draft(args.draft, args.dtype, args.draft_quant, args.draft_vocab),
                      placement="colocated")
     if args.fanout == "plan" and args.layout == "ssd-two-process":
         raise SystemExit("--fanout plan is resolved by the full script from its AR/SD run")

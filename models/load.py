@@ -8,6 +8,7 @@ from pathlib import Path
 
 from models import checkpoint, registry
 from models.config import ModelConfig, canonical_dtype
+from models.draft_head import prepare_draft
 from models.model import Model
 from models.packed import pack_params
 from models.params import params_from_hf, untie_lm_head
@@ -67,3 +68,13 @@ def load_model(name_or_path: str | Path, dtype: str = "float32", *, use_cache: b
         params = pack_params(params)
     tok = _tokenizer(path) if with_tokenizer else None
     return Model(cfg=cfg, params=params, tokenizer=tok, name=str(name_or_path))
+
+
+def load_draft(name_or_path: str | Path, dtype: str = "float32", quant: str = "none",
+               head_vocab: int | None = None, **kw) -> Model:
+    """A draft as a run asks for it: `load_model(name_or_path, dtype, **kw)`, its head cut to
+    `head_vocab` ids, its weights quantized (`models.draft_head.prepare_draft`). A draft bound for
+    int8 is not packed first: quantizing would only unpack it again."""
+    if quant != "none":
+        kw.setdefault("pack", False)
+    return prepare_draft(load_model(name_or_path, dtype, **kw), quant, head_vocab)

@@ -615,7 +615,7 @@ def worker_layout(layout: str, job: dict) -> dict:
         jax.config.update("jax_num_cpu_devices", 2)
     import numpy as np
 
-    from models.load import load_model
+    from models.load import load_draft, load_model
     from ssd_jax.engine import Engine, SSDConfig
     from ssd_jax.sampling import SamplingParams
 
@@ -626,9 +626,8 @@ def worker_layout(layout: str, job: dict) -> dict:
     if remote is not None:
         engine = Engine(target, remote_draft=remote, max_len=job["max_len"])
     else:
-        from models.draft_head import prepare_draft
-        draft = (prepare_draft(load_model(job["draft"], job["dtype"], cache_dir=job["cache_dir"]),
-                               job.get("draft_quant", "none"), job.get("draft_vocab"))
+        draft = (load_draft(job["draft"], job["dtype"], job.get("draft_quant", "none"),
+                            job.get("draft_vocab"), cache_dir=job["cache_dir"])
                  if set(job["modes"]) - {"ar"} else None)
         engine = Engine(target, draft, placement="colocated" if layout == "colocated" else "split",
                         max_len=job["max_len"])
@@ -750,32 +749,39 @@ def worker_hf(job: dict, threads: int = 1) -> dict:
         return time.perf_counter() - t0
 
     torch.manual_seed(job["seed"])
-    modes = {}
+    per = {mode: [] for mode, _ in runs}
     with torch.inference_mode():
-        for mode, k in runs:
-            assisted = k is not None
-            if assisted:
-                draft.generation_config.num_assistant_tokens = k
-            if job["warmup"]:
-                gen(torch.tensor([ids[0]]), min(8, job["max_new_tokens"]), assisted)
+        if job["warmup"]:
+            for mode, k in runs:
+                if k is not None:
+                    draft.generation_config.num_assistant_tokens = k
+                gen(torch.tensor([ids[0]]), min(8, job["max_new_tokens"]), k is not None)
                 _event(f"hf {mode} warm-up")
-            per, tok_sum, time_sum = [], 0, 0.0
-            for p, x in zip(job["prompts"], ids):
-                x = torch.tensor([x])
+        # Prompt by prompt, every mode in turn: a shared machine's speed drifts over minutes, and
+        # modes run back to back see the same machine.
+        for p, x in zip(job["prompts"], ids):
+            x = torch.tensor([x])
+            for mode, k in runs:
+                assisted = k is not None
+                if assisted:
+                    draft.generation_config.num_assistant_tokens = k
                 pre = prefill_s(target, x) + (prefill_s(draft, x) if assisted else 0.0)
                 t0 = time.perf_counter()
                 y = gen(x, job["max_new_tokens"], assisted)
                 total = time.perf_counter() - t0
                 new = int(y.shape[1] - x.shape[1])
                 steady = max(total - pre, 1e-9)
-                tok_sum += new - 1
-                time_sum += steady
-                per.append(dict(id=p["id"], prompt_tokens=int(x.shape[1]), new_tokens=new,
-                                total_s=total, prefill_s=pre, tokens_per_s=(new - 1) / steady,
-                                token_ids=[int(v) for v in y[0, x.shape[1]:]]))
+                per[mode].append(dict(id=p["id"], prompt_tokens=int(x.shape[1]), new_tokens=new,
+                                      total_s=total, prefill_s=pre, steady_s=steady,
+                                      tokens_per_s=(new - 1) / steady,
+                                      token_ids=[int(v) for v in y[0, x.shape[1]:]]))
                 _event(f"hf {mode} {p['id']}")
-            modes[mode] = dict(tokens_per_s=tok_sum / time_sum if time_sum > 0 else None,
-                               timed_tokens=tok_sum, decode_s=time_sum, prompts=per)
+    modes = {}
+    for mode, rows in per.items():
+        tok_sum = sum(r["new_tokens"] - 1 for r in rows)
+        time_sum = sum(r["steady_s"] for r in rows)
+        modes[mode] = dict(tokens_per_s=tok_sum / time_sum if time_sum > 0 else None,
+                           timed_tokens=tok_sum, decode_s=time_sum, prompts=rows)
     return dict(layout="hf", dtype=job["hf_dtype"], torch_threads=torch.get_num_threads(), modes=modes)
 
 

@@ -94,7 +94,7 @@ def _fetch(args) -> int:
 
 
 def _generate(args) -> int:
-    from models.load import load_model
+    from models.load import load_draft, load_model
     from ssd_jax.engine import Engine, SSDConfig
     from ssd_jax.sampling import SamplingParams
 
@@ -115,9 +115,8 @@ def _generate(args) -> int:
     target = load_model(args.target, args.dtype, cache_dir=args.cache_dir)
     draft = None
     if args.mode != "ar":
-        from models.draft_head import prepare_draft
-        draft = prepare_draft(load_model(args.draft, args.dtype, cache_dir=args.cache_dir),
-                              args.draft_quant, args.draft_vocab)
+        draft = load_draft(args.draft, args.dtype, args.draft_quant, args.draft_vocab,
+                           cache_dir=args.cache_dir)
     engine = Engine(target, draft, placement=args.placement, max_len=args.max_len)
     tok = target.tokenizer
     streamed: list[int] = []

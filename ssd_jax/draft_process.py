@@ -16,16 +16,15 @@ from ssd_jax.transport import DRAFT, Channel, _init
 
 def _load(spec: str, dtype: str, cache_dir: str | None, quant: str = "none",
           draft_vocab: int | None = None):
-    from models.draft_head import prepare_draft
-    from models.load import load_model
+    from models.load import load_draft
 
     path = Path(spec)
     # An HF folder without tokenizer files (how tests ship tiny random drafts) loads without one.
     with_tok = not (path.is_dir() and not (path / "tokenizer.json").exists())
     # No orbax cache here: orbax coordinates across all processes of the jax.distributed runtime,
     # and only this one is loading.
-    model = prepare_draft(load_model(spec, dtype, cache_dir=cache_dir, use_cache=False,
-                                     with_tokenizer=with_tok), quant, draft_vocab)
+    model = load_draft(spec, dtype, quant, draft_vocab, cache_dir=cache_dir, use_cache=False,
+                       with_tokenizer=with_tok)
     if model.tokenizer is None:
         return model, model.cfg.vocab_size, None
     return model, model.tokenizer.vocab_size, model.tokenizer.fingerprint()

@@ -109,3 +109,24 @@ def test_proposal_rows_of_a_cut_draft_are_zero_past_the_cut():
     rows = probs_from_logits(jnp.asarray(_logits(cut, cfg)), SamplingParams(temperature=1.0), V)
     assert np.all(np.asarray(rows)[..., N:] == 0.0)
     np.testing.assert_allclose(np.asarray(rows).sum(-1), 1.0, rtol=1e-5)
+
+
+def test_load_draft_cuts_then_quantizes_and_skips_packing_an_int8_draft(tmp_path):
+    import json
+
+    from safetensors.numpy import save_file
+
+    from models.load import load_draft
+    from models.packed import is_packed
+    from models.params import random_hf_tensors
+
+    cfg = tiny_config("qwen2", vocab_size=256)
+    save_file(random_hf_tensors(cfg, 0), str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
+    kw = dict(use_cache=False, with_tokenizer=False)
+    d = load_draft(tmp_path, "bfloat16", "int8", 96, **kw)
+    assert isinstance(d.params.lm_head, Int8Weight) and head_width(d.params) == 96
+    assert not is_packed(d.params) and d.name.endswith("+head96+int8")
+    plain = load_draft(tmp_path, "bfloat16", **kw)
+    assert head_width(plain.params) == 256
+    assert is_packed(plain.params) == cpu_matmul.bf16_strips()  # load_model's default
