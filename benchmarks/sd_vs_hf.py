@@ -16,6 +16,10 @@ count the same tokens over the same phase. HF assisted generation is configured 
 `num_assistant_tokens=K`, schedule "constant", `assistant_confidence_threshold=0`. With several
 K (`--k 4,6`) both frameworks run at each (AR once) and the headline ratio compares each at its own
 fastest K: our draft step costs ~0.18 of a target step and HF's ~0.37, so one shared K favours one.
+Each framework runs its modes prompt by prompt (AR, then SD / assisted at each K, then the next
+prompt), after one warm-up of each: this VM's bandwidth drifts over minutes (the 2-core decode
+step has moved between ~70 and ~100 ms within a run), and modes run minutes apart saw different
+machines (one run measured our AR at 14.5 tok/s and, minutes later, SD at 22).
 The JSON of the run (machine, versions, command, per-prompt figures) goes to benchmarks/results/.
 """
 from __future__ import annotations
@@ -45,41 +49,46 @@ def _prompt_ids(n: int | None) -> tuple[list[dict], list[list[int]], tuple[int, 
 
 def worker_jax(n, max_new, ks, dtype: str = "float32", draft_quant: str = "none",
                draft_vocab: int | None = None) -> dict:
-    from models.draft_head import prepare_draft
-    from models.load import load_model
+    from models.load import load_draft, load_model
     from ssd_jax.engine import Engine
     from ssd_jax.sampling import SamplingParams
 
     prompts, ids, _ = _prompt_ids(n)
     engine = Engine(load_model(TARGET, dtype),
-                    prepare_draft(load_model(DRAFT, dtype), draft_quant, draft_vocab),
+                    load_draft(DRAFT, dtype, draft_quant, draft_vocab),
                     placement="colocated")
     sp = SamplingParams(temperature=0.0)
     out = dict(kind="jax", dtype=dtype, draft_quant=draft_quant, draft_vocab=draft_vocab, sd_by_k={})
-    for mode, k in [("ar", ks[0])] + [("sd", k) for k in ks]:
+    runs = [("ar", ks[0])] + [("sd", k) for k in ks]
+    for mode, k in runs:
         engine.generate([ids[0]], mode=mode, max_new_tokens=min(8, max_new), k=k, sampling=sp)  # warm-up
-        per, tok_sum, time_sum, hist = [], 0, 0.0, [0] * (k + 1)
-        for p, x in zip(prompts, ids):
+    per = {run: [] for run in runs}
+    hist = {run: [0] * (run[1] + 1) for run in runs}
+    # Prompt by prompt, every mode in turn: the shared VM's bandwidth drifts over minutes, and
+    # modes run back to back see the same machine.
+    for p, x in zip(prompts, ids):
+        for mode, k in runs:
             r = engine.generate([x], mode=mode, max_new_tokens=max_new, k=k, sampling=sp)
             m = r.metrics
-            tok_sum += m.timed_tokens
-            time_sum += m.decode_s
             if mode == "sd":
-                hist = [a + b for a, b in zip(hist, m.accept_hist)]
-            per.append(dict(id=p["id"], prompt_tokens=len(x), new_tokens=m.new_tokens,
-                            tokens_per_s=m.tokens_per_s, timed_tokens=m.timed_tokens,
-                            decode_s=m.decode_s, compile_s=m.compile_s, prefill_s=m.prefill_s,
-                            tokens_per_round=m.tokens_per_round if mode == "sd" else None,
-                            acceptance_rate=m.acceptance_rate if mode == "sd" else None,
-                            token_ids=[int(t) for t in r.token_ids[0]]))
+                hist[mode, k] = [a + b for a, b in zip(hist[mode, k], m.accept_hist)]
+            per[mode, k].append(dict(id=p["id"], prompt_tokens=len(x), new_tokens=m.new_tokens,
+                                     tokens_per_s=m.tokens_per_s, timed_tokens=m.timed_tokens,
+                                     decode_s=m.decode_s, compile_s=m.compile_s,
+                                     prefill_s=m.prefill_s,
+                                     tokens_per_round=m.tokens_per_round if mode == "sd" else None,
+                                     acceptance_rate=m.acceptance_rate if mode == "sd" else None,
+                                     token_ids=[int(t) for t in r.token_ids[0]]))
+    for (mode, k), rows in per.items():
+        tok_sum, time_sum = sum(r["timed_tokens"] for r in rows), sum(r["decode_s"] for r in rows)
         agg = dict(tokens_per_s=tok_sum / time_sum if time_sum else float("nan"),
-                   timed_tokens=tok_sum, decode_s=time_sum, prompts=per)
+                   timed_tokens=tok_sum, decode_s=time_sum, prompts=rows)
         if mode == "sd":
-            total = sum(hist)
-            agg.update(accept_hist=hist,
-                       tokens_per_round=sum((j + 1) * c for j, c in enumerate(hist)) / total,
-                       acceptance_rate=sum(j * c for j, c in enumerate(hist)) / (total * k))
-        if mode == "sd":
+            h = hist[mode, k]
+            total = sum(h)
+            agg.update(accept_hist=h,
+                       tokens_per_round=sum((j + 1) * c for j, c in enumerate(h)) / total,
+                       acceptance_rate=sum(j * c for j, c in enumerate(h)) / (total * k))
             out["sd_by_k"][str(k)] = agg
             out.setdefault("sd", agg)  # the first K
         else:
