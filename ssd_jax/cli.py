@@ -67,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="int8: the draft's matmul weights as int8 with per-column scales (half "
                         "bf16's bytes per draft step; output stays exact, acceptance may change)")
     g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                   help="cut the draft's head to token ids [0, N) (models/draft_head.py): fewer bytes per "
-                        "draft step; output stays exact, acceptance may change")
+                   help="cut the draft's head to token ids [0, N) (models/draft_head.py): fewer "
+                        "bytes per draft step; output stays exact, acceptance may change")
     g.add_argument("--k", type=int, default=4, help="lookahead K (draft tokens per round)")
     g.add_argument("--fanout", type=_fanout, default=None, help="F_0..F_K, e.g. 2,2,1,1,1")
     g.add_argument("--saguaro-c", type=float, default=1.0)
