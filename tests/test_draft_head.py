@@ -16,7 +16,8 @@ from models.params import random_params
 from models.quant import Int8Weight, quantize_params
 from models.transformer import forward
 from ssd_jax.engine import Engine
-from ssd_jax.near_tie import assert_greedy_agreement
+
+from _greedy_modes import assert_sd_and_ssd_match_ar
 
 V, N = 64, 24
 
@@ -88,16 +89,9 @@ def test_greedy_sd_and_ssd_with_a_cut_int8_draft_equal_plain_decoding():
     target = Model(cfg, random_params(cfg, 0, scale=1.0), name="tiny")
     draft = prepare_draft(target, "int8", N)
     assert draft.name == f"tiny+head{N}+int8" and head_width(draft.params) == N
-    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [20, 21]]
-    want = Engine(target, None, compilation_cache=False).generate(prompts, mode="ar",
-                                                                   max_new_tokens=24).token_ids
+    hists, want = assert_sd_and_ssd_match_ar(target, draft, [[1, 2, 3, 4, 5], [7, 8, 9], [20, 21]], 24)
     assert any(t >= N for w in want for t in w), "the test needs target tokens the draft cannot propose"
-    eng = Engine(target, draft, compilation_cache=False)
-    for mode in ("sd", "ssd"):
-        out = eng.generate(prompts, mode=mode, max_new_tokens=24, k=3)
-        for p, g, w in zip(prompts, out.token_ids, want):
-            assert_greedy_agreement(target.params, cfg, p, g, w)
-        hist = out.metrics.accept_hist
+    for mode, hist in hists.items():
         assert hist[0] > 0 and hist[-1] > 0, (mode, hist)  # rejections (cut ids) and full accepts
 
 

@@ -13,8 +13,8 @@ from models.model import Model
 from models.params import decode_bytes, random_params
 from models.quant import Int8Weight, is_quantized, quantize_int8, quantize_model, quantize_params
 from models.transformer import forward
-from ssd_jax.engine import Engine
-from ssd_jax.near_tie import assert_greedy_agreement
+
+from _greedy_modes import assert_sd_and_ssd_match_ar
 
 
 def _rand(shape, seed):
@@ -205,14 +205,7 @@ def test_greedy_sd_and_ssd_with_an_int8_draft_equal_plain_decoding():
     draft = quantize_model(target)
     assert draft.name == "tiny+int8" and quantize_model(draft) is draft
     assert quantize_model(target, "none") is target
-    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [20, 21]]
-    want = Engine(target, None, compilation_cache=False).generate(prompts, mode="ar",
-                                                                   max_new_tokens=20).token_ids
-    eng = Engine(target, draft, compilation_cache=False)
-    for mode in ("sd", "ssd"):
-        out = eng.generate(prompts, mode=mode, max_new_tokens=20, k=3)
-        for p, g, w in zip(prompts, out.token_ids, want):
-            assert_greedy_agreement(target.params, cfg, p, g, w)
-        hist = out.metrics.accept_hist
+    hists, _ = assert_sd_and_ssd_match_ar(target, draft, [[1, 2, 3, 4, 5], [7, 8, 9], [20, 21]], 20)
+    for mode, hist in hists.items():
         # the int8 copy agrees with its target most of the time: most rounds accept everything
         assert hist[-1] > sum(hist) / 2, (mode, hist)
