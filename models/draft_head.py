@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from models import cpu_matmul
 from models.packed import PackedWeight, pack_weight
 from models.params import Params
-from models.quant import Int8Weight
+from models.quant import Int8Weight, quantize_model
 
 
 def head_width(params: Params) -> int:
@@ -75,8 +75,6 @@ def truncate_model_head(model, n: int):
 def prepare_draft(model, quant: str = "none", head_vocab: int | None = None):
     """The draft as a run asks for it: head cut to `head_vocab` ids (None: whole), then weights
     quantized (`models.quant.quantize_model`; cutting first quantizes only the kept columns)."""
-    from models.quant import quantize_model
-
     if head_vocab is not None:
         model = truncate_model_head(model, head_vocab)
     return quantize_model(model, quant)
