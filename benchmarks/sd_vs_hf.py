@@ -131,7 +131,8 @@ def render(rep: dict) -> str:
         jk = j.get("sd_by_k") or {str(rep["k"]): j["sd"]}
         hk = h.get("assisted_by_k") or {str(rep["k"]): h["assisted"]}
         j_ar, h_ar = j["ar"]["tokens_per_s"], h["ar"]["tokens_per_s"]
-        draft = " + int8 draft" if j.get("draft_quant", "none") == "int8" else ""
+        quant = j.get("draft_quant", "none")
+        draft = f" + {quant} draft" if quant != "none" else ""
         if j.get("draft_vocab"):
             draft += f" (head cut to {j['draft_vocab']} ids)"
         out += [f"Cores {row['cores']}: {rep['prompts']} prompts, max {rep['max_new_tokens']} new "
@@ -167,8 +168,9 @@ def main(argv=None) -> int:
     ap.add_argument("--hf-dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                     help="ssd_jax's dtype (bfloat16 is its fastest on a CPU with the kernel)")
-    ap.add_argument("--draft-quant", default="none", choices=("none", "int8"),
-                    help="ssd_jax's draft weights as int8 (models/quant.py); HF's draft stays in --hf-dtype")
+    ap.add_argument("--draft-quant", default="none", choices=("none", "int8", "int4"),
+                    help="ssd_jax's draft weights as int8, or its layers as int4 (models/quant.py); "
+                         "HF's draft stays in --hf-dtype")
     ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                     help="cut ssd_jax's draft head to token ids [0, N) (models/draft_head.py); HF's "
                          "draft keeps its whole head")

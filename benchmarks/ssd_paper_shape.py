@@ -126,7 +126,7 @@ def main() -> None:
                         "(default: ssd_jax.policy.plan from the 1-core AR/SD run's measurements)")
     p.add_argument("--backup", default="neural")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    p.add_argument("--draft-quant", default="none", choices=("none", "int8"))
+    p.add_argument("--draft-quant", default="none", choices=("none", "int8", "int4"))
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="cut the draft's head to token ids [0, N) (models/draft_head.py)")
     p.add_argument("--no-pack", action="store_true",

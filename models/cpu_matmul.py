@@ -52,6 +52,7 @@ import jax.numpy as jnp
 MAX_ROWS = 16  # fp32: past this XLA's GEMM is as fast (measured: equal at 32 rows on 1536 x 17920)
 _TARGET = "ssd_jax_small_m_matmul"
 _TARGET_INT8 = "ssd_jax_small_m_matmul_int8"
+_TARGET_INT4 = "ssd_jax_small_m_matmul_int4"  # called by models/int4.py
 _SOURCE = Path(__file__).with_name("cpu_kernels") / "small_m_matmul.cc"  # includes the .h beside it
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-w")
 
@@ -102,7 +103,7 @@ def _build(cxx: str, out_dir: Path) -> Path:
     return lib
 
 
-_FEATURES = {"int8_tiles": False, "bf16_strips": False}  # what the built kernel supports, set by _load
+_FEATURES = {"int8_tiles": False, "bf16_strips": False, "int4": False}  # what the built kernel supports, set by _load
 
 
 @functools.cache
@@ -122,7 +123,10 @@ def _load() -> str | None:
         jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.SsdJaxSmallMMatmul), platform="cpu")
         jax.ffi.register_ffi_target(_TARGET_INT8, jax.ffi.pycapsule(lib.SsdJaxSmallMMatmulInt8),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(_TARGET_INT4, jax.ffi.pycapsule(lib.SsdJaxSmallMMatmulInt4),
+                                    platform="cpu")
         _FEATURES["int8_tiles"] = bool(lib.SsdJaxInt8Tiles())
+        _FEATURES["int4"] = bool(lib.SsdJaxInt4())
         _FEATURES["bf16_strips"] = bool(lib.SsdJaxBf16Strips())
     except (OSError, RuntimeError, AttributeError) as e:
         warnings.warn(f"ssd_jax: the small-M CPU matmul kernel did not build ({e}); using XLA",

@@ -1,4 +1,4 @@
-"""Int8 weights for a draft model: symmetric, one fp32 scale per output column.
+"""Int8 (and int4) weights for a draft model: int8 symmetric, one fp32 scale per output column.
 
 Why: on a CPU a decode step reads every weight once, so its time is its bytes. A 0.5B draft in bf16
 streams ~1 GB per step, about a third of the 1.5B target's; in int8 it streams half that, and SD's
@@ -28,11 +28,13 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from models import cpu_matmul
+from models import cpu_matmul, int4
+from models.int4 import Int4Weight
 from models.packed import unpack_params
 from models.params import Params
 
-QUANT_MODES = ("none", "int8")
+QUANT_MODES = ("none", "int8", "int4")
+_DENSE = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
 @struct.dataclass
@@ -59,8 +61,8 @@ def quantize_int8(w: jax.Array, tiled: bool = False) -> Int8Weight:
 
 
 def _check_weight(name: str, w) -> jax.Array:
-    if isinstance(w, Int8Weight):
-        raise ValueError(f"{name} is already int8: quantize the original params")
+    if isinstance(w, (Int8Weight, Int4Weight)):
+        raise ValueError(f"{name} is already quantized: quantize the original params")
     w = jnp.asarray(w)
     if w.ndim != 2 or not jnp.issubdtype(w.dtype, jnp.floating):
         raise ValueError(f"{name} must be a 2-D float weight, got {w.dtype}{list(w.shape)}")
@@ -69,23 +71,29 @@ def _check_weight(name: str, w) -> jax.Array:
     return w
 
 
-def _quantize(name: str, w, tile: bool) -> Int8Weight:
+def _quantize(name: str, w, tile: bool, bits: int = 8) -> Int8Weight | Int4Weight:
     w = _check_weight(name, w)
+    if bits == 4 and int4.quantizable(*w.shape):
+        return int4.quantize_int4(w)
     return quantize_int8(w, tiled=tile and cpu_matmul.tileable(*w.shape))
 
 
-def quantize_params(params: Params, tile: bool | None = None) -> Params:
-    """Params with every dense weight (and the head) as Int8Weight; see the module docstring.
-    `tile`: lay out the narrow ones with `cpu_matmul.tile_int8` (default: where `int8_tiles()`,
-    i.e. this machine's CPU kernel reads them; the values, and every result, stay the same)."""
+def quantize_params(params: Params, tile: bool | None = None, mode: str = "int8") -> Params:
+    """Params with every dense weight as Int8Weight ("int8") or Int4Weight ("int4"), and the head
+    as Int8Weight; see the module docstring. `tile`: lay out the narrow int8 ones with
+    `cpu_matmul.tile_int8` (default: where `int8_tiles()`, i.e. this machine's CPU kernel reads
+    them; the values, and every result, stay the same)."""
     if not isinstance(params, Params):
         raise TypeError(f"quantize_params takes models.params.Params, got {type(params).__name__}")
+    if mode not in QUANT_MODES[1:]:
+        raise ValueError(f"unknown quantization {mode!r}: choose one of {QUANT_MODES[1:]}")
+    bits = 4 if mode == "int4" else 8
     tile = cpu_matmul.int8_tiles() if tile is None else bool(tile)
     params = unpack_params(params)
     layers = []
     for i, lp in enumerate(params.layers):
-        layers.append(lp.replace(**{n: _quantize(f"layers[{i}].{n}", getattr(lp, n), tile)
-                                    for n in ("wqkv", "wo", "w_gate_up", "w_down")}))
+        layers.append(lp.replace(**{n: _quantize(f"layers[{i}].{n}", getattr(lp, n), tile, bits)
+                                    for n in _DENSE}))
     head = params.lm_head if params.lm_head is not None else jnp.asarray(params.embed).T
     return params.replace(layers=tuple(layers), lm_head=_quantize("lm_head", head, tile))
 
@@ -95,15 +103,16 @@ def is_quantized(params: Params) -> bool:
 
 
 def quantize_model(model, mode: str = "int8"):
-    """A models.model.Model with its params quantized (`mode` "int8"), or the model itself for
-    "none"; the tokenizer, config and name carry over (the name gains "+int8")."""
+    """A models.model.Model with its params quantized (`mode` "int8" or "int4"), or the model
+    itself for "none" or when it is quantized already; the tokenizer, config and name carry over
+    (the name gains "+int8" / "+int4")."""
     if mode not in QUANT_MODES:
         raise ValueError(f"unknown quantization {mode!r}: choose one of {QUANT_MODES}")
     if mode == "none" or is_quantized(model.params):
         return model
-    return dataclasses.replace(model, params=quantize_params(model.params),
-                               name=f"{model.name}+int8" if model.name else "int8")
+    return dataclasses.replace(model, params=quantize_params(model.params, mode=mode),
+                               name=f"{model.name}+{mode}" if model.name else mode)
 
 
-__all__ = ["Int8Weight", "QUANT_MODES", "is_quantized", "quantize_int8",
+__all__ = ["Int4Weight", "Int8Weight", "QUANT_MODES", "is_quantized", "quantize_int8",
            "quantize_model", "quantize_params"]

@@ -24,6 +24,7 @@ from models.config import ModelConfig
 from models.kv_cache import KVCache
 from models.params import LayerParams, Params
 from models.packed import PackedWeight
+from models.int4 import Int4Weight, matmul_int4
 from models.quant import Int8Weight
 
 _NEG_INF = -1e30
@@ -47,13 +48,16 @@ def apply_rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Arra
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def dense(cfg: ModelConfig, x: jax.Array, w: jax.Array | Int8Weight | PackedWeight,
+def dense(cfg: ModelConfig, x: jax.Array, w: jax.Array | Int8Weight | Int4Weight | PackedWeight,
           transpose_w: bool = False, preferred_element_type=None) -> jax.Array:
-    """x [..., K] @ w [K, N] (w [N, K] with `transpose_w`; an Int8Weight or PackedWeight is always
-    [K, N]): the CPU small-M kernel where it serves."""
+    """x [..., K] @ w [K, N] (w [N, K] with `transpose_w`; an Int8Weight, Int4Weight or
+    PackedWeight is always [K, N]): the CPU small-M kernel where it serves."""
     if isinstance(w, PackedWeight):
         return cpu_matmul.matmul(x, w.w, enabled=cfg.cpu_kernels, packed=True,
                                  preferred_element_type=preferred_element_type)
+    if isinstance(w, Int4Weight):
+        return matmul_int4(x, w.tiles, enabled=cfg.cpu_kernels,
+                           preferred_element_type=preferred_element_type)
     if isinstance(w, Int8Weight):
         return cpu_matmul.matmul_int8(x, w.q, w.scale, enabled=cfg.cpu_kernels, tiled=w.tiled,
                                       preferred_element_type=preferred_element_type)

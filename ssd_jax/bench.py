@@ -96,8 +96,8 @@ def add_arguments(b: argparse.ArgumentParser, fanout_type) -> None:
     b.add_argument("--top-p", type=float, default=1.0)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--dtype", default="float32", help="float32/fp32 or bfloat16/bf16")
-    b.add_argument("--draft-quant", choices=("none", "int8"), default="none",
-                   help="int8: the draft's matmul weights as int8 (models/quant.py)")
+    b.add_argument("--draft-quant", choices=("none", "int8", "int4"), default="none",
+                   help="the draft's matmul weights as int8, or its layers as int4 (models/quant.py)")
     b.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="cut the draft's head to token ids [0, N) (models/draft_head.py)")
     b.add_argument("--layouts", type=_csv(LAYOUTS, "--layouts"), default=("colocated", "two-process"),

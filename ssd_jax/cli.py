@@ -63,9 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="auto",
                    help="float32/fp32, bfloat16/bf16, or auto (default): bf16 on an accelerator or "
                         "where the CPU matmul kernel builds, else fp32 (models.cpu_matmul.fastest_dtype)")
-    g.add_argument("--draft-quant", choices=("none", "int8"), default="none",
+    g.add_argument("--draft-quant", choices=("none", "int8", "int4"), default="none",
                    help="int8: the draft's matmul weights as int8 with per-column scales (half "
-                        "bf16's bytes per draft step; output stays exact, acceptance may change)")
+                        "bf16's bytes per draft step); int4: its layers as int4 in groups of 32, "
+                        "head int8 (models/int4.py). Output stays exact, acceptance may change")
     g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="cut the draft's head to token ids [0, N) (models/draft_head.py): fewer "
                         "bytes per draft step; output stays exact, acceptance may change")

@@ -78,7 +78,7 @@ def main(argv=None) -> None:
     p.add_argument("--coordinator", required=True)
     p.add_argument("--draft", required=True)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--quant", choices=("none", "int8"), default="none")
+    p.add_argument("--quant", choices=("none", "int8", "int4"), default="none")
     p.add_argument("--draft-vocab", type=int, default=None)
     p.add_argument("--cpu", type=int, default=None)
     p.add_argument("--cache-dir", default=None)

@@ -141,7 +141,7 @@ def start_two_process(draft: str | None, *, dtype: str = "float32", quant: str =
     """Launch the draft process and join it. Call before any other JAX use in this process.
 
     draft: a default model name, a .gguf file, an HF folder, or a directory written by
-    `models.checkpoint.save` (how tests ship tiny random drafts). quant: "int8" quantizes the
+    `models.checkpoint.save` (how tests ship tiny random drafts). quant: "int8" / "int4" quantizes the
     draft's weights in its process (models/quant.py); draft_vocab: cut its head to token ids
     [0, draft_vocab) there (models/draft_head.py). cores: (target core, draft core)
     to pin each process to, or None to leave placement to the OS. draft_main: a script to run

@@ -106,10 +106,11 @@ def test_generate_json_each_mode_agrees(pair, capsys):
     assert got["sd"]["token_ids"] == got["ar"]["token_ids"] == got["ssd"]["token_ids"]
     assert got["ssd"]["metrics"]["lookups"] > 0
     assert got["sd"]["metrics"]["accept_hist"] and sum(got["sd"]["metrics"]["accept_hist"]) > 0
-    # an int8 draft (models/quant.py) changes acceptance only: the target's tokens all the same
-    rc, out, err = run_cli(gen_args(pair, "--mode", "sd", "--draft-quant", "int8", "--json"), capsys)
-    assert rc == 0, err
-    assert json.loads(out)["token_ids"] == got["ar"]["token_ids"]
+    # an int8 or int4 draft (models/quant.py) changes acceptance only: the target's tokens all the same
+    for quant in ("int8", "int4"):
+        rc, out, err = run_cli(gen_args(pair, "--mode", "sd", "--draft-quant", quant, "--json"), capsys)
+        assert rc == 0, err
+        assert json.loads(out)["token_ids"] == got["ar"]["token_ids"], quant
     # so does a draft head cut to the first 40 of 97 ids (models/draft_head.py)
     rc, out, err = run_cli(gen_args(pair, "--mode", "sd", "--draft-quant", "int8", "--draft-vocab", "40",
                                     "--json"), capsys)
@@ -216,7 +217,7 @@ def assert_one_line_error(rc, err, *needles):
     (["--saguaro-c", "2"], "saguaro_c"),
     (["--dtype", "fp8"], "dtype"),
     (["--mode", "fast"], "--mode"),
-    (["--draft-quant", "int4"], "--draft-quant"),
+    (["--draft-quant", "int3"], "--draft-quant"),
     (["--draft-vocab", "0"], "draft head's vocabulary"),
     (["--draft-vocab", "98"], "[1, 97]"),
     (["--bogus"], "--bogus"),

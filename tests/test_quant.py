@@ -152,14 +152,16 @@ def test_int8_errors_name_the_problem():
         cpu_matmul.kernel_int8(_rand((2, 9), 1), qw.q, qw.scale)
     cfg = tiny_config("llama", vocab_size=32)
     params = random_params(cfg, 0)
-    with pytest.raises(ValueError, match="already int8"):
+    with pytest.raises(ValueError, match="already quantized"):
         quantize_params(quantize_params(params))
     bad = params.replace(layers=(params.layers[0].replace(wo=params.layers[0].wo.at[0, 0].set(jnp.nan)),
                                  *params.layers[1:]))
     with pytest.raises(ValueError, match=r"layers\[0\].wo contains NaN"):
         quantize_params(bad)
-    with pytest.raises(ValueError, match="unknown quantization 'int4'"):
-        quantize_model(Model(cfg, params), "int4")
+    with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+        quantize_model(Model(cfg, params), "int3")
+    with pytest.raises(ValueError, match="unknown quantization 'none'"):
+        quantize_params(params, mode="none")
     with pytest.raises(TypeError, match="Params"):
         quantize_params({"w": 1})
     from ssd_jax.sharding import tp_layout

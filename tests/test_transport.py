@@ -71,16 +71,16 @@ def test_two_process_equals_in_process_and_overlaps(pair):
     assert len(got["saw_tree"]) >= 4 and all(got["saw_tree"]), got["saw_tree"]
 
 
-@pytest.mark.parametrize("draft_vocab", [None, 40])
-def test_two_process_int8_draft_equals_in_process(pair, draft_vocab):
+@pytest.mark.parametrize("quant,draft_vocab", [("int8", None), ("int8", 40), ("int4", None)])
+def test_two_process_quantized_draft_equals_in_process(pair, quant, draft_vocab):
     """`start_two_process(..., quant="int8", draft_vocab=n)` prepares the draft in its process
     exactly as `models.draft_head.prepare_draft` does in-process. An unquantized remote draft
     would give the same tokens but not the same counts (this pair: random-backup hits 18 vs 17, SD
     accept histogram [5, 5, 2, 10] vs [6, 5, 2, 10]); an uncut one differs from a cut one too."""
     from models.draft_head import prepare_draft
     root, t, d = pair
-    got = run_two_process(root, "-", quant="int8", draft_vocab=draft_vocab)
+    got = run_two_process(root, "-", quant=quant, draft_vocab=draft_vocab)
     assert_same_as_in_process(got, Engine(Model(CFG, params_from_hf(t, CFG)),
-                                          prepare_draft(Model(CFG, params_from_hf(d, CFG)), "int8",
+                                          prepare_draft(Model(CFG, params_from_hf(d, CFG)), quant,
                                                         draft_vocab),
                                           compilation_cache=False))

@@ -1,4 +1,4 @@
-// Small-M matmul for XLA:CPU (fp32, bf16 or int8 weights), called through the XLA FFI.
+// Small-M matmul for XLA:CPU (fp32, bf16, int8 or int4 weights), called through the XLA FFI.
 //
 // Why: XLA:CPU streams a one-row matmul (decode) at memory bandwidth, but for 2..16 rows (a K+1-token
 // verify, a few tree branches) it switches to a GEMM that costs 1.5-2.8x the one-row time although
@@ -23,6 +23,7 @@
 #include <limits>
 #include <memory>
 #include <thread>
+#include <tuple>
 #include <type_traits>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -575,6 +576,7 @@ void matmul(ffi::ThreadPool& pool, const X* xp, const uint16_t* xh, const W* wp,
 }
 
 #include "bf16_strips.h"
+#include "int4_groups.h"
 
 // op [M, N] = xh [M, K] @ w packed in strips (bf16_strips.h). Threads take runs of whole strips,
 // about four runs a thread so that one started late still finds work; a run is one contiguous
@@ -707,6 +709,28 @@ ffi::Error SmallMMatmulInt8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
   });
 }
 
+// out = x @ w, w int4 in tiles [K/32, N/32, 640] uint8 (int4_groups.h, models/int4.py).
+ffi::Error SmallMMatmulInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer tiles,
+                            ffi::Result<ffi::AnyBuffer> out) {
+  if (!kHasInt4) return ffi::Error::InvalidArgument("small_m_matmul_int4: this CPU lacks AVX512_VNNI");
+  auto xd = x.dimensions();
+  auto td = tiles.dimensions();
+  if (xd.size() < 1 || td.size() != 3 || td[2] != 640)
+    return ffi::Error::InvalidArgument("small_m_matmul_int4: x must be [..., K] and tiles [K/32, N/32, 640]");
+  if (!f32_or_bf16(x.element_type()) || !f32_or_bf16(out->element_type()) ||
+      tiles.element_type() != ffi::DataType::U8)
+    return ffi::Error::InvalidArgument(
+        "small_m_matmul_int4: x and out must be float32 or bfloat16, tiles uint8");
+  const int64_t K = xd.back();
+  const int64_t M = static_cast<int64_t>(x.element_count()) / std::max<int64_t>(K, 1);
+  const int64_t N = td[1] * 32;
+  if (td[0] * 32 != K) return ffi::Error::InvalidArgument("small_m_matmul_int4: contraction sizes differ");
+  const uint8_t* tp = static_cast<const uint8_t*>(tiles.untyped_data());
+  return with_f32_io(x, out, M, K, N, [&](const float* xp, const uint16_t*, float* op) {
+    matmul_int4(pool, xp, tp, op, M, K, N);
+  });
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SsdJaxSmallMMatmul, SmallMMatmul,
@@ -726,6 +750,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SsdJaxSmallMMatmulInt8, SmallMMatmulInt8,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<bool>("tiled"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SsdJaxSmallMMatmulInt4, SmallMMatmulInt4,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+// Whether SsdJaxSmallMMatmulInt4 serves (models/int4.py `kernel_available`).
+extern "C" int SsdJaxInt4() { return kHasInt4 ? 1 : 0; }
 
 // Whether SsdJaxSmallMMatmulInt8 takes tiled q (models/cpu_matmul.py `int8_tiles`).
 extern "C" int SsdJaxInt8Tiles() { return kHasTiles ? 1 : 0; }
