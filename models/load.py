@@ -74,7 +74,7 @@ def load_draft(name_or_path: str | Path, dtype: str = "float32", quant: str = "n
                head_vocab: int | None = None, **kw) -> Model:
     """A draft as a run asks for it: `load_model(name_or_path, dtype, **kw)`, its head cut to
     `head_vocab` ids, its weights quantized (`models.draft_head.prepare_draft`). A draft bound for
-    int8 is not packed first: quantizing would only unpack it again."""
+    int8 or int4 is not packed first: quantizing would only unpack it again."""
     if quant != "none":
         kw.setdefault("pack", False)
     return prepare_draft(load_model(name_or_path, dtype, **kw), quant, head_vocab)
