@@ -22,9 +22,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from models import cpu_matmul
-from models.params import Params
+from models.params import DENSE_WEIGHTS, Params
 
-_DENSE = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
 @struct.dataclass
@@ -67,7 +66,7 @@ def pack_params(params: Params) -> Params:
     int8 and odd-shaped weights, the embedding, norms and biases stay as they are."""
     if not isinstance(params, Params):
         raise TypeError(f"pack_params takes models.params.Params, got {type(params).__name__}")
-    layers = tuple(lp.replace(**{n: pack_weight(getattr(lp, n)) for n in _DENSE})
+    layers = tuple(lp.replace(**{n: pack_weight(getattr(lp, n)) for n in DENSE_WEIGHTS})
                    for lp in params.layers)
     return params.replace(layers=layers, lm_head=pack_weight(params.lm_head))
 
@@ -76,14 +75,15 @@ def unpack_params(params: Params) -> Params:
     """The inverse of `pack_params`: every PackedWeight back to a row-major array."""
     if not is_packed(params):
         return params
-    layers = tuple(lp.replace(**{n: _unpack_weight(getattr(lp, n)) for n in _DENSE})
+    layers = tuple(lp.replace(**{n: _unpack_weight(getattr(lp, n)) for n in DENSE_WEIGHTS})
                    for lp in params.layers)
     return params.replace(layers=layers, lm_head=_unpack_weight(params.lm_head))
 
 
 def is_packed(params: Params) -> bool:
-    return any(isinstance(getattr(lp, n), PackedWeight) for lp in params.layers for n in _DENSE) \
-        or isinstance(params.lm_head, PackedWeight)
+    return (any(isinstance(getattr(lp, n), PackedWeight)
+                for lp in params.layers for n in DENSE_WEIGHTS)
+            or isinstance(params.lm_head, PackedWeight))
 
 
 __all__ = ["PackedWeight", "is_packed", "pack_params", "pack_weight", "unpack_params"]

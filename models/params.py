@@ -29,6 +29,10 @@ class LayerParams:
     w_down: jax.Array  # [I, hidden]
 
 
+# The layer's dense matmul weights, each [K, N]: what packing and quantization re-lay out.
+DENSE_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
 @struct.dataclass
 class Params:
     embed: jax.Array  # [V, hidden]

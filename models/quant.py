@@ -31,10 +31,9 @@ from flax import struct
 from models import cpu_matmul, int4
 from models.int4 import Int4Weight
 from models.packed import unpack_params
-from models.params import Params
+from models.params import DENSE_WEIGHTS, Params
 
 QUANT_MODES = ("none", "int8", "int4")
-_DENSE = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
 @struct.dataclass
@@ -93,7 +92,7 @@ def quantize_params(params: Params, tile: bool | None = None, mode: str = "int8"
     layers = []
     for i, lp in enumerate(params.layers):
         layers.append(lp.replace(**{n: _quantize(f"layers[{i}].{n}", getattr(lp, n), tile, bits)
-                                    for n in _DENSE}))
+                                    for n in DENSE_WEIGHTS}))
     head = params.lm_head if params.lm_head is not None else jnp.asarray(params.embed).T
     return params.replace(layers=tuple(layers), lm_head=_quantize("lm_head", head, tile))
 

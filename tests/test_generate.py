@@ -1,5 +1,6 @@
 """Plain and speculative generate: batches of mixed prompt lengths, EOS, stop strings, exact budgets,
 streaming, log-probs, one compile per prefill bucket, and a clear error for every bad input."""
+import functools
 import hashlib
 
 import jax
@@ -51,11 +52,19 @@ def engine(models):
     return Engine(*models, compilation_cache=False)
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _full_forward(params, cfg, tokens, num_new):
+    """Logits [1, V] of a cache-free forward over tokens [1, T], of which num_new are real."""
+    return forward(params, cfg, tokens, init_cache(cfg, 1, tokens.shape[1]), num_new, last_only=True)[0]
+
+
 def full_greedy(model, prompt, n):
     ids = list(prompt)
+    T = len(prompt) + n  # one shape (one compile) for every step: right-padded past the real tokens
     for _ in range(n):
-        logits, _ = forward(model.params, model.cfg, np.asarray([ids], np.int32),
-                            init_cache(model.cfg, 1, len(ids)), last_only=True)
+        tokens = np.zeros((1, T), np.int32)
+        tokens[0, :len(ids)] = ids
+        logits = _full_forward(model.params, model.cfg, tokens, np.asarray([len(ids)], np.int32))
         ids.append(int(np.argmax(np.asarray(logits[0]))))
     return ids[len(prompt):]
 
