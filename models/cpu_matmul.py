@@ -53,6 +53,7 @@ MAX_ROWS = 16  # fp32: past this XLA's GEMM is as fast (measured: equal at 32 ro
 _TARGET = "ssd_jax_small_m_matmul"
 _TARGET_INT8 = "ssd_jax_small_m_matmul_int8"
 _TARGET_INT4 = "ssd_jax_small_m_matmul_int4"  # called by models/int4.py
+TARGET_ATTENTION = "ssd_jax_cache_attention"  # called by models/cpu_attention.py (built here too)
 _SOURCE = Path(__file__).with_name("cpu_kernels") / "small_m_matmul.cc"  # includes the .h beside it
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-w")
 
@@ -124,6 +125,8 @@ def _load() -> str | None:
         jax.ffi.register_ffi_target(_TARGET_INT8, jax.ffi.pycapsule(lib.SsdJaxSmallMMatmulInt8),
                                     platform="cpu")
         jax.ffi.register_ffi_target(_TARGET_INT4, jax.ffi.pycapsule(lib.SsdJaxSmallMMatmulInt4),
+                                    platform="cpu")
+        jax.ffi.register_ffi_target(TARGET_ATTENTION, jax.ffi.pycapsule(lib.SsdJaxCacheAttention),
                                     platform="cpu")
         _FEATURES["int8_tiles"] = bool(lib.SsdJaxInt8Tiles())
         _FEATURES["int4"] = bool(lib.SsdJaxInt4())

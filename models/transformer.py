@@ -7,9 +7,10 @@
   so branches never write the shared cache.
 
 Layers are a Python loop over per-layer caches: a `lax.scan` with the cache as scanned state copies
-the whole cache every step on XLA CPU (JAX_NOTES), while per-layer `scatter` under donation updates
-in place. `window` (static) bounds attention to the first `window` cache slots so short sequences do
-not pay for `max_len`.
+the whole cache every step on XLA CPU (JAX_NOTES). Each layer's KV write and attention is
+`models.cpu_attention.attend`: on the CPU, for up to 16 new tokens, one kernel call that writes the
+donated cache in place; else a per-sequence scatter and two dots. `window` (static) bounds
+attention to the first `window` cache slots so short sequences do not pay for `max_len`.
 """
 from __future__ import annotations
 
@@ -19,15 +20,13 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from models import cpu_matmul
+from models import cpu_attention, cpu_matmul
 from models.config import ModelConfig
 from models.kv_cache import KVCache
 from models.params import LayerParams, Params
 from models.packed import PackedWeight
 from models.int4 import Int4Weight, matmul_int4
 from models.quant import Int8Weight
-
-_NEG_INF = -1e30
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -109,21 +108,6 @@ def _mlp(lp: LayerParams, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     return dense(cfg, jax.nn.silu(gate) * up, lp.w_down)
 
 
-def cache_attention(q, k, v, positions, cfg: ModelConfig):
-    """q [B, T, H, D] at positions [B, T] over cache k, v [B, W, KVH, D]: slot s visible iff s <= pos."""
-    B, T, H, D = q.shape
-    W = k.shape[1]
-    G = cfg.group_size
-    qg = q.reshape(B, T, cfg.num_kv_heads, G, D)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    s = s * (D ** -0.5)
-    mask = jnp.arange(W)[None, None, :] <= positions[:, :, None]  # [B, T, W]
-    s = jnp.where(mask[:, None, None], s, _NEG_INF)
-    p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return o.reshape(B, T, H * D).astype(q.dtype)
-
-
 def _logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
     if params.lm_head is None:  # tied: the embedding [V, E] read transposed
@@ -135,14 +119,6 @@ def _logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     if n < cfg.vocab_size:  # a head cut to ids [0, n) (models/draft_head.py): the rest never win
         out = jnp.concatenate([out, jnp.full((*out.shape[:-1], cfg.vocab_size - n), -jnp.inf)], -1)
     return out
-
-
-@functools.partial(jax.vmap, in_axes=(0, 0, 0))
-def _write(c, positions, new):
-    """c[b, positions[b, t]] = new[b, t] (slots past the buffer dropped). Written per sequence with
-    `vmap`, so the scatter carries the batch as a batching dimension: a cache sharded over the batch
-    (data-parallel draft) is updated on each shard without gathering the new KV across devices."""
-    return c.at[positions].set(new.astype(c.dtype), mode="drop")
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache,
@@ -163,9 +139,8 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache,
     new_k, new_v = [], []
     for lp, kc, vc in zip(params.layers, cache.k, cache.v):
         q, k, v = _qkv(lp, cfg, x, positions)
-        kc = _write(kc, positions, k)
-        vc = _write(vc, positions, v)
-        att = cache_attention(q, kc[:, :W], vc[:, :W], positions, cfg)
+        att, kc, vc = cpu_attention.attend(q, k, v, positions, kc, vc, window=W,
+                                           enabled=cfg.cpu_kernels)
         x = x + dense(cfg, att, lp.wo)
         x = x + _mlp(lp, cfg, x)
         new_k.append(kc)

@@ -577,6 +577,7 @@ void matmul(ffi::ThreadPool& pool, const X* xp, const uint16_t* xh, const W* wp,
 
 #include "bf16_strips.h"
 #include "int4_groups.h"
+#include "cache_attention.h"
 
 // op [M, N] = xh [M, K] @ w packed in strips (bf16_strips.h). Threads take runs of whole strips,
 // about four runs a thread so that one started late still finds work; a run is one contiguous
@@ -731,6 +732,64 @@ ffi::Error SmallMMatmulInt4(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
   });
 }
 
+// out [B, T, H, D] = attention of q over the caches after writing k_new / v_new at positions
+// (cache_attention.h); k_out / v_out are the caches, aliased to k_cache / v_cache by the caller.
+ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_new,
+                          ffi::AnyBuffer v_new, ffi::AnyBuffer positions, ffi::AnyBuffer k_cache,
+                          ffi::AnyBuffer v_cache, ffi::Result<ffi::AnyBuffer> out,
+                          ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
+                          int64_t window, float scale) {
+  auto qd = q.dimensions();
+  auto kd = k_cache.dimensions();
+  auto nd = k_new.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || nd.size() != 4 || positions.dimensions().size() != 2)
+    return ffi::Error::InvalidArgument(
+        "cache_attention: q [B, T, H, D], k_new / v_new [B, T, KVH, D], positions [B, T] and "
+        "caches [B, S, KVH, D]");
+  const int64_t B = qd[0], Tn = qd[1], H = qd[2], D = qd[3], S = kd[1], KVH = kd[2];
+  const auto t = q.element_type();
+  const bool same = k_new.element_type() == t && v_new.element_type() == t &&
+                    k_cache.element_type() == t && v_cache.element_type() == t &&
+                    out->element_type() == t && f32_or_bf16(t);
+  if (!same || positions.element_type() != ffi::DataType::S32)
+    return ffi::Error::InvalidArgument(
+        "cache_attention: q, k_new, v_new, the caches and out must share one dtype (float32 or "
+        "bfloat16), positions int32");
+  auto same_dims = [](auto a, auto b) {
+    return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
+  };
+  if (kd[0] != B || kd[3] != D || KVH <= 0 || H % KVH != 0 || nd[0] != B || nd[1] != Tn ||
+      nd[2] != KVH || nd[3] != D || !same_dims(v_new.dimensions(), nd) ||
+      !same_dims(v_cache.dimensions(), kd) ||
+      positions.dimensions()[0] != B || positions.dimensions()[1] != Tn)
+    return ffi::Error::InvalidArgument("cache_attention: inconsistent shapes");
+  if (window < 1 || window > S)
+    return ffi::Error::InvalidArgument("cache_attention: window must be in [1, S]");
+  const size_t cache_bytes = k_cache.size_bytes();
+  // XLA honours the aliasing; were it not to, the caches are copied first, as a scatter would.
+  if (k_out->untyped_data() != k_cache.untyped_data())
+    std::memcpy(k_out->untyped_data(), k_cache.untyped_data(), cache_bytes);
+  if (v_out->untyped_data() != v_cache.untyped_data())
+    std::memcpy(v_out->untyped_data(), v_cache.untyped_data(), cache_bytes);
+  const int32_t* pos = static_cast<const int32_t*>(positions.untyped_data());
+  if (t == ffi::DataType::BF16)
+    cache_attention(pool, static_cast<const uint16_t*>(q.untyped_data()),
+                    static_cast<const uint16_t*>(k_new.untyped_data()),
+                    static_cast<const uint16_t*>(v_new.untyped_data()), pos,
+                    static_cast<uint16_t*>(k_out->untyped_data()),
+                    static_cast<uint16_t*>(v_out->untyped_data()),
+                    static_cast<uint16_t*>(out->untyped_data()), B, Tn, H, KVH, D, S, window,
+                    scale);
+  else
+    cache_attention(pool, static_cast<const float*>(q.untyped_data()),
+                    static_cast<const float*>(k_new.untyped_data()),
+                    static_cast<const float*>(v_new.untyped_data()), pos,
+                    static_cast<float*>(k_out->untyped_data()),
+                    static_cast<float*>(v_out->untyped_data()),
+                    static_cast<float*>(out->untyped_data()), B, Tn, H, KVH, D, S, window, scale);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SsdJaxSmallMMatmul, SmallMMatmul,
@@ -757,6 +816,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SsdJaxSmallMMatmulInt4, SmallMMatmulInt4,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SsdJaxCacheAttention, CacheAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("scale"));
 
 // Whether SsdJaxSmallMMatmulInt4 serves (models/int4.py `kernel_available`).
 extern "C" int SsdJaxInt4() { return kHasInt4 ? 1 : 0; }
