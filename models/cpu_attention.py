@@ -26,7 +26,6 @@ from models import cpu_matmul
 
 MAX_TOKENS = 16  # new tokens per sequence the kernel serves (decode, verify, catch-up); more: XLA
 _NEG_INF = -1e30
-_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 @functools.partial(jax.vmap, in_axes=(0, 0, 0))
@@ -65,13 +64,13 @@ def reference(q, k_new, v_new, positions, k_cache, v_cache, window: int | None =
 def kernel(q, k_new, v_new, positions, k_cache, v_cache, window: int | None = None):
     """The FFI call itself (CPU only); arguments and results as `reference`. The caches are
     aliased to the outputs: under a jit that donates them the write is in place."""
-    if cpu_matmul._load() is None:
+    if not cpu_matmul.available():
         raise RuntimeError("the CPU kernels are not available on this machine")
     B, T, H, D = q.shape
     S, KVH = k_cache.shape[1], k_cache.shape[2]
     W = S if window is None else int(window)
     dt = k_cache.dtype
-    if q.dtype not in _DTYPES or q.dtype != dt or v_cache.dtype != dt:
+    if q.dtype not in cpu_matmul.DTYPES or q.dtype != dt or v_cache.dtype != dt:
         raise ValueError(f"kernel takes q and caches of one dtype, float32 or bfloat16; got q "
                          f"{q.dtype}, k_cache {dt}, v_cache {v_cache.dtype}")
     if (k_cache.shape != (B, S, KVH, D) or v_cache.shape != k_cache.shape or KVH < 1
@@ -98,9 +97,9 @@ def attend(q, k_new, v_new, positions, k_cache, v_cache, *, window: int | None =
     tokens), else `reference`. `lax.platform_dependent` keeps the reference for any non-CPU
     lowering."""
     T = q.shape[1]
-    if not (enabled and 0 < T <= MAX_TOKENS and q.dtype in _DTYPES and q.dtype == k_cache.dtype
+    if not (enabled and 0 < T <= MAX_TOKENS and q.dtype in cpu_matmul.DTYPES and q.dtype == k_cache.dtype
             and v_cache.dtype == k_cache.dtype and jax.default_backend() == "cpu"
-            and cpu_matmul._load() is not None):
+            and cpu_matmul.available()):
         return reference(q, k_new, v_new, positions, k_cache, v_cache, window)
     return jax.lax.platform_dependent(
         q, k_new, v_new, positions, k_cache, v_cache,

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 MAX_ROWS = 16  # fp32: past this XLA's GEMM is as fast (measured: equal at 32 rows on 1536 x 17920)
 _TARGET = "ssd_jax_small_m_matmul"
 _TARGET_INT8 = "ssd_jax_small_m_matmul_int8"
-_TARGET_INT4 = "ssd_jax_small_m_matmul_int4"  # called by models/int4.py
+TARGET_INT4 = "ssd_jax_small_m_matmul_int4"  # called by models/int4.py
 TARGET_ATTENTION = "ssd_jax_cache_attention"  # called by models/cpu_attention.py (built here too)
 _SOURCE = Path(__file__).with_name("cpu_kernels") / "small_m_matmul.cc"  # includes the .h beside it
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-w")
@@ -124,7 +124,7 @@ def _load() -> str | None:
         jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.SsdJaxSmallMMatmul), platform="cpu")
         jax.ffi.register_ffi_target(_TARGET_INT8, jax.ffi.pycapsule(lib.SsdJaxSmallMMatmulInt8),
                                     platform="cpu")
-        jax.ffi.register_ffi_target(_TARGET_INT4, jax.ffi.pycapsule(lib.SsdJaxSmallMMatmulInt4),
+        jax.ffi.register_ffi_target(TARGET_INT4, jax.ffi.pycapsule(lib.SsdJaxSmallMMatmulInt4),
                                     platform="cpu")
         jax.ffi.register_ffi_target(TARGET_ATTENTION, jax.ffi.pycapsule(lib.SsdJaxCacheAttention),
                                     platform="cpu")
@@ -143,6 +143,15 @@ def available() -> bool:
     return _load() is not None
 
 
+def has_feature(name: str) -> bool:
+    """Whether the built kernel serves `name`: "bf16_strips" (AVX512_BF16, `pack_bf16`),
+    "int8_tiles" (AVX512_VNNI, `tile_int8`) or "int4" (AVX512_VNNI, models/int4.py); False where
+    the kernel did not build."""
+    if name not in _FEATURES:
+        raise ValueError(f"unknown kernel feature {name!r}; known: {sorted(_FEATURES)}")
+    return _load() is not None and _FEATURES[name]
+
+
 def fastest_dtype() -> str:
     """What `ssd-jax generate --dtype auto` (its default) picks: "bfloat16" on an accelerator, or on
     a CPU where this kernel serves bf16 matmuls (1.7x fp32's decode speed here); "float32" on a CPU
@@ -152,7 +161,7 @@ def fastest_dtype() -> str:
     return "bfloat16" if available() else "float32"
 
 
-_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 def kernel(x: jax.Array, w: jax.Array, transpose_w: bool = False, out_dtype=None,
@@ -164,7 +173,7 @@ def kernel(x: jax.Array, w: jax.Array, transpose_w: bool = False, out_dtype=None
     if _load() is None:
         raise RuntimeError("the small-M CPU matmul kernel is not available on this machine")
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
-    if x.dtype not in _DTYPES or w.dtype not in _DTYPES or out_dtype not in _DTYPES or w.ndim != 2:
+    if x.dtype not in DTYPES or w.dtype not in DTYPES or out_dtype not in DTYPES or w.ndim != 2:
         raise ValueError(f"kernel takes fp32/bf16 x [..., K], a 2-D fp32/bf16 w and an fp32/bf16 "
                          f"out, got x {x.dtype}{list(x.shape)}, w {w.dtype}{list(w.shape)}, "
                          f"out {out_dtype}")
@@ -203,7 +212,7 @@ def matmul(x: jax.Array, w: jax.Array, *, transpose_w: bool = False, enabled: bo
     rows = math.prod(x.shape[:-1])
     out_dtype = jnp.dtype(x.dtype if preferred_element_type is None else preferred_element_type)
     ref = _reference_packed if packed else reference
-    if not (enabled and x.dtype == w.dtype and x.dtype in _DTYPES and out_dtype in _DTYPES
+    if not (enabled and x.dtype == w.dtype and x.dtype in DTYPES and out_dtype in DTYPES
             and 0 < rows and (rows <= MAX_ROWS or x.dtype == jnp.bfloat16)
             and jax.default_backend() == "cpu" and _load() is not None
             and (not packed or _FEATURES["bf16_strips"])):
@@ -220,7 +229,7 @@ STRIP_COLS = 32
 
 def bf16_strips() -> bool:
     """Whether `kernel` takes packed bf16 w on this machine (the kernel built, with AVX512_BF16)."""
-    return jax.default_backend() == "cpu" and _load() is not None and _FEATURES["bf16_strips"]
+    return jax.default_backend() == "cpu" and has_feature("bf16_strips")
 
 
 def packable(K: int, N: int) -> bool:
@@ -271,7 +280,7 @@ TILE_MAX_COLS = 4096  # wider int8 rows are long enough runs already: tiling the
 
 def int8_tiles() -> bool:
     """Whether `kernel_int8` takes tiled q on this machine (the kernel built, with AVX512_VNNI)."""
-    return jax.default_backend() == "cpu" and _load() is not None and _FEATURES["int8_tiles"]
+    return jax.default_backend() == "cpu" and has_feature("int8_tiles")
 
 
 def tileable(K: int, N: int) -> bool:
@@ -321,7 +330,7 @@ def kernel_int8(x: jax.Array, q: jax.Array, scale: jax.Array, out_dtype=None,
     if _load() is None:
         raise RuntimeError("the small-M CPU matmul kernel is not available on this machine")
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
-    if (x.dtype not in _DTYPES or out_dtype not in _DTYPES or q.dtype != jnp.int8 or q.ndim != 2
+    if (x.dtype not in DTYPES or out_dtype not in DTYPES or q.dtype != jnp.int8 or q.ndim != 2
             or scale.dtype != jnp.float32 or scale.shape != q.shape[1:]):
         raise ValueError(f"kernel_int8 takes fp32/bf16 x [..., K], int8 q [K, N], fp32 scale [N] "
                          f"and an fp32/bf16 out, got x {x.dtype}{list(x.shape)}, q {q.dtype}"
@@ -348,7 +357,7 @@ def matmul_int8(x: jax.Array, q: jax.Array, scale: jax.Array, *, enabled: bool =
     `reference_int8` (on q untiled)."""
     out_dtype = jnp.dtype(x.dtype if preferred_element_type is None else preferred_element_type)
     ref = _reference_int8_tiled if tiled else reference_int8
-    if not (enabled and x.dtype in _DTYPES and out_dtype in _DTYPES and math.prod(x.shape[:-1]) > 0
+    if not (enabled and x.dtype in DTYPES and out_dtype in DTYPES and math.prod(x.shape[:-1]) > 0
             and jax.default_backend() == "cpu" and _load() is not None
             and (not tiled or _FEATURES["int8_tiles"])):
         return ref(x, q, scale, preferred_element_type)

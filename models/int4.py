@@ -160,8 +160,7 @@ def reference_int4(x: jax.Array, tiles: jax.Array, preferred_element_type=None) 
 
 def kernel_available() -> bool:
     """Whether the CPU kernel takes int4 tiles on this machine (it built, with AVX512_VNNI)."""
-    return (jax.default_backend() == "cpu" and cpu_matmul._load() is not None
-            and cpu_matmul._FEATURES["int4"])
+    return jax.default_backend() == "cpu" and cpu_matmul.has_feature("int4")
 
 
 def kernel_int4(x: jax.Array, tiles: jax.Array, out_dtype=None) -> jax.Array:
@@ -173,12 +172,12 @@ def kernel_int4(x: jax.Array, tiles: jax.Array, out_dtype=None) -> jax.Array:
                            "small-M kernel built, and AVX512_VNNI)")
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     G, NB = _check_tiles(tiles)
-    if x.dtype not in cpu_matmul._DTYPES or out_dtype not in cpu_matmul._DTYPES:
+    if x.dtype not in cpu_matmul.DTYPES or out_dtype not in cpu_matmul.DTYPES:
         raise ValueError(f"kernel_int4 takes fp32/bf16 x and out, got x {x.dtype}, out {out_dtype}")
     if x.shape[-1] != G * GROUP:
         raise ValueError(f"contraction sizes differ: x {list(x.shape)}, int4 w {[G * GROUP, NB * BLOCK]}")
     out = jax.ShapeDtypeStruct((*x.shape[:-1], NB * BLOCK), out_dtype)
-    return jax.ffi.ffi_call(cpu_matmul._TARGET_INT4, out)(x, tiles)
+    return jax.ffi.ffi_call(cpu_matmul.TARGET_INT4, out)(x, tiles)
 
 
 def matmul_int4(x: jax.Array, tiles: jax.Array, *, enabled: bool = True,
@@ -186,7 +185,7 @@ def matmul_int4(x: jax.Array, tiles: jax.Array, *, enabled: bool = True,
     """x [..., K] @ the int4 w of `tiles` -> [..., N]: `kernel_int4` where the CPU kernel serves
     (any number of rows), else `reference_int4` (XLA dequantizes every call: correct, slow)."""
     out_dtype = jnp.dtype(x.dtype if preferred_element_type is None else preferred_element_type)
-    if not (enabled and x.dtype in cpu_matmul._DTYPES and out_dtype in cpu_matmul._DTYPES
+    if not (enabled and x.dtype in cpu_matmul.DTYPES and out_dtype in cpu_matmul.DTYPES
             and math.prod(x.shape[:-1]) > 0 and kernel_available()):
         return reference_int4(x, tiles, preferred_element_type)
     return jax.lax.platform_dependent(

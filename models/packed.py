@@ -41,7 +41,7 @@ class PackedWeight:
 
     def unpack(self) -> jax.Array:
         """w [K, N] row-major."""
-        return cpu_matmul.unpack_bf16(self.w)
+        return _unpack(self.w)
 
 
 _pack = jax.jit(cpu_matmul.pack_bf16)

@@ -168,3 +168,10 @@ def test_turned_off_by_the_environment_variable():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "24.0"
+
+
+def test_has_feature_names_what_the_built_kernel_serves():
+    assert cpu_matmul.has_feature("bf16_strips") == cpu_matmul.bf16_strips()
+    assert cpu_matmul.has_feature("int8_tiles") == cpu_matmul.int8_tiles()
+    with pytest.raises(ValueError, match="unknown kernel feature 'int3'.*int4"):
+        cpu_matmul.has_feature("int3")
