@@ -35,7 +35,7 @@ def hf_model(name: str, dtype: str = "float32"):
     from models import registry
     from models.config import ModelConfig
     from models.loading.gguf import load_gguf_config
-    from ssd_jax.bench import hf_model_on_our_weights
+    from ssd_jax.bench_workers import hf_model_on_our_weights
 
     cfg = ModelConfig.from_hf(load_gguf_config(registry.resolve(name)), "float32")
     return hf_model_on_our_weights(name, dtype, None), cfg

@@ -97,9 +97,9 @@ def worker_jax(n, max_new, ks, dtype: str = "float32", draft_quant: str = "none"
 
 
 def worker_torch(n, max_new, ks, threads, dtype) -> dict:
-    """HF AR and assisted generation: `ssd_jax.bench.worker_hf` (the loop `ssd-jax bench` runs),
+    """HF AR and assisted generation: `ssd_jax.bench_workers.worker_hf` (the loop `ssd-jax bench` runs),
     greedy, on the same prompts; (new tokens - 1) / (generate time - separately timed prefill)."""
-    from ssd_jax.bench import worker_hf
+    from ssd_jax.bench_workers import worker_hf
     from ssd_jax.benchmark_set import load_prompts
 
     prompts = load_prompts()
@@ -114,7 +114,7 @@ def worker_torch(n, max_new, ks, threads, dtype) -> dict:
 
 
 def _agree(a: list[int], b: list[int]) -> int:
-    from ssd_jax.bench import leading_equal
+    from ssd_jax.bench_report import leading_equal
     return leading_equal(a, b)
 
 
