@@ -1,0 +1,89 @@
+"""SSD on one GPU with the Pallas kernels in the loop: the tokens must equal plain decoding's.
+
+`pallas_kernels/bench_gpu.py` checks each kernel alone; this runs them inside the engine. A random
+Qwen2-shaped pair (the target a 4-layer model with head dim 64, the draft a perturbed copy, so it
+agrees often but not always) generates greedily on one device (colocated placement):
+
+  * AR, SD, SSD with the jnp references, SSD with `attention="pallas"` and `gather_kernel=True`;
+  * SD and both SSDs must emit plain decoding's tokens (spec section 3 near-tie rule), and the two
+    SSDs must see the same cache hits.
+
+On a CPU (`--smoke`) the kernels run in Pallas interpret mode at a smaller shape. Prints wall times
+(compile excluded) for orientation only; exit status 1 on any mismatch.
+
+    python benchmarks/gpu_engine_check.py            # on the GPU machine
+    JAX_PLATFORMS=cpu python benchmarks/gpu_engine_check.py --smoke
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+
+from models.config import tiny_config  # noqa: E402
+from models.model import Model  # noqa: E402
+from models.params import perturb, random_params  # noqa: E402
+from ssd_jax.engine import Engine, SSDConfig  # noqa: E402
+from ssd_jax.near_tie import assert_greedy_agreement  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="small shapes (CPU, interpret mode)")
+    ap.add_argument("--max-new-tokens", type=int, default=None)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        cfg = tiny_config("qwen2", vocab_size=64)
+        batch, new, k, fan = 2, args.max_new_tokens or 10, 3, (2, 1, 1, 1)
+    else:
+        cfg = tiny_config("qwen2", vocab_size=4096, hidden_size=512, intermediate_size=1024,
+                          num_layers=4, num_heads=8, num_kv_heads=2, head_dim=64)
+        batch, new, k, fan = 8, args.max_new_tokens or 64, 4, (3, 2, 2, 1, 1)
+    dev = jax.devices()[0]
+    print(f"jax {jax.__version__} on {dev.platform}: {dev.device_kind}; batch {batch}, "
+          f"{new} new tokens, K {k}, fan-out {fan}", flush=True)
+    target = Model(cfg, random_params(cfg, 0, scale=1.0), name="target")
+    draft = Model(cfg, perturb(target.params, jax.random.key(1), 0.05), name="draft")
+    prompts = [[(7 * b + 3 * i) % cfg.vocab_size + 1 for i in range(5 + 3 * b)]
+               for b in range(batch)]
+    runs = {
+        "ar": dict(mode="ar"),
+        "sd": dict(mode="sd", k=k),
+        "ssd reference": dict(mode="ssd", k=k, ssd=SSDConfig(fanout=fan)),
+        "ssd pallas": dict(mode="ssd", k=k, ssd=SSDConfig(fanout=fan, attention="pallas",
+                                                          gather_kernel=True)),
+    }
+    eng = Engine(target, draft, placement="colocated", compilation_cache=False)
+    out = {}
+    for name, kw in runs.items():
+        eng.generate(prompts, max_new_tokens=new, **kw)  # compile
+        t0 = time.perf_counter()
+        out[name] = eng.generate(prompts, max_new_tokens=new, **kw)
+        sec = time.perf_counter() - t0
+        m = out[name].metrics
+        extra = f", hits {m.hits}/{m.lookups}" if kw["mode"] == "ssd" else ""
+        print(f"  {name:<14s} {sec * 1e3:8.1f} ms{extra}", flush=True)
+    ok = True
+    for name in ("sd", "ssd reference", "ssd pallas"):
+        try:
+            for p, g, w in zip(prompts, out[name].token_ids, out["ar"].token_ids):
+                assert_greedy_agreement(target.params, cfg, p, g, w)
+            print(f"  {name}: tokens equal plain decoding's (near-tie rule)")
+        except AssertionError as e:
+            print(f"  {name}: MISMATCH with plain decoding: {str(e)[:300]}")
+            ok = False
+    ref, ker = out["ssd reference"], out["ssd pallas"]
+    same = ref.token_ids == ker.token_ids and ref.metrics.hits == ker.metrics.hits
+    print(f"  pallas vs reference SSD: {'same tokens and hits' if same else 'DIFFERENT'}")
+    ok &= same and ker.metrics.hits > 0
+    print("RESULT: " + ("ok" if ok else "FAIL"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
