@@ -13,6 +13,8 @@ s < window; kv head h // G for query head h): the new rows written at the positi
 outside the cache), fp32 logits scaled by D^-0.5, an fp32 softmax, the probabilities rounded to
 the cache dtype, p @ v summed in fp32. The kernel's sums run in an order that does not depend on
 T, so a token's output in a K+1-token verify equals its output in a one-token decode bit for bit.
+Positions are cache lengths plus offsets, so >= 0 (for a negative one the reference's scatter
+would count from the end, while the kernel writes nothing and gives zeros).
 """
 from __future__ import annotations
 
@@ -97,8 +99,8 @@ def attend(q, k_new, v_new, positions, k_cache, v_cache, *, window: int | None =
     tokens), else `reference`. `lax.platform_dependent` keeps the reference for any non-CPU
     lowering."""
     T = q.shape[1]
-    if not (enabled and 0 < T <= MAX_TOKENS and q.dtype in cpu_matmul.DTYPES and q.dtype == k_cache.dtype
-            and v_cache.dtype == k_cache.dtype and jax.default_backend() == "cpu"
+    if not (enabled and 0 < T <= MAX_TOKENS and q.dtype in cpu_matmul.DTYPES
+            and q.dtype == k_cache.dtype == v_cache.dtype and jax.default_backend() == "cpu"
             and cpu_matmul.available()):
         return reference(q, k_new, v_new, positions, k_cache, v_cache, window)
     return jax.lax.platform_dependent(

@@ -9,19 +9,19 @@
 // two cores, and the copies grow with the cache. Here the new K/V rows are written in place (the
 // caches are aliased to the outputs) and each query reads only its visible slots, once.
 //
-// Semantics (models.transformer's `_write` then `cache_attention`): k_new / v_new [B, T, KVH, D]
-// go to slot positions[b, t] of the caches [B, S, KVH, D] (dropped when outside [0, S)); then
-// query (b, t, h) attends to slots s < window with s <= positions[b, t], kv head h / G: fp32 logits
-// q . k * scale, softmax in fp32, the probabilities rounded to the cache dtype (as the reference's
-// p.astype(v.dtype)), p @ v summed in fp32, rounded to the output dtype. Positions are cache
-// lengths plus offsets, so >= 0; a negative one (which the reference would count from the end)
-// writes nothing and its queries give zeros.
+// Semantics (models.cpu_attention's `write`, then `attention` over the first `window` slots):
+// k_new / v_new [B, T, KVH, D] go to slot positions[b, t] of the caches [B, S, KVH, D] (dropped
+// when outside [0, S)); then query (b, t, h) attends to slots s < window with s <= positions[b, t],
+// kv head h / G: fp32 logits q . k * scale, softmax in fp32, the probabilities rounded to the
+// cache dtype (as the reference's p.astype(v.dtype)), p @ v summed in fp32, rounded to the output
+// dtype. Positions are cache lengths plus offsets, so >= 0; a negative one (which the reference
+// would count from the end) writes nothing and its queries give zeros.
 //
 // Order of sums: a logit is 16 lanes over d then a fixed tree (hsum); the softmax and p @ v run over
 // the visible slots in ascending order. Nothing depends on T, B or the thread split, so a token's
 // output in a T-token call equals its output in a one-token call bit for bit.
 
-typedef int32_t i16x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 // hsum's pairwise tree (lanes i + 8, then + 4, + 2, + 1), on the vector unit where there is one.
 inline float hsum_tree(v16 v) {
@@ -82,7 +82,7 @@ inline v16 exp16(v16 x) {
   y = y * r + splat(1.6666665459e-1f);
   y = y * r + splat(5.0000001201e-1f);
   y = y * (r * r) + r + splat(1.f);
-  const i16x16 e = (__builtin_convertvector(n, i16x16) + 127) << 23;
+  const i32x16 e = (__builtin_convertvector(n, i32x16) + 127) << 23;
   v16 two_n;
   std::memcpy(&two_n, &e, sizeof(two_n));
   v16 out = y * two_n;
