@@ -25,7 +25,6 @@ from models import cpu_matmul
 from models.params import DENSE_WEIGHTS, Params
 
 
-
 @struct.dataclass
 class PackedWeight:
     """A bf16 dense weight w [K, N] laid out by `cpu_matmul.pack_bf16` (still shaped [K, N])."""
@@ -58,7 +57,7 @@ def pack_weight(w) -> PackedWeight | jax.Array:
 
 
 def _unpack_weight(w):
-    return _unpack(w.w) if isinstance(w, PackedWeight) else w
+    return w.unpack() if isinstance(w, PackedWeight) else w
 
 
 def pack_params(params: Params) -> Params:
