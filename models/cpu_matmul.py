@@ -54,6 +54,7 @@ _TARGET = "ssd_jax_small_m_matmul"
 _TARGET_INT8 = "ssd_jax_small_m_matmul_int8"
 TARGET_INT4 = "ssd_jax_small_m_matmul_int4"  # called by models/int4.py
 TARGET_ATTENTION = "ssd_jax_cache_attention"  # called by models/cpu_attention.py (built here too)
+TARGET_SWIGLU = "ssd_jax_swiglu"  # called by models/cpu_swiglu.py (built here too)
 _SOURCE = Path(__file__).with_name("cpu_kernels") / "small_m_matmul.cc"  # includes the .h beside it
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-w")
 
@@ -127,6 +128,8 @@ def _load() -> str | None:
         jax.ffi.register_ffi_target(TARGET_INT4, jax.ffi.pycapsule(lib.SsdJaxSmallMMatmulInt4),
                                     platform="cpu")
         jax.ffi.register_ffi_target(TARGET_ATTENTION, jax.ffi.pycapsule(lib.SsdJaxCacheAttention),
+                                    platform="cpu")
+        jax.ffi.register_ffi_target(TARGET_SWIGLU, jax.ffi.pycapsule(lib.SsdJaxSwiglu),
                                     platform="cpu")
         _FEATURES["int8_tiles"] = bool(lib.SsdJaxInt8Tiles())
         _FEATURES["int4"] = bool(lib.SsdJaxInt4())

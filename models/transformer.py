@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from models import cpu_attention, cpu_matmul
+from models import cpu_attention, cpu_matmul, cpu_swiglu
 from models.config import ModelConfig
 from models.kv_cache import KVCache
 from models.params import LayerParams, Params
@@ -100,11 +100,11 @@ def _mlp(lp: LayerParams, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     gu = dense(cfg, h, lp.w_gate_up)
     g = _tp_groups(cfg)
     if g == 1:
-        gate, up = gu[..., : cfg.intermediate_size], gu[..., cfg.intermediate_size:]
-    else:  # columns [g, 2, I / g]: group s holds gate and up columns of the same w_down rows
-        gu = gu.reshape(*gu.shape[:-1], g, 2, cfg.intermediate_size // g)
-        gate = gu[..., 0, :].reshape(*gu.shape[:-3], cfg.intermediate_size)
-        up = gu[..., 1, :].reshape(*gu.shape[:-3], cfg.intermediate_size)
+        return dense(cfg, cpu_swiglu.swiglu(gu, enabled=cfg.cpu_kernels), lp.w_down)
+    # columns [g, 2, I / g]: group s holds gate and up columns of the same w_down rows
+    gu = gu.reshape(*gu.shape[:-1], g, 2, cfg.intermediate_size // g)
+    gate = gu[..., 0, :].reshape(*gu.shape[:-3], cfg.intermediate_size)
+    up = gu[..., 1, :].reshape(*gu.shape[:-3], cfg.intermediate_size)
     return dense(cfg, jax.nn.silu(gate) * up, lp.w_down)
 
 

@@ -84,6 +84,34 @@ def test_a_row_is_the_same_whatever_the_row_count(transpose_w, dtype):
         np.testing.assert_array_equal(np.asarray(f(x[:M], w)), one[:M])
 
 
+def test_concurrent_callers_get_their_serial_results():
+    # Two host threads calling the kernel at once (as two devices' steps would) share its helper
+    # thread's one-slot mailbox (cpu_kernels/parallel.h): a caller that finds it taken or the
+    # helper busy falls back to XLA's pool. Every result must still be the serial one.
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two usable CPUs for the kernel to split its work")
+    from concurrent.futures import ThreadPoolExecutor
+    K, N = 512, 8192
+    calls = [jax.jit(lambda x, w: cpu_matmul.kernel(x, w))]
+    ws = [_rand((K, N), 10), _rand((K, N), 11).astype(jnp.bfloat16)]
+    if cpu_matmul.bf16_strips():
+        calls.append(jax.jit(lambda x, w: cpu_matmul.kernel(x, w, packed=True)))
+        ws[1] = cpu_matmul.pack_bf16(ws[1])
+    else:
+        calls.append(calls[0])
+    xs = [_rand((4, K), 12), _rand((4, K), 13).astype(jnp.bfloat16)]
+    serial = [np.asarray(f(x, w)) for f, x, w in zip(calls, xs, ws)]
+
+    def hammer(i):
+        return [np.asarray(calls[i](xs[i], ws[i])) for _ in range(40)]
+
+    with ThreadPoolExecutor(2) as ex:
+        results = list(ex.map(hammer, [0, 1]))
+    for i in (0, 1):
+        for r in results[i]:
+            np.testing.assert_array_equal(r, serial[i])
+
+
 def _dispatches(fn, *args) -> bool:
     return "ssd_jax_small_m_matmul" in jax.jit(fn).lower(*args).as_text()
 
@@ -158,6 +186,20 @@ def test_kernel_source_compiles_where_the_cpu_lacks_avx512_bf16_or_vnni(march):
                            f"-I{jax.ffi.include_dir()}", str(cpu_matmul._SOURCE)],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_package_ships_every_kernel_source():
+    # The kernel is compiled on the user's machine from these files; one left out of the wheel
+    # (the headers once were) makes an installed ssd_jax fall back to XLA.
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"]["models"]
+    sources = sorted(p.relative_to(root / "models").as_posix()
+                     for p in (root / "models" / "cpu_kernels").iterdir() if p.is_file())
+    assert sources and all(any(fnmatch.fnmatch(s, g) for g in globs) for s in sources), (sources, globs)
 
 
 def test_turned_off_by_the_environment_variable():

@@ -1,6 +1,6 @@
 // Attention of a few new tokens over the KV cache, with the cache write, in one call (models/
-// cpu_attention.py): included by small_m_matmul.cc (it uses v16, load, scalar, to_bf16, hsum and
-// parallel_chunks from there).
+// cpu_attention.py): included by small_m_matmul.cc (it uses v16, load, scalar, to_bf16, hsum,
+// exp16 and parallel_chunks from there).
 //
 // Why: in a decode step XLA ran each layer's attention as ~15 small thunks: the KV write (a
 // scatter with a bounds check, so not in place, then a copy of the cache into the output), a
@@ -20,8 +20,6 @@
 // Order of sums: a logit is 16 lanes over d then a fixed tree (hsum); the softmax and p @ v run over
 // the visible slots in ascending order. Nothing depends on T, B or the thread split, so a token's
 // output in a T-token call equals its output in a one-token call bit for bit.
-
-typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 // hsum's pairwise tree (lanes i + 8, then + 4, + 2, + 1), on the vector unit where there is one.
 inline float hsum_tree(v16 v) {
@@ -65,29 +63,6 @@ inline void row_axpy(float p, const float* v, float* o, int64_t D) {
   int64_t d = 0;
   for (; d + 16 <= D; d += 16) store(o + d, load(o + d) + ps * load(v + d));
   for (; d < D; ++d) o[d] = __builtin_fmaf(p, v[d], o[d]);
-}
-
-// exp(x) for 16 lanes (x <= 0 here: a logit minus the row's max), as Cephes' expf: x = n ln2 + r,
-// |r| <= ln2 / 2, a degree-6 polynomial in r times 2^n; ~1 ulp. Lanes under -87.3 (exp below the
-// smallest normal float) give 0; NaN stays NaN. A scalar expf per slot cost more than the dots.
-inline v16 exp16(v16 x) {
-  const v16 xc = x < splat(-87.3f) ? splat(-87.3f) : x;
-  const v16 magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
-  const v16 n = (xc * splat(1.44269504f) + magic) - magic;
-  const v16 r = xc - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
-  v16 y = splat(1.9875691500e-4f);
-  y = y * r + splat(1.3981999507e-3f);
-  y = y * r + splat(8.3334519073e-3f);
-  y = y * r + splat(4.1665795894e-2f);
-  y = y * r + splat(1.6666665459e-1f);
-  y = y * r + splat(5.0000001201e-1f);
-  y = y * (r * r) + r + splat(1.f);
-  const i32x16 e = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  v16 two_n;
-  std::memcpy(&two_n, &e, sizeof(two_n));
-  v16 out = y * two_n;
-  out = x < splat(-87.3f) ? splat(0.f) : out;
-  return x != x ? x : out;
 }
 
 inline uint16_t store_as(float f, uint16_t*) { return to_bf16(f); }

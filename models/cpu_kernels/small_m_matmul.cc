@@ -17,14 +17,20 @@
 // halves); the vdpbf16ps path is compiled only where the CPU has AVX512_BF16.
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <tuple>
 #include <type_traits>
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -492,34 +498,7 @@ void nt_columns(const float* x, int64_t M, int64_t K, const W* w, int64_t N, flo
   }
 }
 
-struct Work {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  int64_t chunks = 0;
-};
-
-// Runs run(c) for c in [0, chunks) on the pool's threads and the caller's, and returns when all are done.
-template <typename Run>
-void parallel_chunks(ffi::ThreadPool& pool, int64_t chunks, Run run) {
-  const int64_t threads = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), chunks);
-  if (threads <= 1) {
-    for (int64_t c = 0; c < chunks; ++c) run(c);
-    return;
-  }
-  auto work = std::make_shared<Work>();
-  work->chunks = chunks;
-  // Workers take chunks until none is left; one scheduled late finds none and touches nothing,
-  // so the caller only waits for chunks actually taken and cannot deadlock on a busy pool.
-  auto drain = [work, run]() {
-    for (int64_t c; (c = work->next.fetch_add(1)) < work->chunks;) {
-      run(c);
-      work->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t t = 1; t < threads; ++t) pool.Schedule([drain]() { drain(); });
-  drain();
-  while (work->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
-}
+#include "parallel.h"
 
 // op [M, N] = xp [M, K] @ w, fp32 in and out, w [K, N] (or [N, K] with transpose_w) of type W.
 template <typename X, typename W>
@@ -577,20 +556,30 @@ void matmul(ffi::ThreadPool& pool, const X* xp, const uint16_t* xh, const W* wp,
 
 #include "bf16_strips.h"
 #include "int4_groups.h"
+#include "exp16.h"
 #include "cache_attention.h"
+#include "swiglu.h"
 
 // op [M, N] = xh [M, K] @ w packed in strips (bf16_strips.h). Threads take runs of whole strips,
-// about four runs a thread so that one started late still finds work; a run is one contiguous
-// block of w.
+// each one contiguous block of w, from a list that starts with long runs (what the prefetchers
+// need) and ends with single strips, so the thread that finishes first waits for at most one
+// strip (w_down's: 573 KiB, ~40 us at half the bus). With runs of at least four strips the two
+// threads' ends were still ~60 us apart (median) on w_down and w_gate_up; the single strips' own
+// gain was within the VM's noise.
 void matmul_strips(ffi::ThreadPool& pool, const uint16_t* xh, const uint16_t* wp, float* op,
                    int64_t M, int64_t K, int64_t N) {
   const int64_t strips = N / kStripCols;
-  const int64_t runs = 4 * std::max<int64_t>(pool.num_threads(), 1);
-  int64_t step = (strips + runs - 1) / runs;
-  step = (step + kStripGroup - 1) / kStripGroup * kStripGroup;
-  const int64_t chunks = (strips + step - 1) / step;
-  parallel_chunks(pool, chunks, [=](int64_t c) {
-    strip_columns(xh, M, K, wp, N, op, c * step, std::min(strips, (c + 1) * step));
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  std::vector<int64_t> bounds{0};
+  for (int64_t left = strips; left > 0;) {
+    int64_t run = (left + 2 * threads - 1) / (2 * threads);
+    if (run > kStripGroup) run = std::min(left, (run + kStripGroup - 1) / kStripGroup * kStripGroup);
+    left -= run;
+    bounds.push_back(strips - left);
+  }
+  const int64_t* b = bounds.data();
+  parallel_chunks(pool, int64_t(bounds.size()) - 1, [=](int64_t c) {
+    strip_columns(xh, M, K, wp, N, op, b[c], b[c + 1]);
   });
 }
 
@@ -790,6 +779,26 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
+// out [..., I] = silu(gate) * up for gate_up [..., 2I] (swiglu.h).
+ffi::Error Swiglu(ffi::ThreadPool pool, ffi::AnyBuffer gate_up, ffi::Result<ffi::AnyBuffer> out) {
+  const auto gd = gate_up.dimensions(), od = out->dimensions();
+  const auto t = gate_up.element_type();
+  if (!f32_or_bf16(t) || out->element_type() != t)
+    return ffi::Error::InvalidArgument("swiglu: gate_up and out must share one dtype, float32 or bfloat16");
+  if (gd.size() < 1 || gd.size() != od.size() || gd.back() != 2 * od.back() ||
+      !std::equal(gd.begin(), gd.end() - 1, od.begin()))
+    return ffi::Error::InvalidArgument("swiglu: gate_up [..., 2I] and out [..., I]");
+  const int64_t I = od.back();
+  const int64_t M = I == 0 ? 0 : int64_t(out->element_count()) / I;
+  if (t == ffi::DataType::BF16)
+    swiglu(pool, static_cast<const uint16_t*>(gate_up.untyped_data()),
+           static_cast<uint16_t*>(out->untyped_data()), M, I);
+  else
+    swiglu(pool, static_cast<const float*>(gate_up.untyped_data()),
+           static_cast<float*>(out->untyped_data()), M, I);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SsdJaxSmallMMatmul, SmallMMatmul,
@@ -831,6 +840,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SsdJaxCacheAttention, CacheAttention,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("window")
                                   .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SsdJaxSwiglu, Swiglu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
 
 // Whether SsdJaxSmallMMatmulInt4 serves (models/int4.py `kernel_available`).
 extern "C" int SsdJaxInt4() { return kHasInt4 ? 1 : 0; }
