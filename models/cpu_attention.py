@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import cpu_matmul, rope
+from models import cpu_matmul
 
 MAX_TOKENS = 16  # new tokens per sequence the kernel serves (decode, verify, catch-up); more: XLA
 _NEG_INF = -1e30
@@ -109,75 +109,4 @@ def attend(q, k_new, v_new, positions, k_cache, v_cache, *, window: int | None =
         default=functools.partial(reference, window=window))
 
 
-def split_qkv(qkv, heads: int, kv_heads: int):
-    """qkv [B, T, (H + 2 KVH) D] (q heads, then k, then v) -> q [B, T, H, D], k, v [B, T, KVH, D]."""
-    B, T, width = qkv.shape
-    D = width // (heads + 2 * kv_heads)
-    if D * (heads + 2 * kv_heads) != width or D % 2:
-        raise ValueError(f"qkv's last dim {width} is not (heads {heads} + 2 x kv_heads {kv_heads})"
-                         f" x an even head dim")
-    q = qkv[..., : heads * D].reshape(B, T, heads, D)
-    k = qkv[..., heads * D: (heads + kv_heads) * D].reshape(B, T, kv_heads, D)
-    v = qkv[..., (heads + kv_heads) * D:].reshape(B, T, kv_heads, D)
-    return q, k, v
-
-
-def reference_qkv(qkv, cos, sin, positions, k_cache, v_cache, heads: int,
-                  window: int | None = None):
-    """`reference` from the fused projection: qkv [B, T, (H + 2 KVH) D] split (`split_qkv`), q and
-    k rotated by cos / sin [B, T, D / 2] (`models.rope.rotate`); the rest as `reference`."""
-    q, k, v = split_qkv(qkv, heads, k_cache.shape[2])
-    return reference(rope.rotate(q, cos, sin), rope.rotate(k, cos, sin), v, positions, k_cache,
-                     v_cache, window)
-
-
-def kernel_qkv(qkv, cos, sin, positions, k_cache, v_cache, heads: int,
-               window: int | None = None):
-    """The FFI call of `reference_qkv` (CPU only): the split and the rotation run in the kernel,
-    each product and sum rounded to the dtype as XLA rounds bf16 ops, so the rotated keys written
-    to the cache equal the reference's bit for bit. The caches are aliased to the outputs."""
-    if not cpu_matmul.available():
-        raise RuntimeError("the CPU kernels are not available on this machine")
-    B, T, _ = qkv.shape
-    S, KVH, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    W = S if window is None else int(window)
-    dt = k_cache.dtype
-    if (qkv.dtype not in cpu_matmul.DTYPES or qkv.dtype != dt or v_cache.dtype != dt
-            or cos.dtype != dt or sin.dtype != dt):
-        raise ValueError(f"kernel_qkv takes qkv, cos, sin and caches of one dtype, float32 or "
-                         f"bfloat16; got qkv {qkv.dtype}, cos {cos.dtype}, sin {sin.dtype}, "
-                         f"k_cache {dt}, v_cache {v_cache.dtype}")
-    split_qkv(qkv, heads, KVH)  # checks the width
-    if (k_cache.shape[0] != B or v_cache.shape != k_cache.shape or heads % KVH
-            or cos.shape != (B, T, D // 2) or sin.shape != cos.shape or positions.shape != (B, T)):
-        raise ValueError(f"inconsistent shapes: qkv {qkv.shape} with {heads} heads, cos "
-                         f"{cos.shape}, sin {sin.shape}, positions {positions.shape}, caches "
-                         f"{k_cache.shape}, {v_cache.shape}")
-    if not 1 <= W <= S:
-        raise ValueError(f"window {W} must be in [1, {S}]")
-    outs = (jax.ShapeDtypeStruct((B, T, heads * D), dt), jax.ShapeDtypeStruct(k_cache.shape, dt),
-            jax.ShapeDtypeStruct(v_cache.shape, dt))
-    return jax.ffi.ffi_call(cpu_matmul.TARGET_QKV_ATTENTION, outs, input_output_aliases={4: 1, 5: 2})(
-        qkv, cos, sin, positions.astype(jnp.int32), k_cache, v_cache, window=W,
-        scale=np.float32(D ** -0.5), heads=int(heads))
-
-
-def attend_qkv(qkv, cos, sin, positions, k_cache, v_cache, *, heads: int,
-               window: int | None = None, enabled: bool = True):
-    """`kernel_qkv` where `attend` would take the kernel (and cos / sin in the caches' dtype),
-    else `reference_qkv`. Saves a decode step the ~15 small XLA thunks a layer of the split and
-    the rotation."""
-    T = qkv.shape[1]
-    dt = k_cache.dtype
-    if not (enabled and 0 < T <= MAX_TOKENS and dt in cpu_matmul.DTYPES
-            and qkv.dtype == dt == v_cache.dtype == cos.dtype == sin.dtype
-            and jax.default_backend() == "cpu" and cpu_matmul.available()):
-        return reference_qkv(qkv, cos, sin, positions, k_cache, v_cache, heads, window)
-    return jax.lax.platform_dependent(
-        qkv, cos, sin, positions, k_cache, v_cache,
-        cpu=functools.partial(kernel_qkv, heads=heads, window=window),
-        default=functools.partial(reference_qkv, heads=heads, window=window))
-
-
-__all__ = ["MAX_TOKENS", "attend", "attend_qkv", "attention", "kernel", "kernel_qkv", "reference",
-           "reference_qkv", "split_qkv", "write"]
+__all__ = ["MAX_TOKENS", "attend", "attention", "kernel", "reference", "write"]

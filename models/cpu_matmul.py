@@ -54,7 +54,6 @@ _TARGET = "ssd_jax_small_m_matmul"
 _TARGET_INT8 = "ssd_jax_small_m_matmul_int8"
 TARGET_INT4 = "ssd_jax_small_m_matmul_int4"  # called by models/int4.py
 TARGET_ATTENTION = "ssd_jax_cache_attention"  # called by models/cpu_attention.py (built here too)
-TARGET_QKV_ATTENTION = "ssd_jax_qkv_attention"  # models/cpu_attention.py too
 TARGET_SWIGLU = "ssd_jax_swiglu"  # called by models/cpu_swiglu.py (built here too)
 _SOURCE = Path(__file__).with_name("cpu_kernels") / "small_m_matmul.cc"  # includes the .h beside it
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC", "-shared", "-w")
@@ -130,8 +129,6 @@ def _load() -> str | None:
                                     platform="cpu")
         jax.ffi.register_ffi_target(TARGET_ATTENTION, jax.ffi.pycapsule(lib.SsdJaxCacheAttention),
                                     platform="cpu")
-        jax.ffi.register_ffi_target(TARGET_QKV_ATTENTION,
-                                    jax.ffi.pycapsule(lib.SsdJaxQkvAttention), platform="cpu")
         jax.ffi.register_ffi_target(TARGET_SWIGLU, jax.ffi.pycapsule(lib.SsdJaxSwiglu),
                                     platform="cpu")
         _FEATURES["int8_tiles"] = bool(lib.SsdJaxInt8Tiles())

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from models import cpu_attention, cpu_matmul, cpu_swiglu, rope
+from models import cpu_attention, cpu_matmul, cpu_swiglu
 from models.config import ModelConfig
 from models.kv_cache import KVCache
 from models.params import LayerParams, Params
@@ -38,7 +38,13 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 
 def apply_rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
     """x [..., N, D] at positions [...] (rotate-half convention of HF Llama/Qwen)."""
-    return rope.rotate(x, *rope.tables(positions, cfg, x.dtype))
+    inv = jnp.asarray(cfg.inv_freq())
+    ang = positions[..., None].astype(jnp.float32) * inv  # [..., D/2]
+    cos = jnp.cos(ang)[..., None, :].astype(x.dtype)
+    sin = jnp.sin(ang)[..., None, :].astype(x.dtype)
+    half = cfg.head_dim // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 def dense(cfg: ModelConfig, x: jax.Array, w: jax.Array | Int8Weight | Int4Weight | PackedWeight,
@@ -64,20 +70,19 @@ def _tp_groups(cfg: ModelConfig) -> int:
     return int(getattr(cfg, "tp_groups", 1))
 
 
-def _qkv_proj(lp: LayerParams, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    """x [B, T, E] -> the fused projection qkv [B, T, (H + 2 KVH) D] (normed input, bias added)."""
-    qkv = dense(cfg, rms_norm(x, lp.attn_norm, cfg.rms_norm_eps), lp.wqkv)
-    return qkv if lp.bqkv is None else qkv + lp.bqkv
-
-
 def _qkv(lp: LayerParams, cfg: ModelConfig, x: jax.Array, positions: jax.Array):
     """x [B, T, E] -> q [B, T, H, D], k, v [B, T, KVH, D] (normed, rotated)."""
     H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    qkv = _qkv_proj(lp, cfg, x)
+    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+    qkv = dense(cfg, h, lp.wqkv)
+    if lp.bqkv is not None:
+        qkv = qkv + lp.bqkv
     lead = x.shape[:-1]
     g = _tp_groups(cfg)
     if g == 1:
-        q, k, v = cpu_attention.split_qkv(qkv, H, KVH)
+        q = qkv[..., : H * D].reshape(*lead, H, D)
+        k = qkv[..., H * D: (H + KVH) * D].reshape(*lead, KVH, D)
+        v = qkv[..., (H + KVH) * D:].reshape(*lead, KVH, D)
     else:  # columns [g, (H + 2 KVH) / g, D]: group s holds whole heads of q, k and v
         hg, kg = H // g, KVH // g
         qkv = qkv.reshape(*lead, g, hg + 2 * kg, D)
@@ -131,17 +136,11 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache,
     W = cache.max_len if window is None else min(int(window), cache.max_len)
     positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     x = params.embed[tokens]
-    cos, sin = rope.tables(positions, cfg, x.dtype)
     new_k, new_v = [], []
     for lp, kc, vc in zip(params.layers, cache.k, cache.v):
-        if _tp_groups(cfg) == 1 and lp.q_norm is None:  # split and rotated in the CPU kernel
-            att, kc, vc = cpu_attention.attend_qkv(
-                _qkv_proj(lp, cfg, x), cos, sin, positions, kc, vc, heads=cfg.num_heads,
-                window=W, enabled=cfg.cpu_kernels)
-        else:
-            q, k, v = _qkv(lp, cfg, x, positions)
-            att, kc, vc = cpu_attention.attend(q, k, v, positions, kc, vc, window=W,
-                                               enabled=cfg.cpu_kernels)
+        q, k, v = _qkv(lp, cfg, x, positions)
+        att, kc, vc = cpu_attention.attend(q, k, v, positions, kc, vc, window=W,
+                                           enabled=cfg.cpu_kernels)
         x = x + dense(cfg, att, lp.wo)
         x = x + _mlp(lp, cfg, x)
         new_k.append(kc)

@@ -135,48 +135,13 @@ void cache_attention(ffi::ThreadPool& pool, const T* q, const T* k_new, const T*
     attend_group(q + (bt * H + h * G) * D, k + b * S * row + h * D, v + b * S * row + h * D, row,
                  n, G, D, scale, out + (bt * H + h * G) * D);
   };
-  // One thread for little work, where a fork and join would cost more. A 1.5B decode over 200 slots
-  // (307k slot x head x dim products) took 44-50 us a layer on two threads, 61 on one.
+  // One thread for little work (a decode over a few hundred slots): a fork and join would cost more.
   int64_t work = 0;
   for (int64_t bt = 0; bt < B * Tn; ++bt)
     work += std::min<int64_t>(window, std::max<int64_t>(positions[bt] + 1, 1));
-  if (work * H * D < (int64_t(1) << 16)) {
+  if (work * H * D < (int64_t(1) << 20)) {
     for (int64_t c = 0; c < items; ++c) run(c);
   } else {
     parallel_chunks(pool, items, run);
-  }
-}
-
-// The rotation's halves as XLA:CPU computes them: in fp32 it contracts x1 c - x2 s into
-// fma(x1, c, -(x2 s)) and x2 c + x1 s into fma(x2, c, x1 s); in bf16 every product and sum is
-// rounded to bf16 first (so nothing to contract). The rotated keys then equal its own bit for bit.
-inline void rotate_pair(float x1, float x2, float c, float s, float* o1, float* o2) {
-  *o1 = __builtin_fmaf(x1, c, -(x2 * s));
-  *o2 = __builtin_fmaf(x2, c, x1 * s);
-}
-inline void rotate_pair(uint16_t x1h, uint16_t x2h, uint16_t ch, uint16_t sh, uint16_t* o1,
-                        uint16_t* o2) {
-  const float x1 = scalar(x1h), x2 = scalar(x2h), c = scalar(ch), s = scalar(sh);
-  auto r = [](float f) { return scalar(to_bf16(f)); };
-  *o1 = to_bf16(r(x1 * c) - r(x2 * s));
-  *o2 = to_bf16(r(x2 * c) + r(x1 * s));
-}
-
-// qkv [B, T, (H + 2 KVH) D] (q heads, then k, then v) -> q [B, T, H, D], k_new and v_new
-// [B, T, KVH, D], q and k rotated with cos / sin [B, T, D / 2] (rotate-half, as the reference's
-// x1 c - x2 s, x2 c + x1 s, computed as rotate_pair says).
-template <typename T>
-void split_rotate(const T* qkv, const T* cos, const T* sin, int64_t BT, int64_t H, int64_t KVH,
-                  int64_t D, T* q, T* k, T* v) {
-  const int64_t half = D / 2, width = (H + 2 * KVH) * D;
-  for (int64_t bt = 0; bt < BT; ++bt) {
-    const T* c = cos + bt * half;
-    const T* s = sin + bt * half;
-    for (int64_t h = 0; h < H + KVH; ++h) {
-      const T* x = qkv + bt * width + h * D;
-      T* o = h < H ? q + (bt * H + h) * D : k + (bt * KVH + h - H) * D;
-      for (int64_t i = 0; i < half; ++i) rotate_pair(x[i], x[i + half], c[i], s[i], o + i, o + i + half);
-    }
-    std::memcpy(v + bt * KVH * D, qkv + bt * width + (H + KVH) * D, KVH * D * sizeof(T));
   }
 }

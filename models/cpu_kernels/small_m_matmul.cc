@@ -779,59 +779,6 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
-// As CacheAttention, from the fused projection: qkv [B, T, (H + 2 KVH) D] is split and its q and k
-// rotated with cos / sin [B, T, D / 2] first (split_rotate).
-ffi::Error QkvAttention(ffi::ThreadPool pool, ffi::AnyBuffer qkv, ffi::AnyBuffer cos,
-                        ffi::AnyBuffer sin, ffi::AnyBuffer positions, ffi::AnyBuffer k_cache,
-                        ffi::AnyBuffer v_cache, ffi::Result<ffi::AnyBuffer> out,
-                        ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
-                        int64_t window, float scale, int64_t heads) {
-  auto xd = qkv.dimensions();
-  auto kd = k_cache.dimensions();
-  auto cd = cos.dimensions();
-  if (xd.size() != 3 || kd.size() != 4 || cd.size() != 3 || positions.dimensions().size() != 2)
-    return ffi::Error::InvalidArgument(
-        "qkv_attention: qkv [B, T, (H + 2 KVH) D], cos / sin [B, T, D / 2], positions [B, T] and "
-        "caches [B, S, KVH, D]");
-  const int64_t B = xd[0], Tn = xd[1], S = kd[1], KVH = kd[2], D = kd[3], H = heads;
-  const auto t = qkv.element_type();
-  if (!f32_or_bf16(t) || cos.element_type() != t || sin.element_type() != t ||
-      k_cache.element_type() != t || v_cache.element_type() != t || out->element_type() != t ||
-      positions.element_type() != ffi::DataType::S32)
-    return ffi::Error::InvalidArgument(
-        "qkv_attention: qkv, cos, sin, the caches and out must share one dtype (float32 or "
-        "bfloat16), positions int32");
-  auto same_dims = [](auto a, auto b) {
-    return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
-  };
-  if (H <= 0 || KVH <= 0 || H % KVH != 0 || D % 2 != 0 || kd[0] != B ||
-      xd[2] != (H + 2 * KVH) * D || cd[0] != B || cd[1] != Tn || cd[2] != D / 2 ||
-      !same_dims(sin.dimensions(), cd) || !same_dims(v_cache.dimensions(), kd) ||
-      positions.dimensions()[0] != B || positions.dimensions()[1] != Tn)
-    return ffi::Error::InvalidArgument("qkv_attention: inconsistent shapes");
-  if (window < 1 || window > S)
-    return ffi::Error::InvalidArgument("qkv_attention: window must be in [1, S]");
-  const size_t cache_bytes = k_cache.size_bytes();
-  if (k_out->untyped_data() != k_cache.untyped_data())
-    std::memcpy(k_out->untyped_data(), k_cache.untyped_data(), cache_bytes);
-  if (v_out->untyped_data() != v_cache.untyped_data())
-    std::memcpy(v_out->untyped_data(), v_cache.untyped_data(), cache_bytes);
-  const int32_t* pos = static_cast<const int32_t*>(positions.untyped_data());
-  auto run = [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    std::vector<T> q(B * Tn * H * D), k(B * Tn * KVH * D), v(B * Tn * KVH * D);
-    split_rotate(static_cast<const T*>(qkv.untyped_data()), static_cast<const T*>(cos.untyped_data()),
-                 static_cast<const T*>(sin.untyped_data()), B * Tn, H, KVH, D, q.data(), k.data(),
-                 v.data());
-    cache_attention(pool, q.data(), k.data(), v.data(), pos, static_cast<T*>(k_out->untyped_data()),
-                    static_cast<T*>(v_out->untyped_data()), static_cast<T*>(out->untyped_data()), B,
-                    Tn, H, KVH, D, S, window, scale);
-  };
-  if (t == ffi::DataType::BF16) run(static_cast<uint16_t*>(nullptr));
-  else run(static_cast<float*>(nullptr));
-  return ffi::Error::Success();
-}
-
 // out [..., I] = silu(gate) * up for gate_up [..., 2I] (swiglu.h).
 ffi::Error Swiglu(ffi::ThreadPool pool, ffi::AnyBuffer gate_up, ffi::Result<ffi::AnyBuffer> out) {
   const auto gd = gate_up.dimensions(), od = out->dimensions();
@@ -893,22 +840,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SsdJaxCacheAttention, CacheAttention,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("window")
                                   .Attr<float>("scale"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SsdJaxQkvAttention, QkvAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("window")
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("heads"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SsdJaxSwiglu, Swiglu,
                               ffi::Ffi::Bind()
