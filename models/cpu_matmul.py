@@ -106,6 +106,7 @@ def _build(cxx: str, out_dir: Path) -> Path:
 
 
 _FEATURES = {"int8_tiles": False, "bf16_strips": False, "int4": False}  # what the built kernel supports, set by _load
+_LIB = [None]  # the loaded kernel library (ctypes), set by _load
 
 
 @functools.cache
@@ -134,6 +135,7 @@ def _load() -> str | None:
         _FEATURES["int8_tiles"] = bool(lib.SsdJaxInt8Tiles())
         _FEATURES["int4"] = bool(lib.SsdJaxInt4())
         _FEATURES["bf16_strips"] = bool(lib.SsdJaxBf16Strips())
+        _LIB[0] = lib
     except (OSError, RuntimeError, AttributeError) as e:
         warnings.warn(f"ssd_jax: the small-M CPU matmul kernel did not build ({e}); using XLA",
                       stacklevel=3)
@@ -144,6 +146,15 @@ def _load() -> str | None:
 def available() -> bool:
     """Whether the kernel is built and registered on this machine (builds it on the first call)."""
     return _load() is not None
+
+
+def use_helper_thread(on: bool) -> None:
+    """Whether the kernels split their work with their own helper thread (the default) or with
+    XLA's intra-op pool alone (cpu_kernels/parallel.h says why the helper): a switch for A/B
+    runs such as benchmarks/ab_decode_step.py. Takes effect from the next kernel call."""
+    if _load() is None:
+        raise RuntimeError("the CPU kernels are not available on this machine")
+    _LIB[0].SsdJaxUseHelper(int(bool(on)))
 
 
 def has_feature(name: str) -> bool:

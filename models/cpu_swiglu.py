@@ -2,9 +2,10 @@
 (models/cpu_kernels/swiglu.h, built with the small-M matmul).
 
 Why: between w_gate_up and w_down XLA:CPU runs it as one fusion split into two tasks for its
-intra-op pool. Waking a pool thread cost 40-90 us a call for ~5 us of work: 28 calls a decode step
-of the 1.5B target, 1-2.5 ms of a ~100 ms step on two cores. The kernel does a decode's values on
-the calling thread.
+intra-op pool. Waking a pool thread cost 40-90 us a call for ~5 us of work, 28 calls a decode step
+of the 1.5B target. The kernel does a decode's values on the calling thread in ~14 us (with the
+FFI call); with XLA's fusion instead the step took 1.0-1.9% longer on two cores
+(benchmarks/ab_decode_step.py, `xla-swiglu`).
 
 Both compute, for gate_up [..., 2I] with the gate's columns first, the reference's ops each
 rounded to its dtype: e = exp(-gate), a = e + 1, d = 1 / a, s = gate * d, out = s * up. The

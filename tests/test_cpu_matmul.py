@@ -112,6 +112,23 @@ def test_concurrent_callers_get_their_serial_results():
             np.testing.assert_array_equal(r, serial[i])
 
 
+def test_results_do_not_depend_on_the_helper_thread():
+    # With the helper off every call splits its work on XLA's pool alone (cpu_kernels/parallel.h);
+    # whoever runs a chunk, its sums are the same.
+    K, N = 512, 8192
+    w, x = _rand((K, N), 14), _rand((5, K), 15)
+    f = jax.jit(lambda x, w: cpu_matmul.kernel(x, w))
+    with_helper = np.asarray(f(x, w))
+    try:
+        cpu_matmul.use_helper_thread(False)
+        without = [np.asarray(f(x, w)) for _ in range(3)]
+    finally:
+        cpu_matmul.use_helper_thread(True)
+    for r in without:
+        np.testing.assert_array_equal(r, with_helper)
+    np.testing.assert_array_equal(np.asarray(f(x, w)), with_helper)
+
+
 def _dispatches(fn, *args) -> bool:
     return "ssd_jax_small_m_matmul" in jax.jit(fn).lower(*args).as_text()
 

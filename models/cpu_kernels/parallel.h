@@ -3,20 +3,22 @@
 //
 // Why a helper thread of our own: a decode step calls the threaded kernels ~140 times, 0.1-2 ms
 // apart, with a few small XLA thunks between. A pool thread woken by Schedule for each call started
-// 36-50 us late on average (2-core VM; timestamps around the drains), so wo's and wqkv's ~150-200 us
-// calls ran a quarter of their time on one thread. Our helper polls a one-slot mailbox every kPoll
-// for kLinger after its last job, then sleeps on a condition variable: its mean start was 10-12
-// us, and a decode step of the 1.5B target 0.2-3.4% faster (median 0.9%) than with Schedule alone
-// in seven A/B runs that switched between the two every few steps in one process (through a
-// temporary entry point, not kept). It is not a pool thread: a pool thread kept polling starved
-// XLA's own parallel fusions (the SwiGLU's, before swiglu.h, went from 40 to 90 us a call). And a
-// helper spinning on sched_yield, though it started jobs in 2-3 us, made the step no faster (the
-// two vCPUs may share a core). Whoever drains a chunk, its sums are the same, so
-// results do not depend on who ran what.
+// 36-50 us late on average (2-core VM; timestamps around the drains), so wo's and wqkv's ~150-200
+// us calls ran a quarter of their time on one thread. Our helper polls a one-slot mailbox every
+// kPoll for kLinger after its last job, then sleeps on a condition variable: its mean start was
+// 10-12 us, and without it a decode step of the 1.5B target took 1.1-1.5% longer (the per-round
+// medians of benchmarks/ab_decode_step.py's `no-helper`, two runs).
+//
+// It is not a pool thread: a pool thread kept polling starved XLA's own parallel fusions (the
+// SwiGLU's, before swiglu.h, went from 40 to 90 us a call). And a helper spinning on sched_yield,
+// though it started jobs in 2-3 us, made the step no faster (the two vCPUs may share a core).
+// Whoever drains a chunk, its sums are the same, so results do not depend on who ran what.
 //
 // Safety: the caller returns only after every chunk taken is done and, if its job went through
 // the mailbox, after the helper let go of it; a job nobody took is taken back. Two callers at once
 // (two devices' steps) find the mailbox full or the helper busy and fall back to Schedule.
+// Off: every call schedules on XLA's pool, as before the helper (SsdJaxUseHelper, for A/B runs).
+inline std::atomic<bool> g_use_helper{true};
 constexpr auto kLinger = std::chrono::microseconds(500);
 constexpr auto kPoll = std::chrono::microseconds(2);  // the VM's timers make it ~10 us
 
@@ -111,7 +113,7 @@ void parallel_chunks(ffi::ThreadPool& pool, int64_t chunks, Run run) {
   job->fn = [](const void* ctx, int64_t c) { (*static_cast<const Run*>(ctx))(c); };
   job->ctx = &run;
   Helper& helper = Helper::get();
-  const bool posted = helper.post(job.get());
+  const bool posted = g_use_helper.load(std::memory_order_relaxed) && helper.post(job.get());
   // One scheduled late finds no chunk left and only touches `next` (the shared_ptr keeps it alive),
   // so the caller waits only for chunks actually taken and cannot deadlock on a busy pool.
   for (int64_t t = posted ? 2 : 1; t < threads; ++t) pool.Schedule([job]() { job->drain(); });

@@ -563,9 +563,9 @@ void matmul(ffi::ThreadPool& pool, const X* xp, const uint16_t* xh, const W* wp,
 // op [M, N] = xh [M, K] @ w packed in strips (bf16_strips.h). Threads take runs of whole strips,
 // each one contiguous block of w, from a list that starts with long runs (what the prefetchers
 // need) and ends with single strips, so the thread that finishes first waits for at most one
-// strip (w_down's: 573 KiB, ~40 us at half the bus). With runs of at least four strips the two
-// threads' ends were still ~60 us apart (median) on w_down and w_gate_up; the single strips' own
-// gain was within the VM's noise.
+// strip (w_down's: 573 KiB, ~40 us at half the bus). With four equal runs a thread a decode step
+// of the 1.5B target took 1-3% longer (two runs of per-step interleaved A/B, the method of
+// benchmarks/ab_decode_step.py, through a switch not kept).
 void matmul_strips(ffi::ThreadPool& pool, const uint16_t* xh, const uint16_t* wp, float* op,
                    int64_t M, int64_t K, int64_t N) {
   const int64_t strips = N / kStripCols;
@@ -855,3 +855,6 @@ extern "C" int SsdJaxInt8Tiles() { return kHasTiles ? 1 : 0; }
 
 // Whether SsdJaxSmallMMatmul takes packed bf16 w (models/cpu_matmul.py `bf16_strips`).
 extern "C" int SsdJaxBf16Strips() { return kHasStrips ? 1 : 0; }
+
+// Turns the kernels' helper thread on or off (parallel.h; models/cpu_matmul.py `use_helper_thread`).
+extern "C" void SsdJaxUseHelper(int on) { g_use_helper = on != 0; }
