@@ -1,6 +1,6 @@
 // Attention of a few new tokens over the KV cache, with the cache write, in one call (models/
-// cpu_attention.py): included by small_m_matmul.cc (it uses v16, load, scalar, to_bf16, hsum,
-// exp16 and parallel_chunks from there).
+// cpu_attention.py): included by small_m_matmul.cc (it uses v16, load, scalar, to_bf16,
+// bf16_round, hsum, exp16 and parallel_chunks from there).
 //
 // Why: in a decode step XLA ran each layer's attention as ~15 small thunks: the KV write (a
 // scatter with a bounds check, so not in place, then a copy of the cache into the output), a
@@ -35,16 +35,8 @@ inline float hsum_tree(v16 v) {
 #endif
 }
 
-// x / l rounded to the cache dtype, 16 lanes (bf16: to nearest even, as to_bf16; x finite here).
-inline v16 normalise(v16 x, float l, uint16_t*) {
-  const v16 y = x / splat(l);
-  u32x16 u;
-  std::memcpy(&u, &y, sizeof(u));
-  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-  v16 r;
-  std::memcpy(&r, &u, sizeof(r));
-  return r;
-}
+// x / l rounded to the cache dtype, 16 lanes (bf16: to nearest even, as to_bf16).
+inline v16 normalise(v16 x, float l, uint16_t*) { return bf16_round(x / splat(l)); }
 inline v16 normalise(v16 x, float l, float*) { return x / splat(l); }
 
 // Logit of one query row against one cache row (both fp32 here): per-lane products, then hsum.

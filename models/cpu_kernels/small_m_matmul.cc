@@ -97,6 +97,17 @@ inline uint16_t to_bf16(float f) {  // round to nearest even; NaN stays NaN
   return uint16_t(u >> 16);
 }
 inline v16 splat(float s) { return v16{} + s; }
+// 16 lanes rounded to bf16 as to_bf16 does, kept as fp32 (the low halves zero). A NaN is quieted
+// instead, so that its top half, what a bf16 store keeps, is a NaN too.
+inline v16 bf16_round(v16 x) {
+  u32x16 u;
+  std::memcpy(&u, &x, sizeof(u));
+  const u32x16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  const u32x16 out = x != x ? (u | 0x00400000u) : rounded;
+  v16 r;
+  std::memcpy(&r, &out, sizeof(r));
+  return r;
+}
 
 inline float hsum(v16 v) {
   // A fixed pairwise tree, so the order never depends on the caller.

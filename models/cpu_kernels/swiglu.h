@@ -1,5 +1,5 @@
 // SwiGLU: out [M, I] = silu(gate) * up for gate_up [M, 2I] (gate columns first), included by
-// small_m_matmul.cc (it uses v16, load, splat, exp16 and parallel_chunks from there).
+// small_m_matmul.cc (it uses v16, load, splat, bf16_round, exp16 and parallel_chunks from there).
 //
 // Why: between w_gate_up and w_down XLA:CPU ran this as one fusion split in two tasks for its
 // intra-op pool, and waking a pool thread cost 40-90 us a call (28 a decode step of the 1.5B
@@ -11,15 +11,6 @@
 // value, 2M random fp32 ones; tests/test_cpu_swiglu.py). Elementwise, so a token's value does not
 // depend on M or on the other rows.
 
-// x rounded to bf16 and back (to nearest even), NaN kept.
-inline v16 bf16_round(v16 x) {
-  u32x16 u;
-  std::memcpy(&u, &x, sizeof(u));
-  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-  v16 r;
-  std::memcpy(&r, &u, sizeof(r));
-  return x != x ? x : r;
-}
 inline v16 op_round(v16 x, uint16_t*) { return bf16_round(x); }
 inline v16 op_round(v16 x, float*) { return x; }
 
