@@ -49,11 +49,11 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from models import cpu_attention, cpu_matmul, cpu_swiglu
-    from models.kv_cache import init_cache
-    from models.load import load_model
-    from ssd_jax import steps
-    from ssd_jax.sampling import SamplingParams
+    from ssd_jax.models import cpu_attention, cpu_matmul, cpu_swiglu
+    from ssd_jax.models.kv_cache import init_cache
+    from ssd_jax.models.load import load_model
+    from ssd_jax.algorithm import steps
+    from ssd_jax.algorithm.sampling import SamplingParams
 
     if not cpu_matmul.available():
         sys.exit("the CPU kernels are not available here: nothing to compare")

@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from models import cpu_attention
+    from ssd_jax.models import cpu_attention
 
     H, KVH, D, dt = 12, 2, 128, jnp.bfloat16
     rng = np.random.default_rng(0)

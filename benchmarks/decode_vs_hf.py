@@ -4,11 +4,11 @@ each in its own subprocess pinned to the same cores, plus the memory bandwidth t
     python benchmarks/decode_vs_hf.py                      # cores "0" then "0,1", all frameworks
     python benchmarks/decode_vs_hf.py --cores 0,1 --iters 8
 
-Both frameworks run on the same weights: the GGUF dequantized by `models.loading.gguf.load_gguf`
+Both frameworks run on the same weights: the GGUF dequantized by `ssd_jax.models.loading.gguf.load_gguf`
 (ssd_jax restores its orbax copy of those; HF gets them as a state dict). The KV cache holds
 `--context` (default 200) tokens; every timed call starts from that length (the cache is rolled back /
-cropped between calls). ssd_jax times `ssd_jax.steps.decode` (forward + greedy sample) and
-`ssd_jax.steps.verify` (5-token forward + rejection sampling); HF times `model(...)` + argmax with a
+cropped between calls). ssd_jax times `ssd_jax.algorithm.steps.decode` (forward + greedy sample) and
+`ssd_jax.algorithm.steps.verify` (5-token forward + rejection sampling); HF times `model(...)` + argmax with a
 DynamicCache. Decode weight-read bandwidth = parameter bytes (in the framework's dtype) / step time,
 reported as a fraction of a numpy-copy bandwidth (bytes read + written / s) on the same cores.
 """
@@ -32,10 +32,10 @@ TARGET = "qwen2.5-coder-1.5b"
 # ---------------------------------------------------------------------------- shared helpers
 def hf_model(name: str, dtype: str = "float32"):
     """An HF transformers model (torch, eval mode) on the weights of our GGUF `name`."""
-    from models import registry
-    from models.config import ModelConfig
-    from models.loading.gguf import load_gguf_config
-    from ssd_jax.bench_workers import hf_model_on_our_weights
+    from ssd_jax.models import registry
+    from ssd_jax.models.config import ModelConfig
+    from ssd_jax.models.loading.gguf import load_gguf_config
+    from ssd_jax.tools.bench_workers import hf_model_on_our_weights
 
     cfg = ModelConfig.from_hf(load_gguf_config(registry.resolve(name)), "float32")
     return hf_model_on_our_weights(name, dtype, None), cfg
@@ -148,12 +148,12 @@ def worker_jax(context: int, iters: int, k: int, dtype: str = "float32", threads
     import jax.numpy as jnp
     import numpy as np
 
-    from models.kv_cache import init_cache
-    from models.load import load_model
-    from models.params import decode_bytes
-    from ssd_jax import steps
-    from ssd_jax.sampling import SamplingParams
-    from ssd_jax.verify import rejection_sample
+    from ssd_jax.models.kv_cache import init_cache
+    from ssd_jax.models.load import load_model
+    from ssd_jax.models.params import decode_bytes
+    from ssd_jax.algorithm import steps
+    from ssd_jax.algorithm.sampling import SamplingParams
+    from ssd_jax.algorithm.verify import rejection_sample
 
     model = load_model(TARGET, dtype)
     cfg, params = model.cfg, jax.device_put(model.params)

@@ -25,11 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 
-from models.config import tiny_config  # noqa: E402
-from models.model import Model  # noqa: E402
-from models.params import perturb, random_params  # noqa: E402
-from ssd_jax.engine import Engine, SSDConfig  # noqa: E402
-from ssd_jax.near_tie import assert_greedy_agreement  # noqa: E402
+from ssd_jax.models.config import tiny_config  # noqa: E402
+from ssd_jax.models.model import Model  # noqa: E402
+from ssd_jax.models.params import perturb, random_params  # noqa: E402
+from ssd_jax.runtime.engine import Engine, SSDConfig  # noqa: E402
+from ssd_jax.algorithm.near_tie import assert_greedy_agreement  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -3,7 +3,7 @@
     taskset -c 0,1 python benchmarks/profile_decode.py            # the 1.5B target, bf16
     taskset -c 0 python benchmarks/profile_decode.py --steps 8 --context 1000
 
-Runs `ssd_jax.steps.decode` (forward + greedy sample) under `jax.profiler.trace` and prints, per
+Runs `ssd_jax.algorithm.steps.decode` (forward + greedy sample) under `jax.profiler.trace` and prints, per
 step: the time of each kind of thunk (the name without its number: `ffi_call`, `ynn_fusion`, ...),
 and for the CPU kernels' calls the time and GB/s per weight shape (the matmuls) or the total (the
 cache attention). The step's wall time and the sum of thunk times are printed too: XLA:CPU runs
@@ -39,10 +39,10 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from models.kv_cache import init_cache
-    from models.load import load_model
-    from ssd_jax import steps
-    from ssd_jax.sampling import SamplingParams
+    from ssd_jax.models.kv_cache import init_cache
+    from ssd_jax.models.load import load_model
+    from ssd_jax.algorithm import steps
+    from ssd_jax.algorithm.sampling import SamplingParams
 
     model = load_model(args.model, args.dtype)
     cfg, params = model.cfg, jax.device_put(model.params)

@@ -5,7 +5,7 @@ and assisted generation, each framework in its own subprocess pinned to the same
     python benchmarks/sd_vs_hf.py --cores 0,1            # all prompts, 128 new tokens
 
 Target Qwen2.5-Coder-1.5B, draft Qwen2.5-Coder-0.5B, both fp32 in both frameworks, on the same
-weights (the dequantized GGUFs). Prompts are raw text (`ssd_jax.benchmark_set`), tokenized once by
+weights (the dequantized GGUFs). Prompts are raw text (`ssd_jax.tools.benchmark_set`), tokenized once by
 our tokenizer and given to both frameworks as ids; both stop at the tokenizer's EOS ids.
 
 Tokens/s is steady state for both: ssd_jax's `metrics.tokens_per_s` (rounds after prefill in which
@@ -37,9 +37,9 @@ TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 
 
 def _prompt_ids(n: int | None) -> tuple[list[dict], list[list[int]], tuple[int, ...]]:
-    from models import registry
-    from models.tokenizer import Tokenizer
-    from ssd_jax.benchmark_set import load_prompts
+    from ssd_jax.models import registry
+    from ssd_jax.models.tokenizer import Tokenizer
+    from ssd_jax.tools.benchmark_set import load_prompts
 
     prompts = load_prompts()
     prompts = prompts[:n] if n else prompts
@@ -49,9 +49,9 @@ def _prompt_ids(n: int | None) -> tuple[list[dict], list[list[int]], tuple[int, 
 
 def worker_jax(n, max_new, ks, dtype: str = "float32", draft_quant: str = "none",
                draft_vocab: int | None = None) -> dict:
-    from models.load import load_draft, load_model
-    from ssd_jax.engine import Engine
-    from ssd_jax.sampling import SamplingParams
+    from ssd_jax.models.load import load_draft, load_model
+    from ssd_jax.runtime.engine import Engine
+    from ssd_jax.algorithm.sampling import SamplingParams
 
     prompts, ids, _ = _prompt_ids(n)
     engine = Engine(load_model(TARGET, dtype),
@@ -97,10 +97,10 @@ def worker_jax(n, max_new, ks, dtype: str = "float32", draft_quant: str = "none"
 
 
 def worker_torch(n, max_new, ks, threads, dtype) -> dict:
-    """HF AR and assisted generation: `ssd_jax.bench_workers.worker_hf` (the loop `ssd-jax bench` runs),
+    """HF AR and assisted generation: `ssd_jax.tools.bench_workers.worker_hf` (the loop `ssd-jax bench` runs),
     greedy, on the same prompts; (new tokens - 1) / (generate time - separately timed prefill)."""
-    from ssd_jax.bench_workers import worker_hf
-    from ssd_jax.benchmark_set import load_prompts
+    from ssd_jax.tools.bench_workers import worker_hf
+    from ssd_jax.tools.benchmark_set import load_prompts
 
     prompts = load_prompts()
     job = dict(target=TARGET, draft=DRAFT, cache_dir=None, prompts=prompts[:n] if n else prompts,
@@ -114,7 +114,7 @@ def worker_torch(n, max_new, ks, threads, dtype) -> dict:
 
 
 def _agree(a: list[int], b: list[int]) -> int:
-    from ssd_jax.bench_report import leading_equal
+    from ssd_jax.tools.bench_report import leading_equal
     return leading_equal(a, b)
 
 
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.max_new_tokens is None:
-        from ssd_jax.benchmark_set import MAX_NEW_TOKENS
+        from ssd_jax.tools.benchmark_set import MAX_NEW_TOKENS
         a.max_new_tokens = MAX_NEW_TOKENS
     n = a.prompts or None
     try:
@@ -196,7 +196,7 @@ def main(argv=None) -> int:
         print(json.dumps(r))
         return 0
 
-    from ssd_jax.benchmark_set import load_prompts
+    from ssd_jax.tools.benchmark_set import load_prompts
     n_prompts = len(load_prompts()[:n] if n else load_prompts())
     script = Path(__file__).resolve()
     common = ["--prompts", str(a.prompts), "--max-new-tokens", str(a.max_new_tokens), "--k", str(a.k)]

@@ -6,7 +6,7 @@ unless --dtype bfloat16, the draft's weights int8 or int4 with --draft-quant int
     python benchmarks/ssd_paper_shape.py --prompts 8 --max-new-tokens 64
 
 Each layout runs in its own process (pinned with taskset / sched_setaffinity). Prints a markdown
-table of tokens/s, tokens per round, hit rate, round/verify time and the spec §6 prediction, and
+table of tokens/s, tokens per round, hit rate, round/verify time and the ALGORITHM.md §6 prediction, and
 writes JSON to benchmarks/results/.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _prompts(n: int) -> list[str]:
-    from ssd_jax.benchmark_set import load_prompts
+    from ssd_jax.tools.benchmark_set import load_prompts
     return [p["text"] for p in load_prompts()[:n]]
 
 
@@ -62,8 +62,8 @@ def _summary(out_list, mode):
 
 
 def _plan(ar_sd: dict, k: int):
-    """The fan-out `ssd_jax.policy.plan` picks for SSD at lookahead k from the 1-core AR/SD run."""
-    from ssd_jax import policy
+    """The fan-out `ssd_jax.algorithm.policy.plan` picks for SSD at lookahead k from the 1-core AR/SD run."""
+    from ssd_jax.algorithm import policy
 
     res = {r["mode"]: r for r in ar_sd["results"]}
     ar, sd = res["ar"], res["sd"]
@@ -74,11 +74,11 @@ def _plan(ar_sd: dict, k: int):
 def worker(args) -> None:
     """One layout in this process; prints one JSON line."""
     if args.layout == "ssd-two-process":
-        from ssd_jax.transport import start_two_process
+        from ssd_jax.runtime.transport import start_two_process
         remote = start_two_process(args.draft, dtype=args.dtype, quant=args.draft_quant,
                                    draft_vocab=args.draft_vocab, cores=(0, 1))
-    from models.load import load_draft, load_model
-    from ssd_jax.engine import Engine, SSDConfig
+    from ssd_jax.models.load import load_draft, load_model
+    from ssd_jax.runtime.engine import Engine, SSDConfig
 
     target = load_model(args.target, args.dtype, pack=False if args.no_pack else None)
     prompts = _prompts(args.prompts)
@@ -123,7 +123,7 @@ def main() -> None:
     p.add_argument("--ssd-k", type=int, default=4)
     p.add_argument("--fanout", default="plan",
                    help="SSD F_0..F_K as a comma list, 'uniform' (one per position), or 'plan' "
-                        "(default: ssd_jax.policy.plan from the 1-core AR/SD run's measurements)")
+                        "(default: ssd_jax.algorithm.policy.plan from the 1-core AR/SD run's measurements)")
     p.add_argument("--backup", default="neural")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--draft-quant", default="none", choices=("none", "int8", "int4"))
@@ -190,7 +190,7 @@ def main() -> None:
         f"- greedy outputs identical across AR, SD and SSD: {same}",
     ]
     if chosen is not None:
-        lines.append(f"- SSD fan-out {chosen.fanout} chosen by ssd_jax.policy.plan from the 1-core run "
+        lines.append(f"- SSD fan-out {chosen.fanout} chosen by ssd_jax.algorithm.policy.plan from the 1-core run "
                      f"(T_1, T_v, draft time, the draft's width slope "
                      f"{table[0].get('draft_width_slope') or float('nan'):.2f}, acceptance; "
                      f"predicted p_hit {chosen.p_hit:.2f}, "

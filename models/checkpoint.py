@@ -16,8 +16,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from models.config import ModelConfig
-from models.params import LayerParams, Params
+from ssd_jax.models.config import ModelConfig
+from ssd_jax.models.params import LayerParams, Params
 
 
 def checkpoint_dir(source: Path, dtype: str, root: Path) -> Path:

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import cpu_matmul
+from ssd_jax.models import cpu_matmul
 
 MAX_TOKENS = 16  # new tokens per sequence the kernel serves (decode, verify, catch-up); more: XLA
 _NEG_INF = -1e30

@@ -2,12 +2,12 @@
 
 Why: XLA:CPU streams a one-row matmul (decode) at memory bandwidth but runs 2..16 rows (a K+1-token
 verify, a few tree branches) as a GEMM that costs 1.5-2.8x as much, although the weights are read
-once either way (JAX_NOTES, benchmarks/decode_vs_hf.py). `cpu_kernels/small_m_matmul.cc` streams
+once either way (benchmarks/decode_vs_hf.py). `cpu_kernels/small_m_matmul.cc` streams
 each weight once for every row, so a verify costs little more than a decode; on two cores it also
 reads the weights faster than XLA's GEMV.
 
 The kernel is C++ compiled on first use with the machine's C++ compiler (`-march=native`) into
-`<cache_dir>/kernels/` (see models.registry.cache_dir), keyed by the source, compiler, flags, jaxlib
+`<cache_dir>/kernels/` (see ssd_jax.models.registry.cache_dir), keyed by the source, compiler, flags, jaxlib
 and CPU, and registered as an XLA FFI target for the CPU platform. Where it cannot be built (no
 compiler) or is turned off (`SSD_JAX_CPU_KERNELS=0`), `matmul` is plain XLA and says why once.
 
@@ -22,13 +22,13 @@ streams int8 weights at memory bandwidth where widening them to fp32 did not.
 bf16 weights can be *packed* (`pack_bf16`, models/packed.py): 32-column strips, each one
 sequential stream with pairs of rows interleaved, summed with out's tile held in registers. A
 one-row decode reads them ~1.5x as fast as row-major ones and a 5-row verify ~1.9x, with the same
-sums bit for bit (cpu_kernels/bf16_strips.h). `models.load.load_model` packs a bf16 model where
+sums bit for bit (cpu_kernels/bf16_strips.h). `ssd_jax.models.load.load_model` packs a bf16 model where
 `bf16_strips()` says the kernel can read it.
 
 Narrow int8 weights (rows under 4 KiB: a small draft's wqkv, wo and w_down) can be *tiled*
 (`tile_int8`): 16 rows by 32 columns per 512 contiguous bytes, pairs of rows interleaved. A pass of
 the kernel then reads one sequential stream instead of 16 short ones, about twice as fast on a Zen 4
-core, with the same integer sums. `models.quant` tiles where `int8_tiles()` says the kernel can.
+core, with the same integer sums. `ssd_jax.models.quant` tiles where `int8_tiles()` says the kernel can.
 
 The custom call has no partitioning rule: on a mesh of several devices XLA would gather its operands,
 so tensor-parallel and data-parallel placements turn it off with `ModelConfig.cpu_kernels=False`.
@@ -119,7 +119,7 @@ def _load() -> str | None:
         warnings.warn("ssd_jax: no C++ compiler (set CXX or install g++), so small-M matmuls on the "
                       "CPU run as XLA GEMMs: a verify costs up to 2x a decode", stacklevel=3)
         return None
-    from models.registry import cache_dir
+    from ssd_jax.models.registry import cache_dir
     import ctypes
     try:
         lib = ctypes.CDLL(str(_build(cxx, cache_dir() / "kernels")))

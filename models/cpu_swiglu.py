@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import jax
 
-from models import cpu_matmul
+from ssd_jax.models import cpu_matmul
 
 
 def reference(gate_up: jax.Array) -> jax.Array:

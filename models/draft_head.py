@@ -8,11 +8,11 @@ always (tokens per round fell 1.7% on the benchmark prompts).
 
 Exactness: the cut head scores ids >= n as -inf, so the draft's proposal rows give them
 probability 0 and its tokens are drawn from those rows. Rejection sampling is exact for any
-proposal (spec §3), so the output stays the target's distribution; a token the draft cannot
+proposal (ALGORITHM.md §3), so the output stays the target's distribution; a token the draft cannot
 propose still comes out of the residual `(p - q)+` when the target wants it. Only acceptance can
 change. Cutting a *target's* head would change the distribution itself: `Engine` refuses one.
 
-`models.transformer` pads the narrow head's logits back to `cfg.vocab_size` with -inf, so every
+`ssd_jax.models.transformer` pads the narrow head's logits back to `cfg.vocab_size` with -inf, so every
 caller still sees `[..., V]` rows.
 """
 from __future__ import annotations
@@ -21,10 +21,10 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from models import cpu_matmul
-from models.packed import PackedWeight, pack_weight
-from models.params import Params
-from models.quant import Int8Weight, quantize_model
+from ssd_jax.models import cpu_matmul
+from ssd_jax.models.packed import PackedWeight, pack_weight
+from ssd_jax.models.params import Params
+from ssd_jax.models.quant import Int8Weight, quantize_model
 
 
 def head_width(params: Params) -> int:
@@ -42,7 +42,7 @@ def truncate_head(params: Params, n: int) -> Params:
     (bf16/fp32, packed, or int8). A tied model gets its own head; the embedding stays whole for
     the token lookup, so any id can still be fed back (a target's bonus token, say)."""
     if not isinstance(params, Params):
-        raise TypeError(f"truncate_head takes models.params.Params, got {type(params).__name__}")
+        raise TypeError(f"truncate_head takes ssd_jax.models.params.Params, got {type(params).__name__}")
     rows = int(params.embed.shape[0])
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= rows:
         raise ValueError(f"the draft head's vocabulary must be an int in [1, {rows}] (the "
@@ -64,7 +64,7 @@ def truncate_head(params: Params, n: int) -> Params:
 
 
 def truncate_model_head(model, n: int):
-    """A models.model.Model whose head is cut to ids [0, n) (`truncate_head`); the name gains
+    """A ssd_jax.models.model.Model whose head is cut to ids [0, n) (`truncate_head`); the name gains
     "+head<n>". A model whose head already scores exactly n ids comes back as it is."""
     if head_width(model.params) == n:
         return model
@@ -74,7 +74,7 @@ def truncate_model_head(model, n: int):
 
 def prepare_draft(model, quant: str = "none", head_vocab: int | None = None):
     """The draft as a run asks for it: head cut to `head_vocab` ids (None: whole), then weights
-    quantized (`models.quant.quantize_model`; cutting first quantizes only the kept columns)."""
+    quantized (`ssd_jax.models.quant.quantize_model`; cutting first quantizes only the kept columns)."""
     if head_vocab is not None:
         model = truncate_model_head(model, head_vocab)
     return quantize_model(model, quant)

@@ -5,7 +5,7 @@ Why: a draft step reads every weight once, so its time is its bytes. Int8 (model
 bf16's; int4 with one bf16 scale and one bf16 offset per 32 weights of a column is 5 bits a weight,
 5/8 of int8's. On a Zen 4 core the kernel streams the 0.5B draft's layers in ~10 ms where int8
 took ~15-18 (cpu_kernels/int4_groups.h says how). The draft's proposal rows come from the int4
-model itself, so SD stays exact; only acceptance can change (spec §3).
+model itself, so SD stays exact; only acceptance can change (ALGORITHM.md §3).
 
 Values: for rows k of group g = k // 32 and column n, w[k, n] ~= scale[g, n] * q[k, n] +
 offset[g, n], q in 0..15 (asymmetric: a group's minimum and maximum are both kept, as in GGUF's
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from models import cpu_matmul
+from ssd_jax.models import cpu_matmul
 
 GROUP = 32  # rows of a column per scale and offset; also the kernel's tile height
 BLOCK = 32  # columns per tile

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from models.config import ModelConfig
+from ssd_jax.models.config import ModelConfig
 
 
 @struct.dataclass

@@ -6,24 +6,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from models import checkpoint, registry
-from models.config import ModelConfig, canonical_dtype
-from models.draft_head import prepare_draft
-from models.model import Model
-from models.packed import pack_params
-from models.params import params_from_hf, untie_lm_head
+from ssd_jax.models import checkpoint, registry
+from ssd_jax.models.config import ModelConfig, canonical_dtype
+from ssd_jax.models.draft_head import prepare_draft
+from ssd_jax.models.model import Model
+from ssd_jax.models.packed import pack_params
+from ssd_jax.models.params import params_from_hf, untie_lm_head
 
 
 def _read(path: Path):
     if path.is_dir():
-        from models.loading.hf import load_hf_folder
+        from ssd_jax.models.loading.hf import load_hf_folder
         return load_hf_folder(path)
-    from models.loading.gguf import load_gguf
+    from ssd_jax.models.loading.gguf import load_gguf
     return load_gguf(path)
 
 
 def _tokenizer(path: Path):
-    from models.tokenizer import Tokenizer
+    from ssd_jax.models.tokenizer import Tokenizer
     return Tokenizer.from_hf_folder(path) if path.is_dir() else Tokenizer.from_gguf(path)
 
 
@@ -31,7 +31,7 @@ def cpu_kernel_head() -> bool:
     """Whether a loaded tied model gets its head as a [hidden, V] copy for the CPU kernel:
     on a CPU backend where the kernel builds (models/cpu_matmul.py)."""
     import jax
-    from models import cpu_matmul
+    from ssd_jax.models import cpu_matmul
     return jax.default_backend() == "cpu" and cpu_matmul.available()
 
 
@@ -62,7 +62,7 @@ def load_model(name_or_path: str | Path, dtype: str = "float32", *, use_cache: b
     if cfg.tie_embeddings and cpu_kernel_head():
         params = untie_lm_head(params)
     if pack is None:
-        from models import cpu_matmul
+        from ssd_jax.models import cpu_matmul
         pack = dtype == "bfloat16" and cpu_matmul.bf16_strips()
     if pack:
         params = pack_params(params)
@@ -73,7 +73,7 @@ def load_model(name_or_path: str | Path, dtype: str = "float32", *, use_cache: b
 def load_draft(name_or_path: str | Path, dtype: str = "float32", quant: str = "none",
                head_vocab: int | None = None, **kw) -> Model:
     """A draft as a run asks for it: `load_model(name_or_path, dtype, **kw)`, its head cut to
-    `head_vocab` ids, its weights quantized (`models.draft_head.prepare_draft`). A draft bound for
+    `head_vocab` ids, its weights quantized (`ssd_jax.models.draft_head.prepare_draft`). A draft bound for
     int8 or int4 is not packed first: quantizing would only unpack it again."""
     if quant != "none":
         kw.setdefault("pack", False)

@@ -4,13 +4,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from models.config import ModelConfig
-from models.params import Params
+from ssd_jax.models.config import ModelConfig
+from ssd_jax.models.params import Params
 
 
 @dataclasses.dataclass
 class Model:
     cfg: ModelConfig
     params: Params
-    tokenizer: Any = None  # models.tokenizer.Tokenizer, or None for token-id-only use
+    tokenizer: Any = None  # ssd_jax.models.tokenizer.Tokenizer, or None for token-id-only use
     name: str = ""

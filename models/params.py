@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from models.config import ModelConfig
+from ssd_jax.models.config import ModelConfig
 
 
 @struct.dataclass

@@ -3,7 +3,7 @@
 Why: on a CPU a decode step reads every weight once, so its time is its bytes. A 0.5B draft in bf16
 streams ~1 GB per step, about a third of the 1.5B target's; in int8 it streams half that, and SD's
 round (K draft steps + one verify) gets that much shorter. The draft's proposal rows come from the
-int8 model itself, so verification stays exact (spec §3: any proposal, as long as the tokens were
+int8 model itself, so verification stays exact (ALGORITHM.md §3: any proposal, as long as the tokens were
 drawn from the rows the verifier gets); only acceptance can change.
 
 Quantizing a *target* also works, but it changes the distribution SD is exact to: the int8 model is
@@ -16,7 +16,7 @@ Embedding rows, norms and biases stay in the model's dtype. A tied model gets it
 (the embedding stays for the token lookup). Narrow weights (rows under 4 KiB) are tiled for the
 CPU kernel where it can read them (`cpu_matmul.tile_int8`): the same values in another order. The
 matmul takes each row of activations as int16 with its own scale
-(`models.cpu_matmul.quantize_rows_int16`, 2^-16 of the row's largest value), so on a CPU with
+(`ssd_jax.models.cpu_matmul.quantize_rows_int16`, 2^-16 of the row's largest value), so on a CPU with
 AVX512_VNNI the products are exact integer dot products.
 """
 from __future__ import annotations
@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from models import cpu_matmul, int4
-from models.int4 import Int4Weight
-from models.packed import unpack_params
-from models.params import DENSE_WEIGHTS, Params
+from ssd_jax.models import cpu_matmul, int4
+from ssd_jax.models.int4 import Int4Weight
+from ssd_jax.models.packed import unpack_params
+from ssd_jax.models.params import DENSE_WEIGHTS, Params
 
 QUANT_MODES = ("none", "int8", "int4")
 
@@ -83,7 +83,7 @@ def quantize_params(params: Params, tile: bool | None = None, mode: str = "int8"
     `cpu_matmul.tile_int8` (default: where `int8_tiles()`, i.e. this machine's CPU kernel reads
     them; the values, and every result, stay the same)."""
     if not isinstance(params, Params):
-        raise TypeError(f"quantize_params takes models.params.Params, got {type(params).__name__}")
+        raise TypeError(f"quantize_params takes ssd_jax.models.params.Params, got {type(params).__name__}")
     if mode not in QUANT_MODES[1:]:
         raise ValueError(f"unknown quantization {mode!r}: choose one of {QUANT_MODES[1:]}")
     bits = 4 if mode == "int4" else 8
@@ -102,7 +102,7 @@ def is_quantized(params: Params) -> bool:
 
 
 def quantize_model(model, mode: str = "int8"):
-    """A models.model.Model with its params quantized (`mode` "int8" or "int4"), or the model
+    """A ssd_jax.models.model.Model with its params quantized (`mode` "int8" or "int4"), or the model
     itself for "none" or when it is quantized already; the tokenizer, config and name carry over
     (the name gains "+int8" / "+int4")."""
     if mode not in QUANT_MODES:

@@ -220,7 +220,7 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | os.PathLike) -> "Tokenizer":
         """Rebuild the byte-level BPE tokenizer described by a GGUF file's metadata."""
-        from models.loading.gguf import read_gguf_metadata
+        from ssd_jax.models.loading.gguf import read_gguf_metadata
 
         meta = read_gguf_metadata(path)
         return cls.from_gguf_metadata(meta, source=str(path))

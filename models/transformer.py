@@ -2,13 +2,13 @@
 
 - `forward`: T new tokens per sequence appended at `cache.lengths` (prefill, one-token decode, a
   K+1-token verify at per-sequence offsets, a catch-up of the tokens the draft has no KV for).
-- `tree_step`: one step of SSD's branch decode (spec §2): one query per branch at RoPE position
+- `tree_step`: one step of SSD's branch decode (ALGORITHM.md §2): one query per branch at RoPE position
   `n+j+1+d`, seeing cache slots `0..n+j` and its own path, whose KV lives in a per-branch buffer
   so branches never write the shared cache.
 
 Layers are a Python loop over per-layer caches: a `lax.scan` with the cache as scanned state copies
-the whole cache every step on XLA CPU (JAX_NOTES). Each layer's KV write and attention is
-`models.cpu_attention.attend`: on the CPU, for up to 16 new tokens, one kernel call that writes the
+the whole cache every step on XLA CPU. Each layer's KV write and attention is
+`ssd_jax.models.cpu_attention.attend`: on the CPU, for up to 16 new tokens, one kernel call that writes the
 donated cache in place; else a per-sequence scatter and two dots. `window` (static) bounds
 attention to the first `window` cache slots so short sequences do not pay for `max_len`.
 """
@@ -20,13 +20,13 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from models import cpu_attention, cpu_matmul, cpu_swiglu
-from models.config import ModelConfig
-from models.kv_cache import KVCache
-from models.params import LayerParams, Params
-from models.packed import PackedWeight
-from models.int4 import Int4Weight, matmul_int4
-from models.quant import Int8Weight
+from ssd_jax.models import cpu_attention, cpu_matmul, cpu_swiglu
+from ssd_jax.models.config import ModelConfig
+from ssd_jax.models.kv_cache import KVCache
+from ssd_jax.models.params import LayerParams, Params
+from ssd_jax.models.packed import PackedWeight
+from ssd_jax.models.int4 import Int4Weight, matmul_int4
+from ssd_jax.models.quant import Int8Weight
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -66,7 +66,7 @@ def dense(cfg: ModelConfig, x: jax.Array, w: jax.Array | Int8Weight | Int4Weight
 
 def _tp_groups(cfg: ModelConfig) -> int:
     """How many tensor-parallel groups the fused wqkv / w_gate_up columns are laid out in: 1 for
-    the checkpoint layout, the TP degree for `ssd_jax.sharding.TPConfig` (see ssd_jax/sharding.py)."""
+    the checkpoint layout, the TP degree for `ssd_jax.runtime.sharding.TPConfig` (see ssd_jax/runtime/sharding.py)."""
     return int(getattr(cfg, "tp_groups", 1))
 
 
@@ -173,9 +173,9 @@ def tree_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: ja
     tokens, positions, prefix_len [B, MQ]; step: int32 scalar (own-path slot written and the last
     one visible); valid [B, MQ]. The shared cache is read, never written. Returns logits
     [B, MQ, V] fp32 and the branch KV with slot `step` filled. `attention` picks the plain-jnp
-    reference or the Pallas kernel (both in pallas_kernels.tree_attention).
+    reference or the Pallas kernel (both in ssd_jax.pallas_kernels.tree_attention).
     """
-    from pallas_kernels.tree_attention import tree_attention, tree_attention_reference
+    from ssd_jax.pallas_kernels.tree_attention import tree_attention, tree_attention_reference
 
     if attention == "reference":
         attend = tree_attention_reference

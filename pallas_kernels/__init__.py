@@ -6,8 +6,8 @@
 Kernels take arrays and static sizes only (nothing from ssd_jax/ or models/). On the CPU run them
 with `interpret=True`. See pallas_kernels/BENCHMARKS.md for the GPU benchmark.
 """
-from pallas_kernels.cache_gather import cache_gather, cache_gather_reference
-from pallas_kernels.tree_attention import (tree_attention, tree_attention_reference,
+from ssd_jax.pallas_kernels.cache_gather import cache_gather, cache_gather_reference
+from ssd_jax.pallas_kernels.tree_attention import (tree_attention, tree_attention_reference,
                                            tree_attention_xla)
 
 __all__ = ["cache_gather", "cache_gather_reference", "tree_attention", "tree_attention_reference",

@@ -2,10 +2,10 @@
 
 Run on the GPU machine (one H200, JAX 0.11, no registry access needed):
 
-    python -m pallas_kernels.bench_gpu                 # full check + timing + small config sweep
-    python -m pallas_kernels.bench_gpu --no-sweep      # default configs only (faster)
-    python -m pallas_kernels.bench_gpu --check-only    # device correctness checks only
-    python -m pallas_kernels.bench_gpu --smoke         # tiny shapes, interpret mode, on the CPU
+    python -m ssd_jax.pallas_kernels.bench_gpu                 # full check + timing + small config sweep
+    python -m ssd_jax.pallas_kernels.bench_gpu --no-sweep      # default configs only (faster)
+    python -m ssd_jax.pallas_kernels.bench_gpu --check-only    # device correctness checks only
+    python -m ssd_jax.pallas_kernels.bench_gpu --smoke         # tiny shapes, interpret mode, on the CPU
 
 Shapes (the engine's): batch 16, tree of MQ 24 branches, K 7 drafted tokens, 32 query / 8 KV heads,
 head dim 64, live prefix 2048, bf16; lookup rows [16, 24, 7, 151936] bf16.
@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.cache_gather import cache_gather, cache_gather_reference, gather_bytes
-from pallas_kernels.tree_attention import (default_num_splits, default_tiling, prefix_bytes,
+from ssd_jax.pallas_kernels.cache_gather import cache_gather, cache_gather_reference, gather_bytes
+from ssd_jax.pallas_kernels.tree_attention import (default_num_splits, default_tiling, prefix_bytes,
                                            tree_attention, tree_attention_reference,
                                            tree_attention_xla)
 

@@ -1,10 +1,10 @@
-"""Outcome-conditioned speculation-cache lookup (SSD.md section 2, step 4).
+"""Outcome-conditioned speculation-cache lookup (ALGORITHM.md §2, step 4).
 
 After verification each sequence knows its outcome `(k, t*)` (accepted count, bonus token). The
 speculation cache holds, per sequence, MQ branches keyed `(j, c)` with their K drafted tokens and
 the K proposal rows `[K, V]` those tokens were sampled from. The lookup finds the branch whose key
 equals the outcome and returns its tokens and rows - bit for bit, since exactness requires the very
-rows that were sampled from (SSD.md section 2). A miss returns index -1 and zeros.
+rows that were sampled from (ALGORITHM.md §2). A miss returns index -1 and zeros.
 
   * `cache_gather_reference` - plain jnp (also the XLA baseline: XLA's gather already reads only
     the selected rows).
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._compat import (is_pow2, masked_load, masked_store, next_pow2, require_triton,
+from ssd_jax.pallas_kernels._compat import (is_pow2, masked_load, masked_store, next_pow2, require_triton,
                                     triton_params)
 
 

@@ -1,4 +1,4 @@
-"""Tree attention for SSD's draft branch decode (SSD.md section 2, "tree decode").
+"""Tree attention for SSD's draft branch decode (ALGORITHM.md §2, "tree decode").
 
 At one tree step every branch of a sequence has exactly one query. Branch `(j, c)` sees
 
@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._compat import is_pow2, masked_load, next_pow2, require_triton, triton_params
+from ssd_jax.pallas_kernels._compat import is_pow2, masked_load, next_pow2, require_triton, triton_params
 
 # Enough programs for ~2 waves on a 132-SM H200; the split count is derived from this.
 _TARGET_PROGRAMS = 264

@@ -1,7 +1,7 @@
 """Shared by tests that swap the draft for a cheaper one (int8 weights, a cut head): greedy SD and
-SSD must emit the target's own tokens (near-tie rule, ssd_jax.near_tie)."""
-from ssd_jax.engine import Engine
-from ssd_jax.near_tie import assert_greedy_agreement
+SSD must emit the target's own tokens (near-tie rule, ssd_jax.algorithm.near_tie)."""
+from ssd_jax.runtime.engine import Engine
+from ssd_jax.algorithm.near_tie import assert_greedy_agreement
 
 
 def assert_sd_and_ssd_match_ar(target, draft, prompts, max_new_tokens: int, k: int = 3):

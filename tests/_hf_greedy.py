@@ -6,8 +6,8 @@ import sys
 import torch
 import transformers
 
-from models.config import ModelConfig
-from models.loading.gguf import load_gguf
+from ssd_jax.models.config import ModelConfig
+from ssd_jax.models.loading.gguf import load_gguf
 
 path, prompts, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 config, tensors = load_gguf(path)

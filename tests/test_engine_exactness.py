@@ -12,17 +12,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import ssd_jax.steps
-import ssd_jax.tree
-from models.config import tiny_config
-from models.draft_head import truncate_model_head
-from models.kv_cache import init_cache
-from models.model import Model
-from models.params import perturb, random_params
-from models.transformer import forward
-from ssd_jax import saguaro
-from ssd_jax.engine import Engine, SSDConfig
-from ssd_jax.sampling import SamplingParams
+import ssd_jax.algorithm.steps
+import ssd_jax.algorithm.tree
+from ssd_jax.models.config import tiny_config
+from ssd_jax.models.draft_head import truncate_model_head
+from ssd_jax.models.kv_cache import init_cache
+from ssd_jax.models.model import Model
+from ssd_jax.models.params import perturb, random_params
+from ssd_jax.models.transformer import forward
+from ssd_jax.algorithm import saguaro
+from ssd_jax.runtime.engine import Engine, SSDConfig
+from ssd_jax.algorithm.sampling import SamplingParams
 from ssd_jax.testing import (PLANTED_BUG_VERIFIERS, distribution_test, enumerate_window_distribution,
                              window_counts)
 
@@ -119,8 +119,8 @@ def q_not_q_prime(monkeypatch):
         return tok, saguaro.probs_from_logits(logits, T10, vocab_size).astype(row_dtype)
 
     jax.clear_caches()  # the jitted steps captured the correct proposer
-    monkeypatch.setattr(ssd_jax.steps, "propose", wrong)
-    monkeypatch.setattr(ssd_jax.tree, "propose", wrong)
+    monkeypatch.setattr(ssd_jax.algorithm.steps, "propose", wrong)
+    monkeypatch.setattr(ssd_jax.algorithm.tree, "propose", wrong)
     yield
     monkeypatch.undo()
     jax.clear_caches()

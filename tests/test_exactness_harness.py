@@ -15,12 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ssd_jax.sampling import (STREAM_ACCEPT, STREAM_DRAFT, STREAM_RESIDUAL, SamplingParams,
+from ssd_jax.algorithm.sampling import (STREAM_ACCEPT, STREAM_DRAFT, STREAM_RESIDUAL, SamplingParams,
                               position_keys, probs_from_logits, sample_from_probs)
 from ssd_jax.testing import (ALL_PLANTED_BUGS, PLANTED_BUG_VERIFIERS, PLANTED_PROPOSER_BUGS,
                              correct_proposal_rows, detection_power, detection_power_by_alternative,
                              distribution_test, enumerate_window_distribution, window_counts)
-from ssd_jax.verify import rejection_sample
+from ssd_jax.algorithm.verify import rejection_sample
 
 V = 4            # real vocabulary
 V_MODEL = 5      # embedding rows; row 4 is padding

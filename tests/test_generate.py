@@ -7,14 +7,14 @@ import jax
 import numpy as np
 import pytest
 
-from models.config import tiny_config
-from models.kv_cache import init_cache
-from models.model import Model
-from models.params import perturb, random_params
-from models.transformer import forward
-from ssd_jax import steps
-from ssd_jax.engine import Engine, SSDConfig
-from ssd_jax.sampling import SamplingParams
+from ssd_jax.models.config import tiny_config
+from ssd_jax.models.kv_cache import init_cache
+from ssd_jax.models.model import Model
+from ssd_jax.models.params import perturb, random_params
+from ssd_jax.models.transformer import forward
+from ssd_jax.algorithm import steps
+from ssd_jax.runtime.engine import Engine, SSDConfig
+from ssd_jax.algorithm.sampling import SamplingParams
 
 CFG = tiny_config("llama", vocab_size=40)
 

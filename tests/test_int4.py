@@ -6,13 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import int4
-from models.config import tiny_config
-from models.kv_cache import init_cache
-from models.model import Model
-from models.params import decode_bytes, random_params
-from models.quant import Int4Weight, Int8Weight, quantize_model, quantize_params
-from models.transformer import forward
+from ssd_jax.models import int4
+from ssd_jax.models.config import tiny_config
+from ssd_jax.models.kv_cache import init_cache
+from ssd_jax.models.model import Model
+from ssd_jax.models.params import decode_bytes, random_params
+from ssd_jax.models.quant import Int4Weight, Int8Weight, quantize_model, quantize_params
+from ssd_jax.models.transformer import forward
 
 from _greedy_modes import assert_sd_and_ssd_match_ar
 

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.cache_gather import cache_gather, cache_gather_reference
-from pallas_kernels.tree_attention import (tree_attention, tree_attention_reference,
+from ssd_jax.pallas_kernels.cache_gather import cache_gather, cache_gather_reference
+from ssd_jax.pallas_kernels.tree_attention import (tree_attention, tree_attention_reference,
                                            tree_attention_xla)
 
 try:  # private, used only to parse and verify the Triton module embedded in the custom call
@@ -63,7 +63,7 @@ def _call(fn, a, step, **kw):
 
 
 def _naive_tree_attention(a, step, scale=None):
-    """Per-branch, per-head loop in float64 numpy: the semantics in SSD.md section 2."""
+    """Per-branch, per-head loop in float64 numpy: the semantics in ALGORITHM.md §2."""
     q = np.asarray(a["q"], np.float64)
     kc, vc = np.asarray(a["k_cache"], np.float64), np.asarray(a["v_cache"], np.float64)
     bk, bv = np.asarray(a["branch_k"], np.float64), np.asarray(a["branch_v"], np.float64)
@@ -370,7 +370,7 @@ def test_bad_block_sizes_are_rejected():
 def test_bench_script_smoke(tmp_path, capsys):
     import json
 
-    from pallas_kernels import bench_gpu
+    from ssd_jax.pallas_kernels import bench_gpu
 
     out = tmp_path / "bench.json"
     assert bench_gpu.main(["--smoke", "--no-sweep", "--json", str(out)]) == 0
@@ -381,7 +381,7 @@ def test_bench_script_smoke(tmp_path, capsys):
 
 
 def test_bench_script_exits_nonzero_on_mismatch(monkeypatch):
-    from pallas_kernels import bench_gpu
+    from ssd_jax.pallas_kernels import bench_gpu
 
     wrong = lambda *a, **kw: tree_attention_reference(*a) * 1.01  # noqa: E731
     monkeypatch.setattr(bench_gpu, "tree_attention", wrong)

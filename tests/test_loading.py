@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from models import registry
-from models.loading.gguf import load_gguf, load_gguf_config, read_gguf_metadata
-from models.loading.hf import load_hf_folder, read_safetensors
+from ssd_jax.models import registry
+from ssd_jax.models.loading.gguf import load_gguf, load_gguf_config, read_gguf_metadata
+from ssd_jax.models.loading.hf import load_hf_folder, read_safetensors
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -179,7 +179,7 @@ def test_qwen3_gguf_has_qk_norms(tmp_path):
 
 
 def test_llama3_rope_scaling_is_recovered_from_rope_freqs(tmp_path):
-    from models.loading.gguf import _llama3_freq_factors
+    from ssd_jax.models.loading.gguf import _llama3_freq_factors
 
     rng = np.random.default_rng(3)
     hf = _hf_tensors(rng, bias=False, **SMALL)
@@ -451,8 +451,8 @@ _ORACLE = textwrap.dedent(r'''
     import numpy as np
     import torch
 
-    from models.loading.gguf import load_gguf
-    from models.tokenizer import Tokenizer
+    from ssd_jax.models.loading.gguf import load_gguf
+    from ssd_jax.models.tokenizer import Tokenizer
 
     path = Path(sys.argv[1])
     config, ours = load_gguf(path)

@@ -6,10 +6,10 @@ import pytest
 
 import jax.numpy as jnp
 
-from models.config import tiny_config
-from models.kv_cache import init_cache
-from models.params import params_from_hf, random_hf_tensors
-from models.transformer import forward
+from ssd_jax.models.config import tiny_config
+from ssd_jax.models.kv_cache import init_cache
+from ssd_jax.models.params import params_from_hf, random_hf_tensors
+from ssd_jax.models.transformer import forward
 
 torch = pytest.importorskip("torch", reason="torch is the test oracle: pip install -e .[test]")
 transformers = pytest.importorskip("transformers")

@@ -6,16 +6,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import cpu_matmul, registry
-from models.config import tiny_config
-from models.kv_cache import init_cache
-from models.load import load_model
-from models.packed import PackedWeight, is_packed, pack_params, pack_weight, unpack_params
-from models.params import decode_bytes, random_params
-from models.quant import quantize_params
-from models.transformer import forward
-from ssd_jax.near_tie import assert_greedy_agreement
-from ssd_jax.sharding import tp_layout
+from ssd_jax.models import cpu_matmul, registry
+from ssd_jax.models.config import tiny_config
+from ssd_jax.models.kv_cache import init_cache
+from ssd_jax.models.load import load_model
+from ssd_jax.models.packed import PackedWeight, is_packed, pack_params, pack_weight, unpack_params
+from ssd_jax.models.params import decode_bytes, random_params
+from ssd_jax.models.quant import quantize_params
+from ssd_jax.models.transformer import forward
+from ssd_jax.algorithm.near_tie import assert_greedy_agreement
+from ssd_jax.runtime.sharding import tp_layout
 
 
 def _rand(shape, seed, dtype=jnp.bfloat16):
@@ -155,7 +155,7 @@ def test_packed_model_logits_and_a_verify_equal_to_its_decodes(arch):
 @needs_strips
 def test_smollm2_bf16_loads_packed_and_decodes_the_same_tokens():
     registry.fetch("smollm2-135m", progress=False)
-    from ssd_jax.engine import Engine
+    from ssd_jax.runtime.engine import Engine
     packed = load_model("smollm2-135m", "bfloat16")
     plain = load_model("smollm2-135m", "bfloat16", pack=False)
     assert is_packed(packed.params) and not is_packed(plain.params)

@@ -1,16 +1,16 @@
-"""Fan-out allocation, the miss model fit, the spec §6 formulas, the policy's choices, and the
+"""Fan-out allocation, the miss model fit, the ALGORITHM.md §6 formulas, the policy's choices, and the
 engine's auto backup and §6 prediction."""
 import jax
 import numpy as np
 import pytest
 
-from models.config import tiny_config
-from models.model import Model
-from models.params import perturb, random_params
-from ssd_jax import fanout as fo
-from ssd_jax import policy
-from ssd_jax.engine import Engine, SSDConfig
-from ssd_jax.near_tie import assert_greedy_agreement
+from ssd_jax.models.config import tiny_config
+from ssd_jax.models.model import Model
+from ssd_jax.models.params import perturb, random_params
+from ssd_jax.algorithm import fanout as fo
+from ssd_jax.algorithm import policy
+from ssd_jax.runtime.engine import Engine, SSDConfig
+from ssd_jax.algorithm.near_tie import assert_greedy_agreement
 
 
 def test_expected_tokens_and_sd_speedup():

@@ -1,13 +1,13 @@
 """A user-supplied proposer plugs into SD: prompt lookup (one-hot rows) stays exact."""
 import pytest
 
-from models.config import tiny_config
-from models.model import Model
-from models.params import random_params
-from ssd_jax.engine import Engine
-from ssd_jax.near_tie import assert_greedy_agreement
-from ssd_jax.proposer import PromptLookupProposer, Proposer
-from ssd_jax.sampling import SamplingParams
+from ssd_jax.models.config import tiny_config
+from ssd_jax.models.model import Model
+from ssd_jax.models.params import random_params
+from ssd_jax.runtime.engine import Engine
+from ssd_jax.algorithm.near_tie import assert_greedy_agreement
+from ssd_jax.runtime.proposer import PromptLookupProposer, Proposer
+from ssd_jax.algorithm.sampling import SamplingParams
 
 CFG = tiny_config("llama", vocab_size=32)
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 8, 5, 6, 7]]

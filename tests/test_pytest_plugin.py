@@ -21,5 +21,5 @@ def test_window_distribution_fixture_accepts_exact_and_rejects_biased(assert_win
 
 
 def test_greedy_fixture_is_the_near_tie_check(assert_greedy_agreement):
-    from ssd_jax import near_tie
+    from ssd_jax.algorithm import near_tie
     assert assert_greedy_agreement is near_tie.assert_greedy_agreement

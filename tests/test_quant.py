@@ -6,13 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import cpu_matmul
-from models.config import tiny_config
-from models.kv_cache import init_cache
-from models.model import Model
-from models.params import decode_bytes, random_params
-from models.quant import Int8Weight, is_quantized, quantize_int8, quantize_model, quantize_params
-from models.transformer import forward
+from ssd_jax.models import cpu_matmul
+from ssd_jax.models.config import tiny_config
+from ssd_jax.models.kv_cache import init_cache
+from ssd_jax.models.model import Model
+from ssd_jax.models.params import decode_bytes, random_params
+from ssd_jax.models.quant import Int8Weight, is_quantized, quantize_int8, quantize_model, quantize_params
+from ssd_jax.models.transformer import forward
 
 from _greedy_modes import assert_sd_and_ssd_match_ar
 
@@ -164,7 +164,7 @@ def test_int8_errors_name_the_problem():
         quantize_params(params, mode="none")
     with pytest.raises(TypeError, match="Params"):
         quantize_params({"w": 1})
-    from ssd_jax.sharding import tp_layout
+    from ssd_jax.runtime.sharding import tp_layout
     with pytest.raises(ValueError, match="unquantized params"):
         tp_layout(quantize_params(params), cfg, 2)
 

@@ -2,7 +2,7 @@
 
 Greedy tokens equal HF transformers `generate` on the same weights (run in a subprocess so torch's
 copy of the model does not share this process's memory); SD with a draft derived from SmolLM2 and
-SSD on the Qwen pair equal plain greedy decoding (spec §3 near-tie rule).
+SSD on the Qwen pair equal plain greedy decoding (ALGORITHM.md §3 near-tie rule).
 """
 import json
 import os
@@ -12,12 +12,12 @@ import sys
 import numpy as np
 import pytest
 
-from models import registry
-from models.load import load_model
-from models.model import Model
-from models.params import truncate_layers
-from ssd_jax.engine import Engine, SSDConfig
-from ssd_jax.near_tie import assert_greedy_agreement
+from ssd_jax.models import registry
+from ssd_jax.models.load import load_model
+from ssd_jax.models.model import Model
+from ssd_jax.models.params import truncate_layers
+from ssd_jax.runtime.engine import Engine, SSDConfig
+from ssd_jax.algorithm.near_tie import assert_greedy_agreement
 
 pytestmark = pytest.mark.slow
 
@@ -69,8 +69,8 @@ def test_smollm2_sd_and_ssd_with_a_layer_skip_draft(smollm):
 def test_qwen_pair_loads_and_target_matches_hf_transformers():
     for name in (registry.DEFAULT_TARGET, registry.DEFAULT_DRAFT):
         registry.fetch(name, progress=False)
-    from models.loading.gguf import load_gguf_config
-    from models.tokenizer import Tokenizer
+    from ssd_jax.models.loading.gguf import load_gguf_config
+    from ssd_jax.models.tokenizer import Tokenizer
     tok = Tokenizer.from_gguf(registry.fetch(registry.DEFAULT_TARGET, progress=False))
     ids = [tok.encode("def fibonacci(n):\n")]
     # the oracle first, in its own process, so its fp32 copy of the 1.5B model never shares memory

@@ -1,4 +1,4 @@
-"""ssd_jax.sampling: the user's distribution, position-indexed keys, the exponential race."""
+"""ssd_jax.algorithm.sampling: the user's distribution, position-indexed keys, the exponential race."""
 import math
 
 import jax
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from ssd_jax.sampling import (STREAM_ACCEPT, STREAM_BACKUP, STREAM_DRAFT, STREAM_RESIDUAL, STREAM_SAMPLE,
+from ssd_jax.algorithm.sampling import (STREAM_ACCEPT, STREAM_BACKUP, STREAM_DRAFT, STREAM_RESIDUAL, STREAM_SAMPLE,
                               SamplingParams, position_keys, probs_from_logits, sample,
                               sample_from_probs)
 

@@ -14,8 +14,8 @@ import sys
 import jax
 import pytest
 
-from ssd_jax.placement import make_placement
-from ssd_jax.sharding import bytes_per_round, ssd_round_time, tokens_per_round
+from ssd_jax.runtime.placement import make_placement
+from ssd_jax.runtime.sharding import bytes_per_round, ssd_round_time, tokens_per_round
 
 WORKER = os.path.join(os.path.dirname(__file__), "_sharding_worker.py")
 

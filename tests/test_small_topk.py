@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ssd_jax.small_topk import SMALL_K, argmax, kth_largest, top_k_indices
+from ssd_jax.algorithm.small_topk import SMALL_K, argmax, kth_largest, top_k_indices
 
 
 def rows(seed, shape=(3, 5, 40)):

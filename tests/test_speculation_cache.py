@@ -4,13 +4,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.config import tiny_config
-from models.kv_cache import init_cache
-from models.params import random_params
-from ssd_jax import steps
-from ssd_jax.sampling import SamplingParams
-from ssd_jax.speculation_cache import SpeculationCache, check_budget, lookup
-from ssd_jax.tree import draft_tree
+from ssd_jax.models.config import tiny_config
+from ssd_jax.models.kv_cache import init_cache
+from ssd_jax.models.params import random_params
+from ssd_jax.algorithm import steps
+from ssd_jax.algorithm.sampling import SamplingParams
+from ssd_jax.algorithm.speculation_cache import SpeculationCache, check_budget, lookup
+from ssd_jax.algorithm.tree import draft_tree
 
 CFG = tiny_config("qwen2", vocab_size=48)
 K = 3

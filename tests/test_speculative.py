@@ -1,15 +1,15 @@
-"""Greedy SD and SSD equal greedy plain decoding (spec §3 near-tie rule), on tiny random pairs that
+"""Greedy SD and SSD equal greedy plain decoding (ALGORITHM.md §3 near-tie rule), on tiny random pairs that
 make every path run: draft = target, a perturbed copy, an unrelated draft; hits, misses and every
 backup; the Pallas kernels against the references."""
 import jax
 import numpy as np
 import pytest
 
-from models.config import tiny_config
-from models.model import Model
-from models.params import perturb, random_params
-from ssd_jax.engine import Engine, SSDConfig
-from ssd_jax.near_tie import assert_greedy_agreement
+from ssd_jax.models.config import tiny_config
+from ssd_jax.models.model import Model
+from ssd_jax.models.params import perturb, random_params
+from ssd_jax.runtime.engine import Engine, SSDConfig
+from ssd_jax.algorithm.near_tie import assert_greedy_agreement
 
 CFG = tiny_config("qwen2", vocab_size=64)
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17], [20, 21]]
@@ -115,7 +115,7 @@ def test_planned_fanout_comes_from_the_engines_own_measurements(target, drafts, 
     for mode in ("ar", "sd"):  # twice each: the first run compiles, its rounds are not timed
         for _ in range(2):
             eng.generate(PROMPTS, mode=mode, max_new_tokens=24, k=3)
-    from ssd_jax.policy import plan_from_sd
+    from ssd_jax.algorithm.policy import plan_from_sd
     sd = eng._sd
     slope = eng.draft_width_slope()  # timed on the draft once, then kept for every plan
     assert slope is not None and slope >= 0 and eng.draft_width_slope() == slope

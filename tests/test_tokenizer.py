@@ -1,4 +1,4 @@
-"""models.tokenizer: byte-level BPE rebuilt from GGUF metadata, HF folders, chat templates, EOS ids.
+"""ssd_jax.models.tokenizer: byte-level BPE rebuilt from GGUF metadata, HF folders, chat templates, EOS ids.
 
 Fast tests use a tiny vocabulary written into a GGUF with gguf.GGUFWriter. Slow tests compare the
 tokenizers of the real default models with transformers' `AutoTokenizer.from_pretrained(folder,
@@ -21,8 +21,8 @@ import unicodedata
 
 import pytest
 
-from models import registry
-from models.tokenizer import Tokenizer
+from ssd_jax.models import registry
+from ssd_jax.models.tokenizer import Tokenizer
 
 # ------------------------------------------------------------------------------- a tiny GGUF vocab
 

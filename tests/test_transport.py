@@ -9,10 +9,10 @@ import sys
 import pytest
 from safetensors.numpy import save_file
 
-from models.config import tiny_config
-from models.model import Model
-from models.params import params_from_hf, perturb_hf_tensors, random_hf_tensors
-from ssd_jax.engine import Engine, SSDConfig
+from ssd_jax.models.config import tiny_config
+from ssd_jax.models.model import Model
+from ssd_jax.models.params import params_from_hf, perturb_hf_tensors, random_hf_tensors
+from ssd_jax.runtime.engine import Engine, SSDConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = tiny_config("qwen2", vocab_size=64)
@@ -74,10 +74,10 @@ def test_two_process_equals_in_process_and_overlaps(pair):
 @pytest.mark.parametrize("quant,draft_vocab", [("int8", None), ("int8", 40), ("int4", None)])
 def test_two_process_quantized_draft_equals_in_process(pair, quant, draft_vocab):
     """`start_two_process(..., quant="int8", draft_vocab=n)` prepares the draft in its process
-    exactly as `models.draft_head.prepare_draft` does in-process. An unquantized remote draft
+    exactly as `ssd_jax.models.draft_head.prepare_draft` does in-process. An unquantized remote draft
     would give the same tokens but not the same counts (this pair: random-backup hits 18 vs 17, SD
     accept histogram [5, 5, 2, 10] vs [6, 5, 2, 10]); an uncut one differs from a cut one too."""
-    from models.draft_head import prepare_draft
+    from ssd_jax.models.draft_head import prepare_draft
     root, t, d = pair
     got = run_two_process(root, "-", quant=quant, draft_vocab=draft_vocab)
     assert_same_as_in_process(got, Engine(Model(CFG, params_from_hf(t, CFG)),

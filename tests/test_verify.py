@@ -1,4 +1,4 @@
-"""ssd_jax.verify.rejection_sample: hand-made cases, edges, jit with per-row accept counts, and a
+"""ssd_jax.algorithm.verify.rejection_sample: hand-made cases, edges, jit with per-row accept counts, and a
 single-round statistical check (the multi-round check is tests/test_exactness_harness.py)."""
 import jax
 import jax.numpy as jnp
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from ssd_jax.sampling import (STREAM_ACCEPT, STREAM_DRAFT, STREAM_RESIDUAL, position_keys,
+from ssd_jax.algorithm.sampling import (STREAM_ACCEPT, STREAM_DRAFT, STREAM_RESIDUAL, position_keys,
                               sample_from_probs)
-from ssd_jax.verify import VerifyResult, rejection_sample
+from ssd_jax.algorithm.verify import VerifyResult, rejection_sample
 
 verify = jax.jit(rejection_sample)
 

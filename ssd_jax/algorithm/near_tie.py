@@ -1,4 +1,4 @@
-"""Greedy equality up to floating point (spec §3): identical, or a near-tie at the first divergence.
+"""Greedy equality up to floating point (ALGORITHM.md §3): identical, or a near-tie at the first divergence.
 
 A K+1-token verify and a 1-token decode differ in the last bits, so greedy SD/SSD may legitimately
 pick the other of two (almost) tied tokens. The check passes when the outputs are identical, or
@@ -13,8 +13,8 @@ import warnings
 import jax.numpy as jnp
 import numpy as np
 
-from models.kv_cache import init_cache
-from models.transformer import forward
+from ssd_jax.models.kv_cache import init_cache
+from ssd_jax.models.transformer import forward
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
-"""Backup speculators for a cache miss (spec §5), each carrying its true proposal distribution.
+"""Backup speculators for a cache miss (ALGORITHM.md §5), each carrying its true proposal distribution.
 
 - neural ("jit"): the draft drafts K tokens from the real outcome, as plain SD would
-  (`ssd_jax.steps.draft_chain`); accurate, costs about one SD drafting time.
+  (`ssd_jax.algorithm.steps.draft_chain`); accurate, costs about one SD drafting time.
 - random: K uniform tokens over the tokenizer's vocabulary; rows are that uniform distribution.
 - ngram (prompt lookup): the K tokens that followed the latest earlier occurrence of the sequence's
   last `n` tokens; deterministic, so rows are one-hot. Where nothing matches, uniform as `random`.
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ssd_jax import sampling as smp
+from ssd_jax.algorithm import sampling as smp
 
 BACKUPS = ("neural", "random", "ngram")
 

@@ -16,7 +16,7 @@ runs on local shards and the only collectives are two all-reduces per layer (aft
     KV cache [B, S, KVH, D]   KV-head axis -> P(None, None, model, None); lengths replicated
 
 The re-layout is recorded in the static config: `TPConfig(tp_groups=tp)` (a `ModelConfig`), which
-`models.transformer` reads to split q/k/v and gate/up per group; with `tp_groups=1` nothing changes.
+`ssd_jax.models.transformer` reads to split q/k/v and gate/up per group; with `tp_groups=1` nothing changes.
 GQA with fewer KV heads than `tp` (tp a multiple of KVH) replicates each KV head tp/KVH times
 (weights and cache); anything else is a clear error.
 
@@ -34,11 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from models.config import ModelConfig
-from models.kv_cache import KVCache, init_cache
-from models.params import LayerParams, Params
-from models.packed import unpack_params
-from models.quant import is_quantized
+from ssd_jax.models.config import ModelConfig
+from ssd_jax.models.kv_cache import KVCache, init_cache
+from ssd_jax.models.params import LayerParams, Params
+from ssd_jax.models.packed import unpack_params
+from ssd_jax.models.quant import is_quantized
 
 TP_AXIS = "model"
 DP_AXIS = "data"
@@ -167,7 +167,7 @@ def init_target_cache(cfg: ModelConfig, batch: int, max_len: int, mesh: Mesh) ->
 
 
 # ------------------------------------------------------------------------------------------------
-# Bytes that cross meshes, and the spec §6 round-time arithmetic (docs/SCALE_OUT.md)
+# Bytes that cross meshes, and the ALGORITHM.md §6 round-time arithmetic (docs/SCALE_OUT.md)
 # ------------------------------------------------------------------------------------------------
 def bytes_per_round(batch: int, k: int, vocab: int, row_dtype="float32", *, target_devices: int = 1,
                     draft_devices: int = 1, rows_sharded: bool = True) -> dict[str, int]:

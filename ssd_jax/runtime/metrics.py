@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ssd_jax.policy import acceptance_from_hist
+from ssd_jax.algorithm.policy import acceptance_from_hist
 
 _COMPILE_EVENTS = (
     "/jax/core/compile/jaxpr_trace_duration",

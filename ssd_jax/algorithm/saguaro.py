@@ -1,4 +1,4 @@
-"""The proposal q' a draft samples its speculation from, with Saguaro scaling (spec §4).
+"""The proposal q' a draft samples its speculation from, with Saguaro scaling (ALGORITHM.md §4).
 
 After a rejection the bonus comes from max(0, p - q'), which suppresses exactly the tokens the
 draft likes most — the ones the next fork caches. Saguaro drafts from
@@ -14,8 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ssd_jax.sampling import SamplingParams, probs_from_logits, sample_from_probs
-from ssd_jax.small_topk import argmax, kth_largest
+from ssd_jax.algorithm.sampling import SamplingParams, probs_from_logits, sample_from_probs
+from ssd_jax.algorithm.small_topk import argmax, kth_largest
 
 
 def saguaro_scale(q: jax.Array, raw_logits: jax.Array, top_n: int, c: float) -> jax.Array:

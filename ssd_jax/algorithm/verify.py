@@ -1,4 +1,4 @@
-"""Static-shape, lossless verification of one K-token speculation (docs/SSD.md §3).
+"""Static-shape, lossless verification of one K-token speculation (docs/ALGORITHM.md §3).
 
 For each sequence: accept draft token s_i with probability min(1, p_i(s_i) / q'_i(s_i)) while every
 earlier one was accepted; at the first rejection i emit a bonus drawn from normalize(max(0, p_i - q'_i));
@@ -16,7 +16,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from ssd_jax.sampling import _as_keys, sample_from_probs
+from ssd_jax.algorithm.sampling import _as_keys, sample_from_probs
 
 __all__ = ["VerifyResult", "rejection_sample"]
 
@@ -111,7 +111,7 @@ def rejection_sample(target_probs, proposal_probs, draft_tokens, accept_keys, re
 
     Args:
       target_probs: `[B, K+1, V]` p_1..p_{K+1}, the target distribution after the user's
-        temperature / top-k / top-p (`ssd_jax.sampling.probs_from_logits`).
+        temperature / top-k / top-p (`ssd_jax.algorithm.sampling.probs_from_logits`).
       proposal_probs: `[B, K, V]` q'_1..q'_K, the rows the draft tokens were actually sampled from.
       draft_tokens: `[B, K]` int32 s_1..s_K.
       accept_keys: `[B, K]` keys; the coin for s_i is uniform(accept_keys[:, i]).

@@ -1,4 +1,4 @@
-"""Fan-out: how many candidate bonus tokens the fork caches at each accept position (spec §6).
+"""Fan-out: how many candidate bonus tokens the fork caches at each accept position (ALGORITHM.md §6).
 
 The outcome "reject at position j" has probability P_j ≈ a^j (1-a) for j < K and P_K ≈ a^K. With
 the per-position miss model 1 - p_hit(F) = c_j F^(-r), maximising the hit probability under a

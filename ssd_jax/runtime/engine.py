@@ -4,7 +4,7 @@
     out = engine.generate(["def fib(n):"], mode="ssd", max_new_tokens=64)
     out.texts[0], out.metrics.hit_rate
 
-SSD round (spec §2): dispatch `verify` on the target mesh, dispatch `draft_tree` on the draft mesh
+SSD round (ALGORITHM.md §2): dispatch `verify` on the target mesh, dispatch `draft_tree` on the draft mesh
 right after (async dispatch overlaps them), block on the outcome only, look the outcome up in the
 speculation cache, back up the missed rows, commit. Output is exactly the target's distribution in
 every mode; modes differ only in speed.
@@ -19,19 +19,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.draft_head import head_width
-from ssd_jax import fanout as fo
-from ssd_jax import steps
-from ssd_jax.batch import Batch, GenerationResult
-from ssd_jax.compile_cache import enable_compilation_cache
-from ssd_jax.draft_worker import DraftRun, DraftWorker, RoundState
-from ssd_jax.metrics import CompileTimer, Metrics, RoundTimes
-from ssd_jax.policy import BackupChooser, plan_from_sd, ssd_speedup, width_slope_from_times
-from ssd_jax.proposer import Proposer
-from ssd_jax.placement import Placement, make_placement, settle, spans_processes, to_mesh
-from ssd_jax.sampling import SamplingParams
-from ssd_jax.sharding import init_target_cache, shard_target
-from ssd_jax.speculation_cache import check_budget
+from ssd_jax.models.draft_head import head_width
+from ssd_jax.algorithm import fanout as fo
+from ssd_jax.algorithm import steps
+from ssd_jax.runtime.batch import Batch, GenerationResult
+from ssd_jax.runtime.compile_cache import enable_compilation_cache
+from ssd_jax.runtime.draft_worker import DraftRun, DraftWorker, RoundState
+from ssd_jax.runtime.metrics import CompileTimer, Metrics, RoundTimes
+from ssd_jax.algorithm.policy import BackupChooser, plan_from_sd, ssd_speedup, width_slope_from_times
+from ssd_jax.runtime.proposer import Proposer
+from ssd_jax.runtime.placement import Placement, make_placement, settle, spans_processes, to_mesh
+from ssd_jax.algorithm.sampling import SamplingParams
+from ssd_jax.runtime.sharding import init_target_cache, shard_target
+from ssd_jax.algorithm.speculation_cache import check_budget
 
 MODES = ("ar", "sd", "ssd")
 
@@ -39,13 +39,13 @@ MODES = ("ar", "sd", "ssd")
 @dataclasses.dataclass(frozen=True)
 class SSDConfig:
     """SSD knobs. fanout: F_0..F_K after a hit (None: one candidate per position; "plan": the
-    fan-out `ssd_jax.policy.plan_from_sd` picks at this K from the times and acceptance this engine
+    fan-out `ssd_jax.algorithm.policy.plan_from_sd` picks at this K from the times and acceptance this engine
     measured in its last `ar` and `sd` runs, resolved when generate starts and reported in
     `metrics.fanout`); fanout_backup: after a backup round (None: same as fanout; same sum)."""
     fanout: tuple[int, ...] | str | None = None
     fanout_backup: tuple[int, ...] | None = None
     saguaro_c: float = 1.0
-    backup: str = "neural"  # neural | random | ngram | auto (ssd_jax.policy.BackupChooser)
+    backup: str = "neural"  # neural | random | ngram | auto (ssd_jax.algorithm.policy.BackupChooser)
     row_dtype: str = "float32"
     cache_budget_bytes: int | None = None
     attention: str = "reference"  # reference | pallas (tree attention)
@@ -83,15 +83,15 @@ class Engine:
     def __init__(self, target, draft=None, *, placement: str | Placement = "split",
                  max_len: int = 4096, compilation_cache: bool | str = True, remote_draft=None,
                  proposer=None):
-        """target / draft: `models.model.Model`. placement: "split" | "colocated" | a layout "T+D"
-        such as "4+1" (T-way tensor-parallel target, D-way data-parallel draft; ssd_jax.sharding)
-        | a ready Placement. remote_draft: a `ssd_jax.transport.RemoteDraft` (the draft in its own
+        """target / draft: `ssd_jax.models.model.Model`. placement: "split" | "colocated" | a layout "T+D"
+        such as "4+1" (T-way tensor-parallel target, D-way data-parallel draft; ssd_jax.runtime.sharding)
+        | a ready Placement. remote_draft: a `ssd_jax.runtime.transport.RemoteDraft` (the draft in its own
         process, started by `start_two_process`) instead of a local draft. proposer: any
-        `ssd_jax.proposer.Proposer` (SD only) instead of a draft model."""
+        `ssd_jax.runtime.proposer.Proposer` (SD only) instead of a draft model."""
         enable_compilation_cache(compilation_cache)
         if head_width(target.params) < target.cfg.vocab_size:
             raise ValueError(f"the target's head scores only {head_width(target.params)} of "
-                             f"{target.cfg.vocab_size} token ids (models.draft_head.truncate_head): "
+                             f"{target.cfg.vocab_size} token ids (ssd_jax.models.draft_head.truncate_head): "
                              "the output would be exact to that cut model, not the target; cut "
                              "the draft's head instead")
         if sum(x is not None for x in (draft, remote_draft, proposer)) > 1:
@@ -116,7 +116,7 @@ class Engine:
         elif proposer is not None:
             if not isinstance(proposer, Proposer):
                 raise ValueError("proposer must have start, propose and finish methods "
-                                 "(ssd_jax.proposer.Proposer)")
+                                 "(ssd_jax.runtime.proposer.Proposer)")
             self.draft = self.worker = proposer
         else:
             self.worker = None
@@ -151,7 +151,7 @@ class Engine:
         if mode != "ar" and int(k) < 1:
             raise ValueError(f"lookahead K must be >= 1, got {k}")
         if not isinstance(sampling, SamplingParams):
-            raise ValueError("sampling must be a ssd_jax.sampling.SamplingParams")
+            raise ValueError("sampling must be a ssd_jax.algorithm.sampling.SamplingParams")
         ids = self._encode(prompts, chat)
         batch = Batch(ids, max_new_tokens, self.eos_ids if eos_ids is None else eos_ids, stop,
                       self.target.tokenizer.decode if self.target.tokenizer else None, on_tokens)
@@ -415,7 +415,7 @@ def _mean_tokens(hist) -> float:
 
 
 def _default_verifier():
-    from ssd_jax.verify import rejection_sample
+    from ssd_jax.algorithm.verify import rejection_sample
     return rejection_sample
 
 

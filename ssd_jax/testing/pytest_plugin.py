@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from ssd_jax.near_tie import assert_greedy_agreement as _greedy
+from ssd_jax.algorithm.near_tie import assert_greedy_agreement as _greedy
 from ssd_jax.testing import distribution_test, window_counts
 
 
@@ -30,5 +30,5 @@ def assert_window_distribution():
 @pytest.fixture
 def assert_greedy_agreement():
     """(params, cfg, prompt, got_ids, plain_greedy_ids, rel_tol=1e-5): identical, or a reported
-    near-tie at the first divergence (spec §3); anything else fails."""
+    near-tie at the first divergence (ALGORITHM.md §3); anything else fails."""
     return _greedy

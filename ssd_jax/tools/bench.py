@@ -11,7 +11,7 @@ Layouts (each measured in its own subprocess, pinned with `taskset -c` to the co
 * `split`: one process on cores A,B with two JAX CPU devices, target on the first, draft on the
   second (two meshes in one process, overlap by async dispatch);
 * `two-process`: the target's process on core A, the draft in its own process on core B
-  (`ssd_jax.transport.start_two_process`; jax.distributed has to start before any other JAX use,
+  (`ssd_jax.runtime.transport.start_two_process`; jax.distributed has to start before any other JAX use,
   hence the subprocess per layout).
 
 Each layout's worker runs AR first (the engine needs a plain-decoding step time T_1 for
@@ -41,9 +41,9 @@ import sys
 import time
 from pathlib import Path
 
-from models import registry
-from ssd_jax.bench_report import _agreement, _jsonable, plot, render_markdown
-from ssd_jax.bench_workers import EVENT, LAYOUTS, MODES
+from ssd_jax.models import registry
+from ssd_jax.tools.bench_report import _agreement, _jsonable, plot, render_markdown
+from ssd_jax.tools.bench_workers import EVENT, LAYOUTS, MODES
 
 
 class BenchError(RuntimeError):
@@ -78,10 +78,10 @@ def add_arguments(b: argparse.ArgumentParser, fanout_type) -> None:
     b.add_argument("--draft", default=registry.DEFAULT_DRAFT)
     b.add_argument("--prompts-file", default=None,
                    help="one prompt per line, or JSONL with a \"text\" key per line "
-                        "(default: the benchmark set, ssd_jax.benchmark_set)")
+                        "(default: the benchmark set, ssd_jax.tools.benchmark_set)")
     b.add_argument("--limit", type=int, default=0, help="use the first N prompts (default all)")
     b.add_argument("--max-new-tokens", type=int, default=None,
-                   help="default ssd_jax.benchmark_set.MAX_NEW_TOKENS (128)")
+                   help="default ssd_jax.tools.benchmark_set.MAX_NEW_TOKENS (128)")
     b.add_argument("--k", type=int, default=4, help="lookahead K (draft tokens per round)")
     b.add_argument("--fanout", type=fanout_type, default=None,
                    help="SSD F_0..F_K, e.g. 2,2,1,1,1, or 'plan' (from this layout's AR and SD runs)")
@@ -144,8 +144,8 @@ def _prompts(args) -> tuple[list[dict], str]:
     if args.prompts_file:
         prompts, source = load_prompt_file(args.prompts_file), str(args.prompts_file)
     else:
-        from ssd_jax.benchmark_set import load_prompts
-        prompts, source = load_prompts(), "ssd_jax.benchmark_set"
+        from ssd_jax.tools.benchmark_set import load_prompts
+        prompts, source = load_prompts(), "ssd_jax.tools.benchmark_set"
     if args.limit:
         prompts = prompts[: args.limit]
     if any(not p["text"] for p in prompts):
@@ -198,8 +198,8 @@ def _hf_available() -> bool:
 
 # ------------------------------------------------------------------------------------------ parent
 def _validate(args) -> None:
-    from ssd_jax.engine import SSDConfig
-    from ssd_jax.sampling import SamplingParams
+    from ssd_jax.runtime.engine import SSDConfig
+    from ssd_jax.algorithm.sampling import SamplingParams
 
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -214,7 +214,7 @@ def _validate(args) -> None:
                              "and SD runs of the same layout")
     else:
         SSDConfig(fanout=args.fanout, saguaro_c=args.saguaro_c, backup=args.backup).lists(args.k)
-    from models.config import canonical_dtype
+    from ssd_jax.models.config import canonical_dtype
     args.dtype = canonical_dtype(args.dtype)
     usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     if args.cores and usable is not None and not set(args.cores) <= set(usable):
@@ -227,7 +227,7 @@ def _validate(args) -> None:
 def _check_models(args) -> None:
     """Resolve both models (one-line errors for missing / unfetched ones) and check that they share
     a tokenizer, before any worker starts."""
-    from models.load import _tokenizer
+    from ssd_jax.models.load import _tokenizer
 
     tpath = registry.resolve(args.target, args.cache_dir)
     dpath = registry.resolve(args.draft, args.cache_dir)
@@ -251,7 +251,7 @@ def _run_worker(kind: str, cores: list[int], threads: int, job_path: Path, out: 
                TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = [sys.executable, "-m", "ssd_jax.bench_workers", "--worker", kind, "--job", str(job_path),
+    cmd = [sys.executable, "-m", "ssd_jax.tools.bench_workers", "--worker", kind, "--job", str(job_path),
            "--result", str(result)]
     pinned = shutil.which("taskset") is not None
     if pinned:
@@ -291,7 +291,7 @@ def run(args) -> int:
     _check_models(args)
     prompts, source = _prompts(args)
     if args.max_new_tokens is None:
-        from ssd_jax.benchmark_set import MAX_NEW_TOKENS
+        from ssd_jax.tools.benchmark_set import MAX_NEW_TOKENS
         args.max_new_tokens = MAX_NEW_TOKENS
     cores = args.cores or _default_cores()
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -37,8 +37,8 @@ from typing import Callable
 import jax.numpy as jnp
 import numpy as np
 
-from ssd_jax.sampling import SamplingParams, _as_keys, probs_from_logits, sample_from_probs
-from ssd_jax.verify import (
+from ssd_jax.algorithm.sampling import SamplingParams, _as_keys, probs_from_logits, sample_from_probs
+from ssd_jax.algorithm.verify import (
     VerifyResult,
     _accept_coins,
     _assemble,
@@ -360,7 +360,7 @@ def detection_power(exact_probs, n: int, tv: float = 0.02, trials: int = 400,
 
 
 # ----------------------------------------------------------------------------------------------
-# Planted bugs: drop-in replacements for ssd_jax.verify.rejection_sample, one wrong rule each
+# Planted bugs: drop-in replacements for ssd_jax.algorithm.verify.rejection_sample, one wrong rule each
 # ----------------------------------------------------------------------------------------------
 def _verify_parts(target_probs, proposal_probs, draft_tokens, accept_keys):
     target_probs = jnp.asarray(target_probs, jnp.float32)

@@ -6,7 +6,7 @@ paper compares against). Arrays cross meshes only through `to_mesh` (an async `d
 
 Scale-out (docs/SCALE_OUT.md): a layout string "T+D" (e.g. "4+1", "2+2") or `target_devices` /
 `draft_devices` give the target a T-device mesh with axis `model` (tensor parallelism, see
-`ssd_jax.sharding`) and the draft a D-device mesh with axis `data` (data parallelism over the batch).
+`ssd_jax.runtime.sharding`) and the draft a D-device mesh with axis `data` (data parallelism over the batch).
 Meshes use `AxisType.Auto` axes so GSPMD partitions the jitted steps from the argument shardings.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Choosing K, the fan-out and the backup from measured quantities (spec §5, §6).
+"""Choosing K, the fan-out and the backup from measured quantities (ALGORITHM.md §5, §6).
 
 All formulas are those of the spec; every function takes measured numbers (seconds, rates) and
 returns a prediction or a choice, so a notebook can sweep them. `plan` picks (K, fan-out, backup);
@@ -12,7 +12,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from ssd_jax import fanout as fo
+from ssd_jax.algorithm import fanout as fo
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -84,7 +84,7 @@ class Plan:
 def plan(costs: Costs, acceptance: float, miss_c: float = 0.5, miss_r: float = 1.0, *,
          ks: Sequence[int] = range(1, 9), budgets: Sequence[int] | None = None, batch: int = 1,
          vocab: int | None = None, acceptance_after_fast_backup: float = 0.0) -> Plan:
-    """Pick K, the fan-out (allocated as in spec §6) and the backup maximising the predicted speedup.
+    """Pick K, the fan-out (allocated as in ALGORITHM.md §6) and the backup maximising the predicted speedup.
 
     Budgets default to MQ = 1 .. 4(K+1): narrow trees (fewer branches than outcomes) win where a
     wide draft forward costs much more than a narrow one, as on a CPU, because a tree slower than

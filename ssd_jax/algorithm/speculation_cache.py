@@ -2,7 +2,7 @@
 
 A static-shape pytree. Keys are outcomes `(j, c)`: "j draft tokens accepted, bonus token c".
 Lookup by the realised outcome is the outcome-conditioned gather (a Pallas kernel, with its
-plain-jnp reference, in `pallas_kernels.cache_gather`).
+plain-jnp reference, in `ssd_jax.pallas_kernels.cache_gather`).
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def check_budget(batch: int, branches: int, k: int, vocab: int, row_dtype, budge
 def lookup(cache: SpeculationCache, num_accepted: jax.Array, bonus: jax.Array, *,
            kernel: bool = False):
     """Outcome [B] x 2 -> (hit [B] bool, tokens [B, K], rows [B, K, V]); zeros on a miss."""
-    from pallas_kernels.cache_gather import cache_gather, cache_gather_reference
+    from ssd_jax.pallas_kernels.cache_gather import cache_gather, cache_gather_reference
 
     outcome = jnp.stack([num_accepted, bonus], axis=-1).astype(jnp.int32)
     if kernel:

@@ -1,5 +1,5 @@
 """`ssd-jax bench`'s report: the markdown table, the plots, the token agreement between modes and
-the JSON conversion of the workers' results (ssd_jax/bench.py runs the workers, bench_workers.py
+the JSON conversion of the workers' results (ssd_jax/tools/bench.py runs the workers, bench_workers.py
 is what they run)."""
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def render_markdown(rep: dict) -> str:
         out.append(f"- note: {rep['note']}")
     out += ["",
             "Tokens/s: steady state (rounds without compiles), summed over prompts. Speed-up: over "
-            "AR of the same layout. Predicted: spec §6 from this run's measured times and rates "
+            "AR of the same layout. Predicted: ALGORITHM.md §6 from this run's measured times and rates "
             "(SSD: `metrics.predicted_speedup`; SD: T_1 E / (T_v + K T_d)), mean over prompts. "
             "Agree: leading tokens equal to AR of the same layout, per prompt.", "",
             "| layout | cores | mode | tok/s | speed-up vs AR | predicted | tokens/round "
@@ -195,7 +195,7 @@ def plot(rep: dict, out: Path) -> list[Path]:
     ax.plot([0, top * 1.15], [0, top * 1.15], "k--", lw=0.8, label="measured = predicted")
     ax.set_xlim(0, top * 1.15)
     ax.set_ylim(0, top * 1.15)
-    ax.set_xlabel("predicted speed-up over AR (spec §6)")
+    ax.set_xlabel("predicted speed-up over AR (ALGORITHM.md §6)")
     ax.set_ylabel("measured speed-up over AR")
     ax.set_title("predicted vs measured speed-up")
     ax.legend(fontsize=8)

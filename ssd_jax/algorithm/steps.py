@@ -7,7 +7,7 @@ verifier function) are hashable, so one compile serves every round.
 
 Positions and keys: a sequence with `n` committed tokens has its bonus token `b` at position `n`
 (not yet in either KV cache). Every random draw is keyed by (request id, position of the token it
-decides, stream) — see `ssd_jax.sampling.position_keys`.
+decides, stream) — see `ssd_jax.algorithm.sampling.position_keys`.
 """
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from models.config import ModelConfig
-from models.kv_cache import KVCache
-from models.params import Params
-from models.transformer import forward
-from ssd_jax import sampling as smp
-from ssd_jax.saguaro import normalise_rows, propose
+from ssd_jax.models.config import ModelConfig
+from ssd_jax.models.kv_cache import KVCache
+from ssd_jax.models.params import Params
+from ssd_jax.models.transformer import forward
+from ssd_jax.algorithm import sampling as smp
+from ssd_jax.algorithm.saguaro import normalise_rows, propose
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:

@@ -1,6 +1,6 @@
 """`ssd-jax bench`'s workers: one subprocess per device layout (AR, SD, SSD over the prompts on
 ssd_jax's engine) and one for HF transformers (AR and assisted generation on the same weights).
-ssd_jax/bench.py starts them as `python -m ssd_jax.bench_workers --worker KIND --job JOB --result
+ssd_jax/tools/bench.py starts them as `python -m ssd_jax.tools.bench_workers --worker KIND --job JOB --result
 OUT` under taskset; progress lines on stdout start with EVENT."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import time
 import traceback
 from pathlib import Path
 
-from models import registry
-from ssd_jax.bench_report import _jsonable
+from ssd_jax.models import registry
+from ssd_jax.tools.bench_report import _jsonable
 
 LAYOUTS = ("colocated", "split", "two-process")
 MODES = ("ar", "sd", "ssd")
@@ -30,10 +30,10 @@ def _steady(timeline: list) -> list:
 
 
 def _sd_prediction(m, t1: float | None, k: int) -> float | None:
-    """S_SD = T_1 E / (T_v + K T_d) from this run's steady rounds (spec §6)."""
+    """S_SD = T_1 E / (T_v + K T_d) from this run's steady rounds (ALGORITHM.md §6)."""
     import numpy as np
 
-    from ssd_jax.policy import sd_speedup
+    from ssd_jax.algorithm.policy import sd_speedup
     steady = _steady(m.timeline)
     a = m.per_token_acceptance
     if t1 is None or not steady or a is None or math.isnan(a):
@@ -78,7 +78,7 @@ def worker_layout(layout: str, job: dict) -> dict:
     remote = None
     cores = job["cores"]
     if layout == "two-process":
-        from ssd_jax.transport import start_two_process  # before any other JAX use
+        from ssd_jax.runtime.transport import start_two_process  # before any other JAX use
         remote = start_two_process(job["draft"], dtype=job["dtype"], quant=job.get("draft_quant", "none"),
                                    draft_vocab=job.get("draft_vocab"), cores=tuple(cores),
                                    cache_dir=job["cache_dir"])
@@ -87,12 +87,12 @@ def worker_layout(layout: str, job: dict) -> dict:
         jax.config.update("jax_num_cpu_devices", 2)
     import numpy as np
 
-    from models.load import load_draft, load_model
-    from ssd_jax.engine import Engine, SSDConfig
-    from ssd_jax.sampling import SamplingParams
+    from ssd_jax.models.load import load_draft, load_model
+    from ssd_jax.runtime.engine import Engine, SSDConfig
+    from ssd_jax.algorithm.sampling import SamplingParams
 
     # Under jax.distributed orbax coordinates every process, and only this one loads: no orbax
-    # cache for the target of the two-process layout (as in ssd_jax.draft_process).
+    # cache for the target of the two-process layout (as in ssd_jax.runtime.draft_process).
     target = load_model(job["target"], job["dtype"], cache_dir=job["cache_dir"],
                         use_cache=remote is None)
     if remote is not None:
@@ -159,8 +159,8 @@ def hf_model_on_our_weights(spec: str, dtype: str, cache_dir: str | None):
     import torch
     import transformers
 
-    from models.config import ModelConfig
-    from models.load import _read
+    from ssd_jax.models.config import ModelConfig
+    from ssd_jax.models.load import _read
 
     config, tensors = _read(registry.resolve(spec, cache_dir))
     cfg = ModelConfig.from_hf(config, "float32")
@@ -187,7 +187,7 @@ def worker_hf(job: dict, threads: int = 1) -> dict:
     """HF transformers: greedy/sampled `generate` and assisted generation with K constant tokens."""
     import torch
 
-    from models.load import _tokenizer
+    from ssd_jax.models.load import _tokenizer
 
     torch.set_num_threads(threads)
     tok = _tokenizer(registry.resolve(job["target"], job["cache_dir"]))
@@ -258,7 +258,7 @@ def worker_hf(job: dict, threads: int = 1) -> dict:
 
 
 def _worker_main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ssd_jax.bench_workers")
+    p = argparse.ArgumentParser(prog="python -m ssd_jax.tools.bench_workers")
     p.add_argument("--worker", required=True, choices=(*LAYOUTS, "hf"))
     p.add_argument("--job", required=True)
     p.add_argument("--result", required=True)

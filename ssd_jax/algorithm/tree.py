@@ -1,4 +1,4 @@
-"""`draft_tree`: glue pass, fork and K-step tree decode (spec §2, step 2) as one jitted function.
+"""`draft_tree`: glue pass, fork and K-step tree decode (ALGORITHM.md §2, step 2) as one jitted function.
 
 It needs only what the draft already has (the speculation in flight), so it is dispatched on the
 draft mesh right after `verify` is dispatched on the target mesh, and runs while the target verifies.
@@ -10,14 +10,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from models.config import ModelConfig
-from models.kv_cache import KVCache
-from models.params import Params
-from models.transformer import forward, init_branch_kv, tree_step
-from ssd_jax import sampling as smp
-from ssd_jax.saguaro import propose
-from ssd_jax.small_topk import top_k_indices
-from ssd_jax.speculation_cache import SpeculationCache
+from ssd_jax.models.config import ModelConfig
+from ssd_jax.models.kv_cache import KVCache
+from ssd_jax.models.params import Params
+from ssd_jax.models.transformer import forward, init_branch_kv, tree_step
+from ssd_jax.algorithm import sampling as smp
+from ssd_jax.algorithm.saguaro import propose
+from ssd_jax.algorithm.small_topk import top_k_indices
+from ssd_jax.algorithm.speculation_cache import SpeculationCache
 
 
 def fork(glue_logits: jax.Array, spec: jax.Array, fanout: tuple[int, ...],

@@ -9,8 +9,8 @@ import argparse
 import json
 import sys
 
-from models import registry
-from models.config import canonical_dtype
+from ssd_jax.models import registry
+from ssd_jax.models.config import canonical_dtype
 
 EXIT_USAGE = 2
 
@@ -36,7 +36,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ssd_jax import bench
+    from ssd_jax.tools import bench
 
     p = _Parser(prog="ssd-jax", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", default="auto",
                    help="float32/fp32, bfloat16/bf16, or auto (default): bf16 on an accelerator or "
-                        "where the CPU matmul kernel builds, else fp32 (models.cpu_matmul.fastest_dtype)")
+                        "where the CPU matmul kernel builds, else fp32 (ssd_jax.models.cpu_matmul.fastest_dtype)")
     g.add_argument("--draft-quant", choices=("none", "int8", "int4"), default="none",
                    help="int8: the draft's matmul weights as int8 with per-column scales (half "
                         "bf16's bytes per draft step); int4: its layers as int4 in groups of 32, "
@@ -95,9 +95,9 @@ def _fetch(args) -> int:
 
 
 def _generate(args) -> int:
-    from models.load import load_draft, load_model
-    from ssd_jax.engine import Engine, SSDConfig
-    from ssd_jax.sampling import SamplingParams
+    from ssd_jax.models.load import load_draft, load_model
+    from ssd_jax.runtime.engine import Engine, SSDConfig
+    from ssd_jax.algorithm.sampling import SamplingParams
 
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.max_new_tokens < 1:
@@ -110,7 +110,7 @@ def _generate(args) -> int:
         with open(args.prompt_file, encoding="utf-8") as fh:
             prompt = fh.read()
     if args.dtype == "auto":
-        from models.cpu_matmul import fastest_dtype
+        from ssd_jax.models.cpu_matmul import fastest_dtype
         args.dtype = fastest_dtype()
     args.dtype = canonical_dtype(args.dtype)
     target = load_model(args.target, args.dtype, cache_dir=args.cache_dir)
@@ -145,13 +145,13 @@ def _generate(args) -> int:
 
 
 def _bench(args) -> int:
-    from ssd_jax import bench
+    from ssd_jax.tools import bench
     return bench.run(args)
 
 
 def main(argv=None) -> int:
-    from ssd_jax.bench import BenchError
-    from ssd_jax.benchmark_set import BenchmarkSetError
+    from ssd_jax.tools.bench import BenchError
+    from ssd_jax.tools.benchmark_set import BenchmarkSetError
 
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)

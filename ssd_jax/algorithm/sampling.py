@@ -4,7 +4,7 @@ Everything here is a pure function of arrays and is jit-friendly: shapes are sta
 Python-level branching is on `SamplingParams`, which is hashable and passed to `jit` as a static
 argument.
 
-Exactness depends on two things defined here (see docs/SSD.md §3):
+Exactness depends on two things defined here (see docs/ALGORITHM.md §3):
 - `probs_from_logits` is THE distribution the user asked for. The target's `p` and every proposal's
   `q'` must come from it (or from a rule whose rows are exactly what was sampled from), so that the
   verifier compares the same numbers that decoding would have sampled from.
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ssd_jax.small_topk import argmax, kth_largest
+from ssd_jax.algorithm.small_topk import argmax, kth_largest
 
 # Streams separate the independent random draws made at one (request, position): drafting a token,
 # the accept coin for it, the residual/bonus draw, plain sampling, and a backup speculator's draws.

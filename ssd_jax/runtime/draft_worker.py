@@ -2,7 +2,7 @@
 
 The engine talks to the draft only through these methods, with host values (a `RoundState` of token
 ids and positions, outcome integers) in and speculation tokens / proposal rows out — the calls a
-transport to another process carries unchanged (`ssd_jax.transport`).
+transport to another process carries unchanged (`ssd_jax.runtime.transport`).
 """
 from __future__ import annotations
 
@@ -14,18 +14,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.kv_cache import init_cache
-from models.packed import unpack_params
-from models.transformer import forward
-from ssd_jax import backups, steps
-from ssd_jax.placement import settle, spans_processes, to_host, to_mesh
-from ssd_jax.speculation_cache import lookup
-from ssd_jax.tree import draft_tree
+from ssd_jax.models.kv_cache import init_cache
+from ssd_jax.models.packed import unpack_params
+from ssd_jax.models.transformer import forward
+from ssd_jax.algorithm import backups, steps
+from ssd_jax.runtime.placement import settle, spans_processes, to_host, to_mesh
+from ssd_jax.algorithm.speculation_cache import lookup
+from ssd_jax.algorithm.tree import draft_tree
 
 
 @dataclasses.dataclass
 class RoundState:
-    """Per-row host state at a round boundary (see `ssd_jax.batch.Batch`)."""
+    """Per-row host state at a round boundary (see `ssd_jax.runtime.batch.Batch`)."""
     n: np.ndarray  # [B] position of the bonus token
     prev: np.ndarray  # [B] committed token at n-1
     bonus: np.ndarray  # [B]
@@ -131,7 +131,7 @@ class DraftWorker:
         return settle((spec, self._fit_rows(rows)), self._serial)
 
     def backup(self, s: RoundState, run: DraftRun):
-        """A speculation from each row's real outcome (spec §5). Saguaro scales the top F^b_i + 1
+        """A speculation from each row's real outcome (ALGORITHM.md §5). Saguaro scales the top F^b_i + 1
         tokens of draft token i+1: the candidates the fork after this backup round will cache."""
         if run.backup == "neural":
             top_n = tuple(f + 1 for f in run.fanout_backup[:-1])
@@ -193,7 +193,7 @@ class DraftWorker:
 @jax.jit
 def _take_backup(missed, bspec, spec, brows, rows):
     """The backup's speculation [B, K] and rows [B, K, V] for the rows that missed [B], the
-    cached ones elsewhere (one computation, see `ssd_jax.placement.spans_processes`)."""
+    cached ones elsewhere (one computation, see `ssd_jax.runtime.placement.spans_processes`)."""
     return (jnp.where(missed[:, None], bspec, spec),
             jnp.where(missed[:, None, None], brows, rows))
 
