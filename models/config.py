@@ -50,10 +50,6 @@ class ModelConfig:
     tie_embeddings: bool = False
     max_position_embeddings: int = 32768
     dtype: str = "float32"
-    # Weight matmuls of at most MAX_ROWS rows go through ssd_jax's CPU kernel (models/cpu_matmul.py)
-    # when the backend is the CPU and the weights fp32. Off for meshes of several devices, which
-    # XLA must partition (the custom call has no partitioning rule).
-    cpu_kernels: bool = True
 
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHS:

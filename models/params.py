@@ -35,10 +35,16 @@ DENSE_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")
 
 @struct.dataclass
 class Params:
+    """A decoder's weights: embed [V, E], per-layer `LayerParams`, final_norm [E], lm_head [E, V]
+    (None when tied to the embedding). Dense weights are arrays or logical quantized formats
+    (models/weights.py); a backend's `prepare` may re-lay them out. tp_groups (static): how many
+    tensor-parallel groups the fused wqkv / w_gate_up columns are laid out in (1: checkpoint
+    order; `ssd_jax.runtime.sharding.tp_layout` sets the TP degree)."""
     embed: jax.Array  # [V, hidden]
     layers: tuple[LayerParams, ...]
     final_norm: jax.Array  # [hidden]
     lm_head: jax.Array | None  # [hidden, V], None when tied to embed
+    tp_groups: int = struct.field(pytree_node=False, default=1)
 
 
 def _hf_key_sets(cfg: ModelConfig) -> list[str]:

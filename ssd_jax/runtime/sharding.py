@@ -15,8 +15,10 @@ runs on local shards and the only collectives are two all-reduces per layer (aft
     embed, norms, q/k norms   replicated
     KV cache [B, S, KVH, D]   KV-head axis -> P(None, None, model, None); lengths replicated
 
-The re-layout is recorded in the static config: `TPConfig(tp_groups=tp)` (a `ModelConfig`), which
-`ssd_jax.models.transformer` reads to split q/k/v and gate/up per group; with `tp_groups=1` nothing changes.
+The re-layout is recorded with the weights: `Params.tp_groups = tp` (static), which
+`ssd_jax.models.transformer` reads to split q/k/v and gate/up per group; with 1 nothing changes.
+The config stays a statement of model facts (`tp_config` only raises the KV-head count when heads
+are replicated).
 GQA with fewer KV heads than `tp` (tp a multiple of KVH) replicates each KV head tp/KVH times
 (weights and cache); anything else is a clear error.
 
@@ -27,8 +29,6 @@ the vocabulary (`Placement.target_rows`), so each byte crosses once whatever the
 """
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,20 +37,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ssd_jax.models.config import ModelConfig
 from ssd_jax.models.kv_cache import KVCache, init_cache
 from ssd_jax.models.params import LayerParams, Params
-from ssd_jax.models.packed import unpack_params
 from ssd_jax.models.quant import is_quantized
 
 TP_AXIS = "model"
 DP_AXIS = "data"
 
 
-@dataclasses.dataclass(frozen=True)
-class TPConfig(ModelConfig):
-    """A ModelConfig whose fused columns are laid out in `tp_groups` tensor-parallel groups."""
-    tp_groups: int = 1
-
-
-def tp_config(cfg: ModelConfig, tp: int) -> TPConfig:
+def tp_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     """The config of `cfg`'s weights re-laid out for tensor parallelism of degree `tp` (KV heads
     replicated up to `tp` when there are fewer), or a ValueError naming the constraint."""
     tp = int(tp)
@@ -65,11 +58,7 @@ def tp_config(cfg: ModelConfig, tp: int) -> TPConfig:
         raise ValueError(f"tensor parallelism {tp} needs num_kv_heads ({KVH}) to divide or be a "
                          f"multiple of {tp} (KV heads are split over shards, or replicated when "
                          f"there are fewer than shards)")
-    base = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(ModelConfig)}
-    base["num_kv_heads"] = max(KVH, tp)
-    if tp > 1:  # the CPU matmul kernel has no partitioning rule (models/cpu_matmul.py)
-        base["cpu_kernels"] = False
-    return TPConfig(**base, tp_groups=tp)
+    return cfg.replace(num_kv_heads=max(KVH, tp))
 
 
 def _np(x) -> np.ndarray:
@@ -97,12 +86,12 @@ def _gate_up_columns(w: np.ndarray, cfg: ModelConfig, tp: int) -> np.ndarray:
     return w.reshape(E, 2, tp, I // tp).transpose(0, 2, 1, 3).reshape(E, 2 * I)
 
 
-def tp_layout(params: Params, cfg: ModelConfig, tp: int) -> tuple[TPConfig, Params]:
-    """Host-side (numpy) re-layout of `params` for TP degree `tp`; returns (TPConfig, params)."""
+def tp_layout(params: Params, cfg: ModelConfig, tp: int) -> tuple[ModelConfig, Params]:
+    """Host-side (numpy) re-layout of logical `params` for TP degree `tp`; returns (config,
+    params with `tp_groups = tp`)."""
     if is_quantized(params):
         raise ValueError("tensor-parallel placement takes unquantized params: int8 weights "
                          "(models/quant.py) are for a single-device draft")
-    params = unpack_params(params)  # packing is the CPU kernel's layout, which TP turns off
     tcfg = tp_config(cfg, tp)
     layers = []
     for lp in params.layers:
@@ -115,7 +104,8 @@ def tp_layout(params: Params, cfg: ModelConfig, tp: int) -> tuple[TPConfig, Para
             **{n: _np(getattr(lp, n)) for n in ("q_norm", "k_norm") if getattr(lp, n) is not None}))
     return tcfg, Params(embed=_np(params.embed), layers=tuple(layers),
                         final_norm=_np(params.final_norm),
-                        lm_head=None if params.lm_head is None else _np(params.lm_head))
+                        lm_head=None if params.lm_head is None else _np(params.lm_head),
+                        tp_groups=tp)
 
 
 def param_specs(params: Params, tp: int) -> Params:
@@ -133,7 +123,7 @@ def param_specs(params: Params, tp: int) -> Params:
     if params.lm_head is not None:
         lm = P(None, TP_AXIS) if params.lm_head.shape[1] % tp == 0 else rep
     return Params(embed=rep, layers=tuple(layer(lp) for lp in params.layers), final_norm=rep,
-                  lm_head=lm)
+                  lm_head=lm, tp_groups=params.tp_groups)
 
 
 def shard_target(params: Params, cfg: ModelConfig, mesh: Mesh) -> tuple[ModelConfig, Params]:
