@@ -21,17 +21,98 @@ def test_expected_tokens_and_sd_speedup():
     assert policy.sd_speedup(1.0, 1.0, 0.1, 2, 0.5) == pytest.approx(1.75 / 1.2)
 
 
-def test_ssd_speedup_formula_and_batch():
-    # all hits: T1 E_hit / max(Tv, Tp)
+def test_ssd_speedup_hand_computed():
+    # all hits: T1 E_hit / max(Tv, Tp), whatever the batch
     assert policy.ssd_speedup(1.0, 1.0, 0.5, 0.3, 1.0, 4.0, 2.0) == pytest.approx(4.0)
     assert policy.ssd_speedup(1.0, 1.0, 2.0, 0.3, 1.0, 4.0, 2.0) == pytest.approx(2.0)
-    # misses cost the tree and the backup
-    p = 0.8
-    want = (p * 4 + (1 - p) * 2) / (p * 1.0 + (1 - p) * 1.3)
-    assert policy.ssd_speedup(1.0, 1.0, 0.5, 0.3, p, 4.0, 2.0) == pytest.approx(want)
-    # batch b: all-hit probability p^b
-    want_b = (p ** 4 * 4 + (1 - p ** 4) * 2) / (p ** 4 + (1 - p ** 4) * 1.3)
-    assert policy.ssd_speedup(1.0, 1.0, 0.5, 0.3, p, 4.0, 2.0, batch=4) == pytest.approx(want_b)
+    assert policy.ssd_speedup(1.0, 1.0, 0.5, 0.3, 1.0, 4.0, 2.0, batch=8) == pytest.approx(4.0)
+    # p_hit 0.8, batch 1: tokens 0.8*4 + 0.2*2 = 3.6; time 1 + 0.2*0.3 = 1.06 (a miss costs the
+    # tree and the backup)
+    assert policy.expected_round_tokens(0.8, 4.0, 2.0) == pytest.approx(3.6)
+    assert policy.expected_round_time(1.0, 0.5, 0.3, 0.8) == pytest.approx(1.06)
+    assert policy.ssd_speedup(1.0, 1.0, 0.5, 0.3, 0.8, 4.0, 2.0) == pytest.approx(3.6 / 1.06)
+    # batch 2: all-hit 0.64, so time 1 + 0.36*0.3 = 1.108; each sequence still emits 3.6
+    assert policy.expected_round_time(1.0, 0.5, 0.3, 0.8, batch=2) == pytest.approx(1.108)
+    assert policy.ssd_speedup(1.0, 1.0, 0.5, 0.3, 0.8, 4.0, 2.0, batch=2) == pytest.approx(3.6 / 1.108)
+    # T1 = 2, Tp > Tv, batch 3: tokens 0.5*3 + 0.5*1 = 2; time 1.5 + (1 - 0.125)*0.4 = 1.85
+    assert policy.ssd_speedup(2.0, 1.0, 1.5, 0.4, 0.5, 3.0, 1.0, batch=3) == pytest.approx(4.0 / 1.85)
+    # a free backup: the batch's misses cost no time, so the batch size does not matter
+    assert policy.ssd_speedup(1.0, 1.0, 0.5, 0.0, 0.5, 3.0, 1.0, batch=64) == pytest.approx(2.0)
+
+
+def test_round_time_is_the_sharding_round_time():
+    from ssd_jax.runtime.sharding import ssd_round_time
+    for tv, tp, tb in ((1.0, 0.5, 0.3), (18.3, 12.0, 10.5), (10.0, 12.0, 5.0)):
+        for p in (0.0, 0.3, 0.9, 1.0):
+            for b in (1, 2, 16):
+                assert policy.expected_round_time(tv, tp, tb, p, b) == pytest.approx(
+                    ssd_round_time(tv, tp, tb, p, b))
+
+
+def _simulate_rounds(rng, rounds, batch, k, p_hit, a_hit, a_miss, tv, tp, tb):
+    """Monte-Carlo SSD rounds: per sequence a hit with probability p_hit; accepted draft tokens
+    min(Geometric, K) with acceptance a_hit after a hit, a_miss after a miss (+1 bonus); the round
+    takes max(Tv, Tp), plus Tb when any sequence of the batch missed. Returns (mean tokens per
+    sequence per round, mean round time)."""
+    hit = rng.random((rounds, batch)) < p_hit
+    acc = np.where(hit, a_hit, a_miss)
+    # number of accepted tokens before the first rejection, each accepted with probability acc
+    u = rng.random((rounds, batch, k))
+    accepted = np.cumprod(u < acc[..., None], axis=-1).sum(-1)
+    tokens = accepted + 1
+    time = max(tv, tp) + tb * (~hit).any(axis=1)
+    return tokens.mean(), time.mean()
+
+
+@pytest.mark.parametrize("batch,p_hit,tb", [(1, 0.8, 0.4), (4, 0.9, 0.4), (16, 0.8, 0.4),
+                                            (16, 0.8, 0.0), (8, 0.6, 1.2)])
+def test_ssd_speedup_matches_a_monte_carlo_of_rounds(batch, p_hit, tb):
+    rng = np.random.default_rng(1234 + batch)
+    k, a_hit, a_miss, t1, tv, tp = 4, 0.8, 0.3, 1.0, 1.0, 0.7
+    tokens, time = _simulate_rounds(rng, 20000, batch, k, p_hit, a_hit, a_miss, tv, tp, tb)
+    e_hit, e_miss = policy.expected_tokens(a_hit, k), policy.expected_tokens(a_miss, k)
+    assert policy.expected_round_tokens(p_hit, e_hit, e_miss) == pytest.approx(tokens, rel=0.01)
+    assert policy.expected_round_time(tv, tp, tb, p_hit, batch) == pytest.approx(time, rel=0.01)
+    assert policy.ssd_speedup(t1, tv, tp, tb, p_hit, e_hit, e_miss, batch) == pytest.approx(
+        t1 * tokens / time, rel=0.02)
+
+
+def test_backup_crossover_with_batch():
+    # The issue's example: a = 0.8, K = 4, p_hit = 0.8, T1 = Tv = Tp, neural Tb = 0.4 Tv (and
+    # E_miss = E_hit), random Tb = 0 (and E_miss = 1). Tokens per sequence do not depend on b.
+    a, k, p = 0.8, 4, 0.8
+    e = policy.expected_tokens(a, k)
+    assert e == pytest.approx(3.3616)
+
+    def s(b):
+        return (policy.ssd_speedup(1.0, 1.0, 1.0, 0.4, p, e, e, b),
+                policy.ssd_speedup(1.0, 1.0, 1.0, 0.0, p, e, 1.0, b))
+    neural, random = s(1)  # 3.3616 / 1.08 vs 0.8 * 3.3616 + 0.2
+    assert neural == pytest.approx(3.3616 / 1.08) and random == pytest.approx(2.88928)
+    assert neural > random
+    neural, random = s(16)  # 3.3616 / (1 + 0.4 (1 - 0.8^16)) vs the same 2.88928
+    assert neural == pytest.approx(3.3616 / (1 + 0.4 * (1 - 0.8 ** 16)))
+    assert neural == pytest.approx(2.42, abs=0.005) and random == pytest.approx(2.89, abs=0.005)
+    assert random > neural
+
+    # plan makes the same choice: fan-out one per position, so p_hit = 1 - c = 0.8; the tree
+    # (5 x 0.1 x 1.2 = 0.6) hides behind the verify; the neural backup is K draft steps = 0.4
+    costs = policy.Costs(t1=1.0, tv=1.0, td=0.1, width_slope=0.05)
+    for b, want in ((1, "neural"), (16, "random")):
+        pl = policy.plan(costs, a, miss_c=0.2, miss_r=1.0, ks=(k,), budgets=(5,), batch=b,
+                         acceptance_after_fast_backup=0.0)
+        assert pl.fanout == (1, 1, 1, 1, 1) and pl.p_hit == pytest.approx(0.8)
+        assert pl.backup == want
+        assert pl.predicted_speedup == pytest.approx(max(s(b)))
+
+    # and so does the per-round chooser of backup="auto", from measurements of the same shape
+    # (tokens after a neural backup 3.5 on average, as after a hit; 1 after a random one):
+    # b = 1: 3.5 / 1.08 = 3.24 vs 3.0; b = 16: 3.5 / 1.389 = 2.52 vs 3.0
+    for b, want in ((1, "neural"), (16, "random")):
+        ch = policy.BackupChooser(b)
+        ch.record("neural", backup_s=0.4, tokens=[3, 4])
+        ch.record("random", backup_s=0.0, tokens=[1, 1, 1])
+        assert ch.choose(p, 1.0, 1.0, 3.5) == want
 
 
 def test_allocate_follows_the_capped_geometric_series():

@@ -22,17 +22,45 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 
 def sd_speedup(t1: float, tv: float, td: float, k: int, acceptance: float) -> float:
-    """S_SD = T_1 E / (T_v + K T_d)."""
+    """Predicted plain-SD speedup over plain decoding, S_SD = T_1 E / (T_v + K T_d): t1 one plain
+    decode step, tv one verify (K+1 tokens), td one draft step (seconds), k the lookahead K,
+    acceptance the per-token acceptance a (E = `expected_tokens(a, K)`)."""
     return t1 * expected_tokens(acceptance, k) / (tv + k * td)
+
+
+def expected_round_tokens(p_hit: float, e_hit: float, e_miss: float) -> float:
+    """Expected tokens one sequence emits per SSD round: p_hit E_hit + (1 - p_hit) E_miss.
+
+    Per sequence, whatever the batch: a miss elsewhere in the batch stalls the round (see
+    `expected_round_time`) but does not change what a hit row verifies, since a row that hit keeps
+    its own cached speculation (only the rows that missed are re-drafted by the backup)."""
+    p = float(p_hit)
+    return p * e_hit + (1.0 - p) * e_miss
+
+
+def expected_round_time(tv: float, tp: float, tb: float, p_hit: float, batch: int = 1) -> float:
+    """Expected seconds per SSD round (spec §6): hit max(T_v, T_p), miss max(T_v, T_p) + T_b (the
+    dispatched tree cannot be cancelled). With batch b one miss anywhere stalls the whole batch,
+    so the round is a hit round with the all-hit probability p_hit^b:
+    max(T_v, T_p) + (1 - p_hit^b) T_b. (The same formula as `ssd_jax.runtime.sharding.ssd_round_time`
+    without its transfer term.)"""
+    p = float(p_hit) ** int(batch)
+    return max(tv, tp) + (1.0 - p) * tb
 
 
 def ssd_speedup(t1: float, tv: float, tp: float, tb: float, p_hit: float, e_hit: float,
                 e_miss: float, batch: int = 1) -> float:
-    """S = T_1 [p E_hit + (1-p) E_miss] / [p max(T_v,T_p) + (1-p)(max(T_v,T_p) + T_b)], p = p_hit^b.
-    (The dispatched tree cannot be cancelled, so a miss costs the tree and the backup.)"""
-    p = float(p_hit) ** int(batch)
-    r = max(tv, tp)
-    return t1 * (p * e_hit + (1 - p) * e_miss) / (p * r + (1 - p) * (r + tb))
+    """Predicted SSD speedup over plain decoding (spec §6), per sequence:
+
+        S = T_1 [p E_hit + (1-p) E_miss] / [P max(T_v,T_p) + (1-P)(max(T_v,T_p) + T_b)],
+        p = p_hit (per sequence), P = p_hit^b (all b sequences hit).
+
+    t1: one plain decode step; tv: one verify; tp: the draft tree's time; tb: the backup's time
+    (seconds); p_hit: per-sequence hit rate; e_hit / e_miss: expected tokens per round after a hit
+    / a miss; batch: b. p_hit^b enters the round time only (`expected_round_time`): a miss stalls
+    the batch, but each sequence still emits `expected_round_tokens` per round."""
+    return t1 * expected_round_tokens(p_hit, e_hit, e_miss) / expected_round_time(tv, tp, tb, p_hit,
+                                                                                 batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +101,9 @@ class Costs:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
+    """What `plan` picked: lookahead k, the fan-out F_0..F_K (sum = MQ), the backup ("neural" or
+    "random"), the predicted SSD and SD speedups over plain decoding at that k, and the predicted
+    per-sequence hit rate p_hit of that fan-out."""
     k: int
     fanout: tuple[int, ...]
     backup: str
@@ -155,11 +186,18 @@ class BackupChooser:
         self.tokens_after = {"neural": [], "random": []}
 
     def record(self, kind: str, backup_s: float | None = None, tokens: Sequence[int] = ()):
+        """Record a round of backup `kind` ("neural" / "random"): backup_s its measured time in
+        seconds (smoothed, EMA 0.7 / 0.3), tokens the tokens each sequence speculated by that
+        backup emitted in the following verify (k accepted + 1)."""
         if backup_s is not None:
             self.tb[kind] = backup_s if self.tb[kind] is None else 0.7 * self.tb[kind] + 0.3 * backup_s
         self.tokens_after[kind].extend(tokens)
 
     def choose(self, p_hit: float, tv: float, tp: float, e_hit: float) -> str:
+        """The backup ("neural" / "random") with the higher `ssd_speedup` at this batch, given the
+        running per-sequence hit rate p_hit, verify time tv, tree time tp (seconds) and tokens per
+        round after a hit e_hit. A miss stalls the batch for T_b (so a costly neural backup loses
+        as p_hit^b falls), while each missed sequence emits its backup's measured tokens per round."""
         if self.tb["neural"] is None:
             return "neural"
         def e(kind):
