@@ -123,9 +123,60 @@ def test_allocate_follows_the_capped_geometric_series():
     w = np.array([(a ** j * (1 - a)) ** (1 / (1 + r)) for j in range(k)] + [(a ** k) ** (1 / (1 + r))])
     ideal = budget * w / w.sum()
     assert np.all(np.abs(np.array(f) - ideal) < 1.0)  # the integer rounding of the formula
-    assert fo.allocate(3, 4, 0.5, vocab=1) == (1, 1, 1, 1)  # capped by the vocabulary
     with pytest.raises(ValueError, match="budget"):
         fo.allocate(3, 0, 0.5)
+
+
+def test_allocate_caps_by_the_vocabulary_small_cases():
+    # j < K masks the drafted token out of the row: at most V - 1 candidates there, V at j = K
+    assert fo.caps(2, 3) == (2, 2, 3)
+    # V = 3, K = 2: caps (2, 2, 3) sum to 7, so MQ = 7 is exactly the caps, whatever a
+    for a in (0.0, 0.5, 0.8, 0.99, 1.0):
+        assert fo.allocate(2, 7, a, vocab=3) == (2, 2, 3)
+    # MQ = 6, a = 0.8: P = (0.2, 0.16, 0.64), weights sqrt(P) = (0.447, 0.4, 0.8), shares
+    # 6 w / sum w = (1.63, 1.46, 2.91) -> floors (1, 1, 2), largest remainders j = 2, 0 -> (2, 1, 3)
+    assert fo.allocate(2, 6, 0.8, vocab=3) == (2, 1, 3)
+    # a = 0.95: F_2's share 4.10 is held at its cap 3; the 3 left split (1.52, 1.48) -> (2, 1, 3)
+    assert fo.allocate(2, 6, 0.95, vocab=3) == (2, 1, 3)
+    # a = 0.2, V = 2: shares (2.88, 1.29, 0.82, 0.55) of MQ 5 -> F_0 held at V - 1 = 1, and so on
+    f = fo.allocate(3, 5, 0.2, vocab=2)
+    assert f == (1, 1, 1, 2) and sum(f) == 5
+    # V = 1: the only token is the drafted one, so j < K holds nothing; F_K = 1
+    assert fo.allocate(3, 1, 0.5, vocab=1) == (0, 0, 0, 1)
+    for mq, v, k in ((8, 3, 2), (4, 1, 3), (6, 2, 3)):
+        with pytest.raises(ValueError, match=f"MQ={mq}.*V={v}.*K={k}"):
+            fo.allocate(k, mq, 0.8, vocab=v)
+
+
+def test_allocate_properties_over_a_grid():
+    for k in (1, 2, 3, 4, 6):
+        for v in (1, 2, 3, 5, 8, None):
+            top = sum(fo.caps(k, v)) if v is not None else 3 * (k + 1)
+            for mq in range(1, top + 3):
+                for a in (0.0, 0.3, 0.8, 0.99, 1.0):
+                    for r in (0.5, 1.0, 2.0):
+                        cap = fo.caps(k, v, mq)
+                        if mq > sum(cap):
+                            with pytest.raises(ValueError, match=f"MQ={mq}"):
+                                fo.allocate(k, mq, a, r=r, vocab=v)
+                            continue
+                        f = fo.allocate(k, mq, a, r=r, vocab=v)
+                        assert len(f) == k + 1 and sum(f) == mq, (k, v, mq, a, r, f)
+                        assert all(0 <= x <= c for x, c in zip(f, cap)), (k, v, mq, a, r, f)
+                        # P_j (hence F_j) does not increase with j < K
+                        assert list(f[:k]) == sorted(f[:k], reverse=True), (k, v, mq, a, r, f)
+                        if v is None or max(f) < v - 1:  # no cap binds: the rounded formula
+                            w = fo.outcome_probs(k, a) ** (1 / (1 + r))
+                            assert np.all(np.abs(np.array(f) - mq * w / w.sum()) < 1.0)
+
+
+def test_plan_keeps_the_fanout_within_the_vocabulary():
+    costs = policy.Costs(t1=1.0, tv=1.0, td=0.05, width_slope=0.0)
+    p = policy.plan(costs, 0.9, miss_c=0.5, miss_r=1.0, ks=(2,), vocab=3)
+    assert sum(p.fanout) <= 7 and all(f <= c for f, c in zip(p.fanout, fo.caps(2, 3)))
+    assert policy.plan(costs, 0.9, ks=(2,), budgets=(7, 9), vocab=3).fanout == (2, 2, 3)
+    with pytest.raises(ValueError, match="no feasible"):
+        policy.plan(costs, 0.9, ks=(2,), budgets=(8, 9), vocab=3)
 
 
 def test_power_law_fit_recovers_c_and_r():

@@ -21,20 +21,45 @@ def uniform(k: int, f: int) -> tuple[int, ...]:
 
 
 def outcome_probs(k: int, a: float) -> np.ndarray:
-    """P(k accepted = j), j = 0..K, with per-token acceptance a."""
+    """P(k accepted = j), j = 0..K, with per-token acceptance a: a^j (1-a) for j < K, a^K for j = K
+    (normalised). Returns a float array of shape [K+1]."""
     if not 0.0 <= a <= 1.0:
         raise ValueError(f"acceptance must be in [0, 1], got {a}")
     p = np.array([a ** j * (1 - a) for j in range(k)] + [a ** k])
     return p / p.sum()
 
 
+def caps(k: int, vocab: int | None, budget: int | None = None) -> tuple[int, ...]:
+    """The most candidates the fork can cache at each accept position j = 0..K, for a vocabulary
+    of `vocab` tokens: V - 1 for j < K (the drafted token s_{j+1} is masked out of row j: a
+    rejected token can never be the bonus) and V at j = K. Without a vocabulary, `budget` at every
+    position (no cap beyond the budget itself). A budget MQ is feasible iff MQ <= sum(caps)."""
+    if vocab is None:
+        if budget is None:
+            raise ValueError("caps needs a vocabulary size or a budget")
+        return (int(budget),) * (k + 1)
+    if vocab < 1:
+        raise ValueError(f"vocabulary size must be >= 1, got {vocab}")
+    return (int(vocab) - 1,) * k + (int(vocab),)
+
+
 def allocate(k: int, budget: int, acceptance: float, r: float = 1.0,
              c: Sequence[float] | None = None, vocab: int | None = None) -> tuple[int, ...]:
-    """Integer F_0..F_K summing to `budget`, ∝ (c_j P_j)^(1/(1+r)), each >= 0 and <= vocab.
+    """Integer F_0..F_K summing exactly to `budget` (MQ), ∝ (c_j P_j)^(1/(1+r)), 0 <= F_j <= cap_j.
 
-    Rounds by largest remainder so the sum is exact (MQ static). Positions with tiny probability
-    may get 0 branches: a fan-out of 0 there is correct, the fork simply caches nothing for them.
+    k: lookahead K; acceptance: per-token acceptance a (P_j from `outcome_probs`); r, c: the miss
+    model 1 - p_hit(F) = c_j F^(-r) (c: K+1 entries, default equal); vocab: V, which caps F_j at
+    V - 1 for j < K and F_K at V (`caps`). Returns a tuple of K+1 ints (a static tree shape).
+
+    The proportional shares are water-filled under the caps (a capped position's excess goes to
+    the others in proportion to their weights, or evenly over positions of weight 0), then rounded
+    by largest remainder, so the sum is exact (MQ static) and no F_j exceeds its cap. Positions
+    with tiny probability may get 0 branches: a fan-out of 0 there is correct, the fork simply
+    caches nothing for them. Raises ValueError when the budget exceeds the sum of the caps
+    (K (V-1) + V): no fan-out of that size exists.
     """
+    if k < 1:
+        raise ValueError(f"need K >= 1, got K={k}")
     if budget < 1:
         raise ValueError(f"fan-out budget must be >= 1, got {budget}")
     if r <= 0:
@@ -42,19 +67,43 @@ def allocate(k: int, budget: int, acceptance: float, r: float = 1.0,
     c = np.ones(k + 1) if c is None else np.asarray(c, float)
     if c.shape != (k + 1,):
         raise ValueError(f"c needs K+1 = {k + 1} entries, got {len(c)}")
+    cap = np.asarray(caps(k, vocab, budget), float)
+    if cap.sum() < budget:
+        raise ValueError(
+            f"fan-out budget MQ={budget} exceeds what a vocabulary of V={vocab} allows at K={k}: "
+            f"at most V-1={vocab - 1} candidates at each of the K positions j < K and V={vocab} at "
+            f"j = K, {int(cap.sum())} in all")
     w = (c * outcome_probs(k, acceptance)) ** (1.0 / (1.0 + r))
-    ideal = budget * w / w.sum()
-    f = np.floor(ideal).astype(int)
-    cap = vocab if vocab is not None else budget
-    f = np.minimum(f, cap)
-    for i in np.argsort(-(ideal - f)):
-        if f.sum() >= budget:
+    # water-filling: proportional shares, positions whose share exceeds their cap held at the cap
+    ideal = np.zeros(k + 1)
+    free = np.ones(k + 1, bool)
+    left = float(budget)
+    while free.any() and left > 0:
+        wf = np.where(free, w, 0.0)
+        share = left * wf / wf.sum() if wf.sum() > 0 else left * free / free.sum()
+        over = free & (share > cap)
+        if not over.any():
+            ideal[free] = share[free]
             break
-        if f[i] < cap:
-            f[i] += 1
-    while f.sum() < budget:  # every position at its cap already: spread what is left
-        i = int(np.argmin(f))
-        f[i] += 1
+        ideal[over] = cap[over]
+        left -= cap[over].sum()
+        free &= ~over
+    f = np.minimum(np.floor(ideal + 1e-9), cap).astype(int)
+    # largest remainder (then heavier weight) among positions below their cap; exact because the
+    # shares sum to the budget and the budget is feasible
+    order = sorted(range(k + 1), key=lambda i: (-(ideal[i] - f[i]), -w[i], i))
+    while f.sum() < budget:
+        for i in order:
+            if f.sum() >= budget:
+                break
+            if f[i] < cap[i]:
+                f[i] += 1
+    while f.sum() > budget:  # floating point only: take back from the smallest remainders
+        for i in reversed(order):
+            if f.sum() <= budget:
+                break
+            if f[i] > 0:
+                f[i] -= 1
     return tuple(int(x) for x in f)
 
 

@@ -119,11 +119,15 @@ def plan(costs: Costs, acceptance: float, miss_c: float = 0.5, miss_r: float = 1
 
     Budgets default to MQ = 1 .. 4(K+1): narrow trees (fewer branches than outcomes) win where a
     wide draft forward costs much more than a narrow one, as on a CPU, because a tree slower than
-    the verify is on the critical path of every round."""
+    the verify is on the critical path of every round. With `vocab`, F_j is capped at V - 1 for
+    j < K and V at j = K (`fanout.caps`); budgets above the caps' sum are skipped (a ValueError
+    when no (K, budget) pair is feasible). batch: b, the all-hit probability p_hit^b sets the round
+    time (`ssd_speedup`)."""
     best = None
     for k in ks:
+        most = sum(fo.caps(k, vocab)) if vocab is not None else None
         for mq in (budgets or range(1, 4 * (k + 1) + 1)):
-            if mq < 1:
+            if mq < 1 or (most is not None and mq > most):
                 continue
             fan = fo.allocate(k, mq, acceptance, miss_r, vocab=vocab)
             p = fo.hit_probability(fan, acceptance, miss_c, miss_r)
@@ -136,6 +140,9 @@ def plan(costs: Costs, acceptance: float, miss_c: float = 0.5, miss_r: float = 1
                 if best is None or s > best.predicted_speedup:
                     best = Plan(k, fan, backup, s, sd_speedup(costs.t1, costs.tv, costs.td, k,
                                                               acceptance), p)
+    if best is None:
+        raise ValueError(f"no feasible (K, budget) among K in {list(ks)} and budgets {budgets} "
+                         f"for a vocabulary of {vocab} tokens")
     return best
 
 
