@@ -4,9 +4,11 @@
 Qwen2-shaped pair (the target a 4-layer model with head dim 64, the draft a perturbed copy, so it
 agrees often but not always) generates greedily on one device (colocated placement):
 
-  * AR, SD, SSD with the jnp references, SSD with `attention="pallas"` and `gather_kernel=True`;
-  * SD and both SSDs must emit plain decoding's tokens (spec section 3 near-tie rule), and the two
-    SSDs must see the same cache hits.
+  * AR, SD, SSD on the `xla` backend (the jnp references), SSD on the `pallas` backend (the
+    engine's default on a GPU: the tree-attention and gather kernels);
+  * SD and both SSDs must emit plain decoding's tokens (docs/ALGORITHM.md §3 near-tie rule), the
+    two SSDs must see the same cache hits, and the pallas engine must report that no kernel fell
+    back to XLA.
 
 On a CPU (`--smoke`) the kernels run in Pallas interpret mode at a smaller shape. Prints wall times
 (compile excluded) for orientation only; exit status 1 on any mismatch.
@@ -55,12 +57,13 @@ def main(argv=None) -> int:
         "ar": dict(mode="ar"),
         "sd": dict(mode="sd", k=k),
         "ssd reference": dict(mode="ssd", k=k, ssd=SSDConfig(fanout=fan)),
-        "ssd pallas": dict(mode="ssd", k=k, ssd=SSDConfig(fanout=fan, attention="pallas",
-                                                          gather_kernel=True)),
+        "ssd pallas": dict(mode="ssd", k=k, ssd=SSDConfig(fanout=fan)),
     }
-    eng = Engine(target, draft, placement="colocated", compilation_cache=False)
+    engines = {b: Engine(target, draft, placement="colocated", compilation_cache=False, backend=b)
+               for b in ("xla", "pallas")}
     out = {}
     for name, kw in runs.items():
+        eng = engines["pallas" if name == "ssd pallas" else "xla"]
         eng.generate(prompts, max_new_tokens=new, **kw)  # compile
         t0 = time.perf_counter()
         out[name] = eng.generate(prompts, max_new_tokens=new, **kw)
@@ -81,6 +84,9 @@ def main(argv=None) -> int:
     same = ref.token_ids == ker.token_ids and ref.metrics.hits == ker.metrics.hits
     print(f"  pallas vs reference SSD: {'same tokens and hits' if same else 'DIFFERENT'}")
     ok &= same and ker.metrics.hits > 0
+    backend = ker.metrics.backend
+    print(f"  pallas engine's backends: {backend}")
+    ok &= backend.get("draft") == "pallas"
     print("RESULT: " + ("ok" if ok else "FAIL"))
     return 0 if ok else 1
 

@@ -83,11 +83,13 @@ def test_greedy_ssd_unrelated_draft_and_allocated_fanout(target, drafts, ar_refe
 
 
 def test_ssd_pallas_kernels_give_identical_tokens(target, drafts):
-    eng = Engine(target, drafts["perturbed"], compilation_cache=False)
-    kw = dict(mode="ssd", max_new_tokens=10, k=3)
-    ref = eng.generate(PROMPTS[:2], ssd=SSDConfig(fanout=(2, 1, 1, 1)), **kw)
-    ker = eng.generate(PROMPTS[:2], ssd=SSDConfig(fanout=(2, 1, 1, 1), attention="pallas",
-                                                  gather_kernel=True), **kw)
+    kw = dict(mode="ssd", max_new_tokens=10, k=3, ssd=SSDConfig(fanout=(2, 1, 1, 1)))
+    ref = Engine(target, drafts["perturbed"], compilation_cache=False, backend="xla").generate(
+        PROMPTS[:2], **kw)
+    ker = Engine(target, drafts["perturbed"], compilation_cache=False, backend="pallas").generate(
+        PROMPTS[:2], **kw)
+    assert ker.metrics.backend == {"target": "pallas", "draft": "pallas"}  # interpret mode here
+    assert ref.metrics.backend == {"target": "xla", "draft": "xla"}
     assert ref.token_ids == ker.token_ids
     assert ref.metrics.hits == ker.metrics.hits and ref.metrics.hits > 0
 

@@ -10,9 +10,18 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from ssd_jax.models.ops import XLA, Ops
+
 
 @struct.dataclass
 class SpeculationCache:
+    """MQ pre-drafted speculations per sequence, keyed by outcome (a pytree; docs/ALGORITHM.md §2).
+
+    keys `[B, MQ, 2]` int32: the outcome (j, c) each branch assumed; tokens `[B, MQ, K]` int32: the
+    K tokens it drafted; rows `[B, MQ, K, V]` (the row dtype): the proposal rows those tokens were
+    drawn from; valid `[B, MQ]` bool: whether the branch holds a speculation (inactive rows do not).
+    """
+
     keys: jax.Array  # [B, MQ, 2] int32: (j, c)
     tokens: jax.Array  # [B, MQ, K] int32: the speculation each branch drafted
     rows: jax.Array  # [B, MQ, K, V] (row dtype): the exact proposal rows those tokens were drawn from
@@ -20,16 +29,19 @@ class SpeculationCache:
 
     @property
     def num_branches(self) -> int:
+        """MQ, the branches per sequence."""
         return self.keys.shape[1]
 
 
 def cache_bytes(batch: int, branches: int, k: int, vocab: int, row_dtype) -> int:
-    """Bytes of the proposal rows, which dominate the cache (B * MQ * K * V rows)."""
+    """Bytes of the proposal rows `[B, MQ, K, V]` in `row_dtype`, which dominate the cache
+    (batch = B, branches = MQ, k = K, vocab = V)."""
     return batch * branches * k * vocab * jnp.dtype(row_dtype).itemsize
 
 
 def check_budget(batch: int, branches: int, k: int, vocab: int, row_dtype, budget_bytes: int | None):
-    """A clear error (before anything is allocated) when the cache would not fit the user's budget."""
+    """A clear ValueError (before anything is allocated) when the cache rows `[B, MQ, K, V]` would
+    not fit `budget_bytes` (None: no budget); otherwise returns their bytes (`cache_bytes`)."""
     need = cache_bytes(batch, branches, k, vocab, row_dtype)
     if budget_bytes is not None and need > budget_bytes:
         raise ValueError(
@@ -40,14 +52,13 @@ def check_budget(batch: int, branches: int, k: int, vocab: int, row_dtype, budge
 
 
 def lookup(cache: SpeculationCache, num_accepted: jax.Array, bonus: jax.Array, *,
-           kernel: bool = False):
-    """Outcome [B] x 2 -> (hit [B] bool, tokens [B, K], rows [B, K, V]); zeros on a miss."""
-    from ssd_jax.pallas_kernels.cache_gather import cache_gather, cache_gather_reference
+           ops: Ops = XLA):
+    """The speculation for the realised outcome: num_accepted `[B]`, bonus `[B]` ->
+    (hit `[B]` bool, tokens `[B, K]` int32, rows `[B, K, V]` in the cache's row dtype); zeros on a miss.
 
+    The gather is `ops.cache_gather` (`ssd_jax.models.ops.Ops`): the plain-jnp reference, or the
+    Pallas kernel of the `pallas` backend; both give the same result.
+    """
     outcome = jnp.stack([num_accepted, bonus], axis=-1).astype(jnp.int32)
-    if kernel:
-        fn = lambda *a: cache_gather(*a, interpret=jax.default_backend() == "cpu")  # noqa: E731
-    else:
-        fn = cache_gather_reference
-    hit, _, tokens, rows = fn(cache.keys, cache.valid, cache.tokens, cache.rows, outcome)
+    hit, _, tokens, rows = ops.cache_gather(cache.keys, cache.valid, cache.tokens, cache.rows, outcome)
     return hit, tokens, rows

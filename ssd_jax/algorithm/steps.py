@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from ssd_jax.models.config import ModelConfig
 from ssd_jax.models.kv_cache import KVCache
+from ssd_jax.models.ops import XLA, Ops
 from ssd_jax.models.params import Params
 from ssd_jax.models.transformer import forward
 from ssd_jax.algorithm import sampling as smp
@@ -26,60 +27,80 @@ from ssd_jax.algorithm.saguaro import normalise_rows, propose
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-    """The model's log-probability (raw logits, temperature 1) of `tokens` [...]; -1 tokens -> 0."""
+    """logits `[..., V]`, tokens `[...]` int32 -> `[...]` float32: the model's log-probability of
+    each token under its raw logits (temperature 1, no top-k/top-p); -1 padding tokens get 0."""
     lp = jax.nn.log_softmax(logits, axis=-1)
     got = jnp.take_along_axis(lp, jnp.maximum(tokens, 0)[..., None], axis=-1)[..., 0]
     return jnp.where(tokens >= 0, got, 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "vocab_size"),
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "vocab_size", "ops"),
                    donate_argnames=("cache",))
 def prefill(params: Params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array, lens: jax.Array,
             seed: jax.Array, request_ids: jax.Array, sampling: smp.SamplingParams,
-            vocab_size: int):
-    """Prompts [B, T] (right-padded to a bucket), lens [B] -> the first generated token [B] (the
-    first bonus, at position lens), its log-prob [B], and the cache with lengths = lens."""
+            vocab_size: int, ops: Ops = XLA):
+    """Prompt tokens `[B, T]` (right-padded to a bucket), lens `[B]` -> the first generated token
+    `[B]` (the first bonus, at position lens, keyed (request, lens, STREAM_SAMPLE)), its log-prob
+    `[B]`, and the cache (donated) with lengths = lens.
+
+    seed: scalar int or key; request_ids `[B]`. Static: `cfg` (the target's ModelConfig),
+    `sampling` (the user's SamplingParams), `vocab_size` (real rows of V).
+    """
     cache = cache.with_lengths(jnp.zeros_like(lens))
-    logits, cache = forward(params, cfg, tokens, cache, lens, last_only=True)
+    logits, cache = forward(params, cfg, tokens, cache, lens, last_only=True, ops=ops)
     keys = smp.position_keys(seed, request_ids, lens, smp.STREAM_SAMPLE)
     tok, _ = smp.sample(logits, sampling, keys, vocab_size)
     return tok, token_logprobs(logits, tok), cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "ops"), donate_argnames=("cache",))
 def prefill_cache(params: Params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array,
-                  lens: jax.Array) -> KVCache:
-    """Draft-side prefill: KV for the prompt only (the draft never picks the first token)."""
+                  lens: jax.Array, ops: Ops = XLA) -> KVCache:
+    """Draft-side prefill: tokens `[B, T]` (right-padded), lens `[B]` -> the cache (donated) holding
+    KV for the prompt only, lengths = lens (the draft never picks the first token). Static: `cfg`.
+    """
     cache = cache.with_lengths(jnp.zeros_like(lens))
-    _, cache = forward(params, cfg, tokens, cache, lens, last_only=True)
+    _, cache = forward(params, cfg, tokens, cache, lens, last_only=True, ops=ops)
     return cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "vocab_size"),
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "vocab_size", "ops"),
                    donate_argnames=("cache",))
 def decode(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Array, active: jax.Array,
-           seed: jax.Array, request_ids: jax.Array, sampling: smp.SamplingParams, vocab_size: int):
-    """Plain decoding: forward the bonus [B] at position n = cache.lengths, sample position n+1."""
+           seed: jax.Array, request_ids: jax.Array, sampling: smp.SamplingParams, vocab_size: int,
+           ops: Ops = XLA):
+    """Plain decoding: forward the bonus `[B]` at position n = cache.lengths, sample position n+1.
+
+    active `[B]` bool (inactive rows commit no KV: their length stays n), seed a scalar int or key,
+    request_ids `[B]`. Returns (token `[B]` int32, its log-prob `[B]`, cache (donated) with lengths
+    n+1 on active rows). Static: `cfg`, `sampling` (the user's), `vocab_size` (real rows of V).
+    """
     n = cache.lengths
-    logits, cache = forward(params, cfg, bonus[:, None], cache, active.astype(jnp.int32))
+    logits, cache = forward(params, cfg, bonus[:, None], cache, active.astype(jnp.int32), ops=ops)
     keys = smp.position_keys(seed, request_ids, n + 1, smp.STREAM_SAMPLE)
     tok, _ = smp.sample(logits[:, 0], sampling, keys, vocab_size)
     return tok, token_logprobs(logits[:, 0], tok), cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "vocab_size", "verifier"),
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "vocab_size", "verifier", "ops"),
                    donate_argnames=("cache",))
 def verify(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Array, spec: jax.Array,
            rows: jax.Array, active: jax.Array, seed: jax.Array, request_ids: jax.Array,
-           sampling: smp.SamplingParams, vocab_size: int, verifier: Callable):
+           sampling: smp.SamplingParams, vocab_size: int, verifier: Callable, ops: Ops = XLA):
     """One target pass over [b, s_1..s_K] at positions n..n+K, then lossless rejection sampling.
 
-    spec [B, K] int32, rows [B, K, V] the proposal rows s_i was drawn from (any dtype; normalised
-    here). Returns (VerifyResult, log-probs [B, K+1] of its tokens, cache with lengths n + k + 1).
+    bonus `[B]` at position n = cache.lengths, spec `[B, K]` int32, rows `[B, K, V]` the proposal
+    rows s_i was drawn from (any dtype; normalised here), active `[B]` bool, seed a scalar int or
+    key, request_ids `[B]`. Returns (VerifyResult, log-probs `[B, K+1]` of its tokens (0 for -1
+    padding), cache (donated) with lengths n + num_accepted + 1 on active rows, n on inactive ones).
+
+    Static: `cfg` (the target's ModelConfig), `sampling` (the user's SamplingParams), `vocab_size`
+    (real rows of V) and `verifier`, a function with the signature of
+    `ssd_jax.algorithm.verify.rejection_sample` (a planted bug in the exactness tests).
     """
     n = cache.lengths
     K = spec.shape[1]
-    logits, cache = forward(params, cfg, jnp.concatenate([bonus[:, None], spec], 1), cache)
+    logits, cache = forward(params, cfg, jnp.concatenate([bonus[:, None], spec], 1), cache, ops=ops)
     p = smp.probs_from_logits(logits, sampling, vocab_size)
     q = normalise_rows(rows)
     ar = jnp.arange(K + 1, dtype=jnp.int32)[None, :]
@@ -92,23 +113,29 @@ def verify(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Array, s
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "vocab_size", "k", "saguaro_top_n",
-                                             "saguaro_c", "row_dtype"),
+                                             "saguaro_c", "row_dtype", "ops"),
                    donate_argnames=("cache",))
 def draft_chain(params: Params, cfg: ModelConfig, cache: KVCache, prev: jax.Array, bonus: jax.Array,
                 n: jax.Array, seed: jax.Array, request_ids: jax.Array, sampling: smp.SamplingParams,
                 vocab_size: int, k: int, saguaro_top_n: tuple[int, ...] = (),
-                saguaro_c: float = 1.0, row_dtype: str = "float32"):
+                saguaro_c: float = 1.0, row_dtype: str = "float32", ops: Ops = XLA):
     """SD drafting (and the neural backup): K sequential draft steps from bonus b at position n.
 
     The first forward covers [token at n-1, b] so a committed token the draft has no KV for (s_K
     after an all-accept round) is caught up in the same pass. Draft token i (position n+i) is keyed
     by (request, n+i, STREAM_DRAFT): the same draw a tree branch makes for that position.
-    Returns tokens [B, K], rows [B, K, V] (row_dtype), cache with KV for positions n-1..n+K-1.
+    prev `[B]` (the token at n-1), bonus `[B]`, n `[B]`, seed a scalar int or key, request_ids
+    `[B]`. Returns tokens `[B, K]` int32, rows `[B, K, V]` (row_dtype), cache (donated) with KV for
+    positions n-1..n+K-1.
+
+    Static: `cfg` (the draft's ModelConfig), `sampling` (the draft's SamplingParams), `vocab_size`
+    (real rows of V), `k` (K), `saguaro_top_n` (Saguaro's top-n per draft step, K entries, or ()
+    for none), `saguaro_c` (Saguaro's C) and `row_dtype` (the rows' dtype name).
     """
     cache = cache.with_lengths(n - 1)
     # last_only: the logits of `prev` are never used, and the vocab projection is a large share
     # of a small draft's forward
-    last, cache = forward(params, cfg, jnp.stack([prev, bonus], 1), cache, last_only=True)
+    last, cache = forward(params, cfg, jnp.stack([prev, bonus], 1), cache, last_only=True, ops=ops)
     toks, rows = [], []
     for i in range(k):
         keys = smp.position_keys(seed, request_ids, n + 1 + i, smp.STREAM_DRAFT)
@@ -118,6 +145,6 @@ def draft_chain(params: Params, cfg: ModelConfig, cache: KVCache, prev: jax.Arra
         toks.append(t)
         rows.append(r)
         if i < k - 1:
-            logits, cache = forward(params, cfg, t[:, None], cache)
+            logits, cache = forward(params, cfg, t[:, None], cache, ops=ops)
             last = logits[:, 0]
     return jnp.stack(toks, 1), jnp.stack(rows, 1), cache

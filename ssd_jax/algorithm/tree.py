@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from ssd_jax.models.config import ModelConfig
 from ssd_jax.models.kv_cache import KVCache
+from ssd_jax.models.ops import XLA, Ops
 from ssd_jax.models.params import Params
 from ssd_jax.models.transformer import forward, init_branch_kv, tree_step
 from ssd_jax.algorithm import sampling as smp
@@ -22,11 +23,13 @@ from ssd_jax.algorithm.speculation_cache import SpeculationCache
 
 def fork(glue_logits: jax.Array, spec: jax.Array, fanout: tuple[int, ...],
          vocab_size: int) -> tuple[jax.Array, jax.Array]:
-    """Cache keys from the glue rows.
+    """The fork (docs/ALGORITHM.md §2): the outcomes (j, c) to pre-draft, from the glue rows.
 
-    glue_logits [B, K+1, V]: row j is the draft's next-token row after b, s_1..s_j.
-    For j < K the drafted s_{j+1} is masked out (a rejected token is never the bonus), then the
-    top F_j tokens are taken. Returns (j [B, MQ], c [B, MQ]) with MQ = sum(fanout).
+    glue_logits `[B, K+1, V]`: row j is the draft's next-token row after b, s_1..s_j; spec
+    `[B, K]` int32 s_1..s_K. For j < K the drafted s_{j+1} is masked out (a rejected token is never
+    the bonus), then the top F_j tokens are taken. Static: `fanout` (F_0..F_K, K+1 entries) and
+    `vocab_size` (entries >= it are padded rows, never taken). Returns (j `[B, MQ]`, c `[B, MQ]`)
+    int32 with MQ = sum(fanout), grouped by j in increasing order.
     """
     B, K1, V = glue_logits.shape
     K = K1 - 1
@@ -50,25 +53,34 @@ def fork(glue_logits: jax.Array, spec: jax.Array, fanout: tuple[int, ...],
 @functools.partial(
     jax.jit,
     static_argnames=("cfg", "sampling", "vocab_size", "fanout_hit", "fanout_backup",
-                     "saguaro_top_n", "saguaro_c", "row_dtype", "attention"),
+                     "saguaro_top_n", "saguaro_c", "row_dtype", "ops"),
     donate_argnames=("cache",))
 def draft_tree(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Array, spec: jax.Array,
                n: jax.Array, active: jax.Array, from_backup: jax.Array, seed: jax.Array,
                request_ids: jax.Array, sampling: smp.SamplingParams, vocab_size: int,
                fanout_hit: tuple[int, ...], fanout_backup: tuple[int, ...],
                saguaro_top_n: tuple[int, ...] = (), saguaro_c: float = 1.0,
-               row_dtype: str = "float32", attention: str = "reference"):
-    """bonus [B] at position n [B], speculation in flight spec [B, K] -> (SpeculationCache, cache).
+               row_dtype: str = "float32", ops: Ops = XLA):
+    """bonus `[B]` at position n `[B]`, speculation in flight spec `[B, K]` -> (SpeculationCache,
+    cache): the speculation cache for the next round (docs/ALGORITHM.md §2, step 2).
 
-    Rows whose speculation came from a backup fork with `fanout_backup`, the others with
-    `fanout_hit` (equal sums, so MQ is static). Branch (j, c): token c at position n+j+1, its d-th
-    drafted token at n+j+1+d, drawn with key (request, position, STREAM_DRAFT) — the same draw a
-    direct draft from outcome (j, c) makes, so a hit equals a direct draft. The glue pass leaves KV
-    for positions n..n+K in the cache (lengths n+K+1).
+    Rows whose speculation came from a backup (from_backup `[B]` bool) fork with `fanout_backup`,
+    the others with `fanout_hit` (equal sums, so MQ is static). Branch (j, c): token c at position
+    n+j+1, its d-th drafted token at n+j+1+d, drawn with key (request, position, STREAM_DRAFT) —
+    the same draw a direct draft from outcome (j, c) makes, so a hit equals a direct draft. The glue
+    pass leaves KV for positions n..n+K in the cache (lengths n+K+1; `cache` is donated). Rows with
+    active `[B]` False get valid = False branches. seed: scalar int or key; request_ids `[B]`.
+    The result's keys are `[B, MQ, 2]`, tokens `[B, MQ, K]`, rows `[B, MQ, K, V]` in `row_dtype`.
+
+    Static arguments: `cfg` (the draft's ModelConfig), `sampling` (the draft's sampling
+    parameters), `vocab_size` (real rows of V), `fanout_hit` / `fanout_backup` (F_0..F_K, K+1
+    entries each), `saguaro_top_n` (Saguaro's top-n per depth d, K entries, or () for none),
+    `saguaro_c` (Saguaro's C), `row_dtype` (the cache rows' dtype name) and `ops` (the backend table,
+    `ssd_jax.models.ops.Ops`, whose `tree_attention` the branch steps use).
     """
     B, K = spec.shape
     cache = cache.with_lengths(n)
-    glue, cache = forward(params, cfg, jnp.concatenate([bonus[:, None], spec], 1), cache)
+    glue, cache = forward(params, cfg, jnp.concatenate([bonus[:, None], spec], 1), cache, ops=ops)
     j_hit, c_hit = fork(glue, spec, fanout_hit, vocab_size)
     if fanout_backup != fanout_hit:
         j_b, c_b = fork(glue, spec, fanout_backup, vocab_size)
@@ -84,7 +96,7 @@ def draft_tree(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Arra
     for d in range(K):
         pos = n[:, None] + kj + 1 + d
         logits, branch = tree_step(params, cfg, tok, pos, cache, prefix_len, branch,
-                                   jnp.int32(d), valid, attention=attention)
+                                   jnp.int32(d), valid, ops=ops)
         keys = smp.position_keys(seed, request_ids, pos + 1, smp.STREAM_DRAFT)
         top_n = saguaro_top_n[d] if saguaro_top_n else 0
         tok, r = propose(logits, sampling, keys, vocab_size=vocab_size, saguaro_top_n=top_n,

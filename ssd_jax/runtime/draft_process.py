@@ -31,6 +31,9 @@ def _load(spec: str, dtype: str, cache_dir: str | None, quant: str = "none",
 
 
 def serve(channel: Channel, model) -> None:
+    """Answer the target's messages (start, ready, propose, first, resolve, finish) with a
+    `DraftWorker` for `model` on this process's devices until "shutdown"; after each speculation
+    sent, dispatch its tree and wait for it."""
     import jax
 
     from ssd_jax.runtime.draft_worker import DraftWorker
@@ -74,6 +77,8 @@ def serve(channel: Channel, model) -> None:
 
 
 def main(argv=None) -> None:
+    """Command line: join the coordinator as the draft process, load the draft (or send the target
+    the error), send its vocabulary and tokenizer fingerprint, then `serve`."""
     p = argparse.ArgumentParser()
     p.add_argument("--coordinator", required=True)
     p.add_argument("--draft", required=True)
@@ -90,8 +95,12 @@ def main(argv=None) -> None:
     except Exception as e:  # tell the target instead of leaving it waiting
         channel.send({"error": f"{type(e).__name__}: {e}"})
         return
+    import jax
+
+    from ssd_jax.models.backends import select
     channel.send({"vocab_rows": model.cfg.vocab_size, "vocab_size": vocab_size,
-                  "fingerprint": fingerprint, "name": a.draft})
+                  "fingerprint": fingerprint, "name": a.draft,
+                  "backend": select("auto", jax.local_devices()[:1]).name})
     serve(channel, model)
 
 

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ssd_jax.models import backends
 from ssd_jax.models.kv_cache import init_cache
-from ssd_jax.models.packed import unpack_params
 from ssd_jax.models.transformer import forward
 from ssd_jax.algorithm import backups, steps
 from ssd_jax.runtime.placement import settle, spans_processes, to_host, to_mesh
@@ -49,27 +49,27 @@ class DraftRun:
     saguaro_c: float = 1.0
     backup: str = "neural"
     row_dtype: str = "float32"
-    attention: str = "reference"
-    gather_kernel: bool = False
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
-def _logits(params, cfg, tokens, cache):
-    return forward(params, cfg, tokens, cache)[0]
+@functools.partial(jax.jit, static_argnames=("cfg", "ops"))
+def _logits(params, cfg, tokens, cache, ops):
+    return forward(params, cfg, tokens, cache, ops=ops)[0]
 
 
 class DraftWorker:
-    def __init__(self, draft, sharding, row_vocab: int):
+    """The draft model placed on its mesh, with the backend table chosen for that mesh
+    (`ssd_jax.models.backends.select`) and its weights laid out once by that table's `prepare`."""
+
+    def __init__(self, draft, sharding, row_vocab: int, backend="auto"):
         self.model = draft
-        # A data-parallel draft (2+ devices) leaves its matmuls to XLA, which partitions them over
-        # the batch; the CPU kernel's custom call would be gathered (models/cpu_matmul.py).
-        self.cfg = draft.cfg if sharding.mesh.devices.size == 1 else draft.cfg.replace(cpu_kernels=False)
+        self.cfg = draft.cfg
         self.sharding = sharding  # replicated on the draft mesh: weights and scalars
         self.rows = sharding  # per-sequence arrays: batch-sharded on a 2+ device mesh (see start)
         self._batch = None
-        # packed weights are the kernel's layout: XLA would unpack them in every call
-        params = draft.params if self.cfg.cpu_kernels else unpack_params(draft.params)
-        self.params = to_mesh(params, sharding)
+        # A data-parallel draft (2+ devices) gets the xla table ("auto"), which XLA partitions
+        # over the batch; a kernel's custom call has no partitioning rule.
+        self.ops = backends.select(backend, sharding.mesh)
+        self.params = self.ops.prepare(to_mesh(draft.params, sharding))
         self.row_vocab = int(row_vocab)  # the target's rows: proposals are padded/cut to match
         tok = draft.tokenizer
         self.vocab_size = tok.vocab_size if tok is not None else min(self.cfg.vocab_size, row_vocab)
@@ -91,7 +91,7 @@ class DraftWorker:
             ts = []
             for _ in range(repeats + 1):
                 t0 = time.perf_counter()
-                jax.block_until_ready(_logits(self.params, self.cfg, toks, cache))
+                jax.block_until_ready(_logits(self.params, self.cfg, toks, cache, self.ops))
                 ts.append(time.perf_counter() - t0)
             out[m] = float(np.median(ts[1:]))
         return out
@@ -114,7 +114,8 @@ class DraftWorker:
         self._batch, self.rows = B, _batch_sharding(self.sharding, B)
         self.cache = init_cache(self.cfg, B, cache_len, sharding=self.rows)
         self.cache = settle(steps.prefill_cache(self.params, self.cfg, self.cache,
-                                                self._put(prompt_tokens), self._put(prompt_lens)),
+                                                self._put(prompt_tokens), self._put(prompt_lens),
+                                                ops=self.ops),
                             self._serial)
 
     def ready(self):
@@ -127,7 +128,7 @@ class DraftWorker:
         spec, rows, self.cache = steps.draft_chain(
             self.params, self.cfg, self.cache, self._put(s.prev), self._put(s.bonus), self._put(s.n),
             jnp.int32(run.seed), self._put(run.request_ids), run.sampling, self.vocab_size, run.k,
-            saguaro_top_n, saguaro_c, run.row_dtype)
+            saguaro_top_n, saguaro_c, run.row_dtype, ops=self.ops)
         return settle((spec, self._fit_rows(rows)), self._serial)
 
     def backup(self, s: RoundState, run: DraftRun):
@@ -153,11 +154,18 @@ class DraftWorker:
         nothing else to do meanwhile, so this measures T_p without serialising anything)."""
         t0 = time.perf_counter()
         top_n = tuple(f + 1 for f in run.fanout_hit[:-1])
-        self._tree, self.cache = draft_tree(
-            self.params, self.cfg, self.cache, self._put(s.bonus), to_mesh(spec, self.rows),
-            self._put(s.n), self._put(s.active), self._put(from_backup), jnp.int32(run.seed),
-            self._put(run.request_ids), run.sampling, self.vocab_size, run.fanout_hit,
-            run.fanout_backup, top_n, run.saguaro_c, run.row_dtype, run.attention)
+        args = (self.params, self.cfg, self.cache, self._put(s.bonus), to_mesh(spec, self.rows),
+                self._put(s.n), self._put(s.active), self._put(from_backup), jnp.int32(run.seed),
+                self._put(run.request_ids), run.sampling, self.vocab_size, run.fanout_hit,
+                run.fanout_backup, top_n, run.saguaro_c, run.row_dtype)
+        try:
+            self._tree, self.cache = draft_tree(*args, ops=self.ops)
+        except Exception as e:  # noqa: BLE001 - a kernel that fails to compile at these shapes
+            fallback = backends.without_kernels(self.ops, ("tree_attention",), f"{type(e).__name__}: {e}")
+            if fallback is self.ops:
+                raise
+            self.ops = fallback  # compile errors raise before anything runs: the cache is intact
+            self._tree, self.cache = draft_tree(*args, ops=self.ops)
         settle(self._tree, self._serial)
         self._tree_s = None
         if wait:
@@ -168,8 +176,16 @@ class DraftWorker:
         """Lookup of the realised outcome in the tree just computed; a backup for the rows that
         missed (rows that hit keep their cached speculation). Returns (spec, rows, hit [B], times)."""
         t0 = time.perf_counter()
-        hit, spec, rows = lookup(self._tree, self._put(num_accepted), self._put(bonus),
-                                 kernel=run.gather_kernel)
+        try:
+            hit, spec, rows = lookup(self._tree, self._put(num_accepted), self._put(bonus),
+                                     ops=self.ops)
+        except Exception as e:  # noqa: BLE001 - as in dispatch_tree
+            fallback = backends.without_kernels(self.ops, ("cache_gather",), f"{type(e).__name__}: {e}")
+            if fallback is self.ops:
+                raise
+            self.ops = fallback
+            hit, spec, rows = lookup(self._tree, self._put(num_accepted), self._put(bonus),
+                                     ops=self.ops)
         self._tree = None
         hit = to_host(hit)
         t1 = time.perf_counter()

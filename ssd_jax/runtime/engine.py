@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ssd_jax.models import backends
 from ssd_jax.models.draft_head import head_width
 from ssd_jax.algorithm import fanout as fo
 from ssd_jax.algorithm import steps
@@ -48,8 +49,6 @@ class SSDConfig:
     backup: str = "neural"  # neural | random | ngram | auto (ssd_jax.algorithm.policy.BackupChooser)
     row_dtype: str = "float32"
     cache_budget_bytes: int | None = None
-    attention: str = "reference"  # reference | pallas (tree attention)
-    gather_kernel: bool = False  # Pallas outcome-conditioned gather instead of the jnp reference
 
     def lists(self, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         if isinstance(self.fanout, str):
@@ -82,12 +81,15 @@ class Engine:
 
     def __init__(self, target, draft=None, *, placement: str | Placement = "split",
                  max_len: int = 4096, compilation_cache: bool | str = True, remote_draft=None,
-                 proposer=None):
+                 proposer=None, backend: str = "auto"):
         """target / draft: `ssd_jax.models.model.Model`. placement: "split" | "colocated" | a layout "T+D"
         such as "4+1" (T-way tensor-parallel target, D-way data-parallel draft; ssd_jax.runtime.sharding)
         | a ready Placement. remote_draft: a `ssd_jax.runtime.transport.RemoteDraft` (the draft in its own
         process, started by `start_two_process`) instead of a local draft. proposer: any
-        `ssd_jax.runtime.proposer.Proposer` (SD only) instead of a draft model."""
+        `ssd_jax.runtime.proposer.Proposer` (SD only) instead of a draft model. backend: the op
+        table for each mesh, "auto" (pallas on a GPU, the cpu kernels on a one-device CPU mesh
+        where they build, else xla), "xla", "pallas", a plug-in name, or an `Ops`
+        (`ssd_jax.models.backends.select`); `self.backend` reports the choice per model."""
         enable_compilation_cache(compilation_cache)
         if head_width(target.params) < target.cfg.vocab_size:
             raise ValueError(f"the target's head scores only {head_width(target.params)} of "
@@ -105,7 +107,7 @@ class Engine:
         self.max_len = int(max_len)
         if draft is not None:
             _check_pair(target, draft)
-            self.worker = DraftWorker(draft, self.placement.draft, target.cfg.vocab_size)
+            self.worker = DraftWorker(draft, self.placement.draft, target.cfg.vocab_size, backend)
         elif remote_draft is not None:
             fp = remote_draft.info.get("fingerprint")
             if fp is not None and target.tokenizer is not None and fp != target.tokenizer.fingerprint():
@@ -120,9 +122,11 @@ class Engine:
             self.draft = self.worker = proposer
         else:
             self.worker = None
-        # tcfg: the target's config as its (possibly tensor-parallel) weights are laid out
-        self.tcfg, self.tparams = shard_target(target.params, target.cfg,
-                                               self.placement.target_mesh)
+        # tcfg: the target's config as its (possibly tensor-parallel) weights are laid out; the
+        # backend's own layout pass (`prepare`) runs once, on the placed weights
+        self.tops = backends.select(backend, self.placement.target_mesh)
+        self.tcfg, tparams = shard_target(target.params, target.cfg, self.placement.target_mesh)
+        self.tparams = self.tops.prepare(tparams)
         self._serial = spans_processes(self.placement.target_mesh)
         tok = target.tokenizer
         self.vocab_size = tok.vocab_size if tok is not None else target.cfg.vocab_size
@@ -130,6 +134,18 @@ class Engine:
         self._t1: float | None = None  # last measured plain decode step (for the §6 prediction)
         self._sd: dict | None = None  # last SD run's verify / draft medians and accept histogram
         self._width_slope: float | None = None  # the local draft's, measured once (plan_fanout)
+
+    @property
+    def backend(self) -> dict[str, str]:
+        """The op table each model runs with: {"target": name, "draft": name} ("draft" only with a
+        local draft model; a remote draft reports its own in `info`)."""
+        out = {"target": self.tops.name}
+        ops = getattr(self.worker, "ops", None)
+        if ops is not None:
+            out["draft"] = ops.name
+        elif getattr(self.worker, "info", None):
+            out["draft"] = str(self.worker.info.get("backend", "?"))
+        return out
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str, *, mode: str = "ssd",
@@ -167,7 +183,7 @@ class Engine:
             raise ValueError(f"{need} positions exceed the target's max_position_embeddings "
                              f"({self.target.cfg.max_position_embeddings})")
         cache_len = min(self.max_len, _bucket(need, 256))
-        metrics = Metrics(mode=mode)
+        metrics = Metrics(mode=mode, backend=self.backend)
         run = dict(seed=jnp.int32(seed), sampling=sampling,
                    draft_sampling=draft_sampling or sampling, k=int(k),
                    verifier=verifier or _default_verifier())
@@ -221,7 +237,8 @@ class Engine:
         self.tcache = init_target_cache(cfg, B, cache_len, self.placement.target_mesh)
         first, lp, self.tcache = settle(steps.prefill(
             self.tparams, cfg, self.tcache, to_mesh(toks, tgt), to_mesh(batch.prompt_lens, tgt),
-            run["seed"], to_mesh(rids, tgt), run["sampling"], self.vocab_size), self._serial)
+            run["seed"], to_mesh(rids, tgt), run["sampling"], self.vocab_size, ops=self.tops),
+            self._serial)
         if mode != "ar":
             self.worker.start(toks, batch.prompt_lens, cache_len)
         first, lp = np.asarray(first), np.asarray(lp)
@@ -241,7 +258,7 @@ class Engine:
             active = batch.active
             tok, lp, self.tcache = steps.decode(
                 self.tparams, cfg, self.tcache, to_mesh(batch.bonus, tgt), to_mesh(active, tgt),
-                run["seed"], rids_t, run["sampling"], self.vocab_size)
+                run["seed"], rids_t, run["sampling"], self.vocab_size, ops=self.tops)
             tok, lp = np.asarray(tok), np.asarray(lp)
             for b in np.flatnonzero(active):
                 batch.emit(b, [tok[b]], [lp[b]])
@@ -265,7 +282,7 @@ class Engine:
             self.tparams, cfg, self.tcache, to_mesh(batch.bonus, tgt), to_mesh(spec, tgt),
             to_mesh(rows, self.placement.target_rows(rows.shape[-1])), to_mesh(batch.active, tgt),
             run["seed"], rids_t, run["sampling"],
-            self.vocab_size, run["verifier"]), self._serial)
+            self.vocab_size, run["verifier"], ops=self.tops), self._serial)
         return res, lp
 
     def _commit(self, batch: Batch, res, lp, m: Metrics, from_backup=None) -> np.ndarray:
@@ -284,8 +301,7 @@ class Engine:
         kw = {}
         if ssd is not None:
             kw = dict(fanout_hit=run["f_hit"], fanout_backup=run["f_backup"],
-                      saguaro_c=ssd.saguaro_c, backup=ssd.backup, row_dtype=ssd.row_dtype,
-                      attention=ssd.attention, gather_kernel=ssd.gather_kernel)
+                      saguaro_c=ssd.saguaro_c, backup=ssd.backup, row_dtype=ssd.row_dtype)
         return DraftRun(seed=int(run["seed"]), request_ids=tuple(int(r) for r in rids),
                         sampling=run["draft_sampling"], k=run["k"], **kw)
 

@@ -39,6 +39,19 @@ class RoundTimes:
 
 @dataclasses.dataclass
 class Metrics:
+    """Counters and timings of one generate call (see the module docstring for what counts).
+
+    mode: "ar" | "sd" | "ssd"; k: K (0 for AR); rounds / new_tokens: rounds run and tokens
+    generated; timed_tokens / decode_s: tokens and seconds of the rounds without a compile (the
+    steady state); prefill_s, compile_s, draft_s, verify_s, backup_s: seconds spent in each; the
+    accept_hist* lists (K+1 entries) count sequence-rounds by accepted draft tokens, overall and
+    (SSD) after a cache hit or a miss; hits / lookups: speculation-cache hits among the looked-up
+    sequence-rounds (SSD, from round 2); backups: misses served per backup speculator; timeline:
+    one `RoundTimes` per round; predicted_speedup: the docs/ALGORITHM.md §6 formula's speedup over
+    AR from this run's quantities (None when it cannot be computed); fanout: SSD's F_0..F_K after a
+    hit; extra: anything else a caller attaches.
+    """
+
     mode: str
     k: int = 0
     rounds: int = 0
@@ -60,15 +73,19 @@ class Metrics:
     timeline: list[RoundTimes] = dataclasses.field(default_factory=list)
     predicted_speedup: float | None = None
     fanout: tuple[int, ...] | None = None  # SSD: the F_0..F_K used after a hit
+    backend: dict[str, str] = dataclasses.field(default_factory=dict)  # op table per model
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def init_hist(self, k: int) -> None:
+        """Set K and zero the three acceptance histograms (K+1 entries each)."""
         self.k = k
         self.accept_hist = [0] * (k + 1)
         self.accept_hist_after_hit = [0] * (k + 1)
         self.accept_hist_after_miss = [0] * (k + 1)
 
     def add_round(self, r: RoundTimes) -> None:
+        """Append a round to the timeline; unless it compiled, add its time and tokens to the
+        steady-state `decode_s` / `timed_tokens`."""
         self.timeline.append(r)
         self.rounds += 1
         if not r.compiled:
@@ -114,9 +131,11 @@ class Metrics:
 
     @property
     def hit_rate(self) -> float:
+        """hits / lookups (NaN before any lookup)."""
         return self.hits / self.lookups if self.lookups else float("nan")
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field plus the derived rates, as JSON-ready values (NaN -> None)."""
         d = dataclasses.asdict(self)
         d.update(tokens_per_s=self.tokens_per_s, tokens_per_round=self.tokens_per_round,
                  acceptance_per_position=self.acceptance_per_position,
@@ -125,6 +144,7 @@ class Metrics:
         return _jsonable(d)
 
     def summary(self) -> str:
+        """One human-readable line: tokens, tokens/s, tokens per round and hit rate where they apply."""
         s = f"{self.mode}: {self.new_tokens} tokens, {self.tokens_per_s:.2f} tok/s"
         if self.mode != "ar":
             s += f", {self.tokens_per_round:.2f} tokens/round"
@@ -163,6 +183,8 @@ class CompileTimer:
 
     @contextlib.contextmanager
     def measure(self):
+        """Context manager: add to `self.seconds` every compile event that ends while it is open
+        (from any thread; the listener is registered with JAX once per process)."""
         with self._lock:
             if not CompileTimer._registered:
                 jax.monitoring.register_event_duration_secs_listener(CompileTimer._listener)
