@@ -1,0 +1,112 @@
+"""The greedy near-tie rule (ssd_jax.algorithm.near_tie, ALGORITHM.md §3): identical outputs, or at
+the first divergence both tokens among those tied for the top logit of plain decoding — never a
+third token just because plain decoding had a near-tie between two others."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ssd_jax.algorithm import near_tie
+from ssd_jax.models.config import tiny_config
+from ssd_jax.models.kv_cache import init_cache
+from ssd_jax.models.params import random_params
+from ssd_jax.models.transformer import forward
+
+
+def test_tied_tokens_are_those_within_the_tolerance_of_the_top():
+    # max |logit| 10, rel_tol 1e-5: tolerance 1e-4 below the top logit 10
+    row = np.array([10.0 - 5e-5, 3.0, 10.0, 10.0 - 1e-3, 10.0 - 1e-4, -2.0])
+    assert near_tie.tied_tokens(row, 1e-5) == (2, 0, 4)  # highest first; the edge counts
+    assert near_tie.tied_tokens(row, 1e-7) == (2,)  # only the argmax
+    assert near_tie.tied_tokens(row, 1e-3) == (2, 0, 4, 3)
+    # the tolerance is relative to the largest |logit|, also when that is a negative one
+    assert near_tie.tied_tokens(np.array([1.0, 1.0 - 1e-4, -100.0]), 1e-5) == (0, 1)
+
+
+def test_verdict_requires_both_tokens_among_the_tied():
+    row = np.array([10.0, 10.0 - 5e-5, 3.0, 10.0 - 1e-3])
+    gap, scale, tied = near_tie.near_tie_verdict(row, 1, 0)
+    assert gap == pytest.approx(5e-5) and scale == 10.0 and tied == (0, 1)
+    near_tie.near_tie_verdict(row, 0, 1)  # either way round
+    # plain decoding had a near-tie (0 vs 1), but the emitted token 2 is not one of them
+    with pytest.raises(AssertionError, match="got token 2 .*not a near-tie"):
+        near_tie.near_tie_verdict(row, 2, 0)
+    with pytest.raises(AssertionError, match="got token 3"):  # 1e-3 below the top: too far
+        near_tie.near_tie_verdict(row, 3, 0)
+    with pytest.raises(AssertionError, match="plain decoding token 3"):
+        near_tie.near_tie_verdict(row, 1, 3)
+    with pytest.raises(AssertionError, match="got token 99"):  # out of the vocabulary
+        near_tie.near_tie_verdict(row, 99, 0)
+
+
+CFG = tiny_config("qwen2", vocab_size=64)
+PROMPT = [3, 14, 15, 9, 26]
+
+
+def _greedy(params, prompt, n):
+    out = []
+    for _ in range(n):
+        ids = list(prompt) + out
+        logits, _ = forward(params, CFG, jnp.asarray([ids], jnp.int32), init_cache(CFG, 1, len(ids)),
+                            last_only=True)
+        out.append(int(np.argmax(np.asarray(logits[0]))))
+    return out
+
+
+def _row(params, ids):
+    logits, _ = forward(params, CFG, jnp.asarray([ids], jnp.int32), init_cache(CFG, 1, len(ids)),
+                        last_only=True)
+    return np.asarray(logits[0], np.float64)
+
+
+@pytest.fixture(scope="module")
+def tied_model():
+    """A tiny model whose head has two identical columns: after the prompt and one generated
+    token, tokens a and b tie exactly for the top logit."""
+    params = random_params(CFG, 0, scale=1.0)
+    first = _greedy(params, PROMPT, 1)
+    row = _row(params, PROMPT + first)
+    a, b = int(np.argsort(row)[-1]), int(np.argsort(row)[-2])
+    head = np.asarray(params.lm_head).copy()
+    head[:, b] = head[:, a]
+    tied = params.replace(lm_head=jnp.asarray(head, params.lm_head.dtype))
+    want = _greedy(tied, PROMPT, 3)
+    assert want[0] == first[0] and want[1] in (a, b)
+    row = _row(tied, PROMPT + want[:1])
+    low = int(np.argmin(row))  # far below the top
+    return tied, want, (a, b), low
+
+
+def test_identical_outputs_agree(tied_model):
+    params, want, _, _ = tied_model
+    v = near_tie.greedy_agreement(params, CFG, PROMPT, want, want)
+    assert v.identical and v.divergence is None
+    with pytest.raises(AssertionError, match="different lengths"):
+        near_tie.greedy_agreement(params, CFG, PROMPT, want[:2], want)
+
+
+def test_the_other_tied_token_is_a_reported_near_tie(tied_model):
+    params, want, (a, b), _ = tied_model
+    other = b if want[1] == a else a
+    got = [want[0], other, 7]
+    with pytest.warns(UserWarning, match="near-tie at generated token 1"):
+        v = near_tie.assert_greedy_agreement(params, CFG, PROMPT, got, want)
+    assert not v.identical and v.divergence == 1
+    assert set(v.tied) == {a, b} and v.gap <= 1e-5 * v.scale
+
+
+def test_a_third_token_at_a_near_tie_is_a_divergence(tied_model):
+    # plain decoding ties a and b at token 1; emitting any other token there is a real error
+    params, want, (a, b), low = tied_model
+    assert low not in (a, b)
+    with pytest.raises(AssertionError, match="diverge at generated token 1: got"):
+        near_tie.assert_greedy_agreement(params, CFG, PROMPT, [want[0], low, want[2]], want)
+
+
+def test_a_divergence_without_a_tie_fails():
+    params = random_params(CFG, 0, scale=1.0)
+    want = _greedy(params, PROMPT, 2)
+    row = _row(params, PROMPT)
+    second = int(np.argsort(row)[-2])
+    assert row.max() - row[second] > 1e-5 * np.abs(row).max()  # the random model has no tie here
+    with pytest.raises(AssertionError, match="not a near-tie"):
+        near_tie.assert_greedy_agreement(params, CFG, PROMPT, [second, want[1]], want)
