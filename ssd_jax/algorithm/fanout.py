@@ -14,7 +14,7 @@ import numpy as np
 
 
 def uniform(k: int, f: int) -> tuple[int, ...]:
-    """F_j = f for j = 0..K (MQ = (K+1) f)."""
+    """The uniform fan-out: a tuple of K+1 ints, F_j = f for j = 0..K (MQ = (K+1) f)."""
     if k < 1 or f < 1:
         raise ValueError(f"need K >= 1 and fan-out >= 1, got K={k}, f={f}")
     return (int(f),) * (k + 1)
@@ -108,7 +108,9 @@ def allocate(k: int, budget: int, acceptance: float, r: float = 1.0,
 
 
 def fit_power_law(fanouts: Sequence[int], miss_rates: Sequence[float]) -> tuple[float, float]:
-    """Least-squares fit of miss(F) = c F^(-r) in log space -> (c, r). Miss rates of 0 are clipped."""
+    """Least-squares fit of miss(F) = c F^(-r) in log space -> (c, r). fanouts: uniform fan-outs F
+    (>= 2 of them, positive); miss_rates: the measured 1 - p_hit at each (same length). Miss rates
+    of 0 are clipped to 1e-4; r is kept >= 1e-3."""
     f = np.asarray(fanouts, float)
     m = np.clip(np.asarray(miss_rates, float), 1e-4, 1.0)
     if len(f) < 2 or np.any(f <= 0):
@@ -118,7 +120,9 @@ def fit_power_law(fanouts: Sequence[int], miss_rates: Sequence[float]) -> tuple[
 
 
 def hit_probability(fanout: Sequence[int], acceptance: float, c: float, r: float) -> float:
-    """Predicted p_hit = sum_j P_j (1 - c F_j^(-r)) (F_j = 0 never hits)."""
+    """Predicted per-sequence hit rate p_hit = sum_j P_j (1 - c F_j^(-r)) of a fan-out F_0..F_K
+    (K+1 ints; F_j = 0 never hits), with P_j = `outcome_probs(K, acceptance)` and the miss model
+    1 - p_hit(F) = c F^(-r)."""
     k = len(fanout) - 1
     p = outcome_probs(k, acceptance)
     hits = [0.0 if f == 0 else max(0.0, 1.0 - c * f ** (-r)) for f in fanout]
