@@ -21,10 +21,10 @@ import numpy as np
 
 from ssd_jax.models import backends
 from ssd_jax.models.draft_head import head_width
-from ssd_jax.algorithm import fanout as fo
 from ssd_jax.algorithm import steps
 from ssd_jax.runtime.batch import Batch, GenerationResult
 from ssd_jax.runtime.compile_cache import enable_compilation_cache
+from ssd_jax.runtime.config import MODES, SSDConfig, check_pair, check_request
 from ssd_jax.runtime.draft_worker import DraftRun, DraftWorker, RoundState
 from ssd_jax.runtime.metrics import CompileTimer, Metrics, RoundTimes
 from ssd_jax.algorithm.policy import BackupChooser, plan_from_sd, ssd_speedup, width_slope_from_times
@@ -33,40 +33,6 @@ from ssd_jax.runtime.placement import Placement, make_placement, settle, spans_p
 from ssd_jax.algorithm.sampling import SamplingParams
 from ssd_jax.runtime.sharding import init_target_cache, shard_target
 from ssd_jax.algorithm.speculation_cache import check_budget
-
-MODES = ("ar", "sd", "ssd")
-
-
-@dataclasses.dataclass(frozen=True)
-class SSDConfig:
-    """SSD knobs. fanout: F_0..F_K after a hit (None: one candidate per position; "plan": the
-    fan-out `ssd_jax.algorithm.policy.plan_from_sd` picks at this K from the times and acceptance this engine
-    measured in its last `ar` and `sd` runs, resolved when generate starts and reported in
-    `metrics.fanout`); fanout_backup: after a backup round (None: same as fanout; same sum)."""
-    fanout: tuple[int, ...] | str | None = None
-    fanout_backup: tuple[int, ...] | None = None
-    saguaro_c: float = 1.0
-    backup: str = "neural"  # neural | random | ngram | auto (ssd_jax.algorithm.policy.BackupChooser)
-    row_dtype: str = "float32"
-    cache_budget_bytes: int | None = None
-
-    def lists(self, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        if isinstance(self.fanout, str):
-            raise ValueError(f"fanout {self.fanout!r}: give F_0..F_K, None, or 'plan' (which the "
-                             f"engine resolves from its measurements)")
-        hit = tuple(self.fanout) if self.fanout is not None else fo.uniform(k, 1)
-        backup = tuple(self.fanout_backup) if self.fanout_backup is not None else hit
-        if len(hit) != k + 1 or len(backup) != k + 1:
-            raise ValueError(f"fan-out lists need K+1 = {k + 1} entries: got {hit} and {backup}")
-        if sum(hit) != sum(backup) or sum(hit) < 1 or min(hit + backup) < 0:
-            raise ValueError(f"fan-out lists must be >= 0 with equal positive sums (static MQ): "
-                             f"{hit} vs {backup}")
-        if not 0.0 < self.saguaro_c <= 1.0:
-            raise ValueError(f"saguaro_c must be in (0, 1], got {self.saguaro_c}")
-        if self.backup not in ("neural", "random", "ngram", "auto"):
-            raise ValueError(f"unknown backup {self.backup!r}: use neural, random, ngram or auto")
-        return hit, backup
-
 
 def _bucket(n: int, quantum: int) -> int:
     return max(quantum, -(-n // quantum) * quantum)
@@ -106,7 +72,7 @@ class Engine:
         self.draft = draft if draft is not None else remote_draft
         self.max_len = int(max_len)
         if draft is not None:
-            _check_pair(target, draft)
+            check_pair(target, draft)
             self.worker = DraftWorker(draft, self.placement.draft, target.cfg.vocab_size, backend)
         elif remote_draft is not None:
             fp = remote_draft.info.get("fingerprint")
@@ -156,18 +122,38 @@ class Engine:
                  request_ids: Sequence[int] | None = None,
                  on_tokens: Callable[[int, list[int]], None] | None = None,
                  verifier: Callable | None = None) -> GenerationResult:
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
+        """Generate up to `max_new_tokens` tokens for each prompt; every mode samples exactly the
+        target's distribution (docs/ALGORITHM.md §3), modes differ only in speed.
+
+        prompts: a string, a list of strings (tokenized by the target's tokenizer; `chat` applies
+            its chat template to each as one user turn), or token ids (a list of ints, or a list
+            of such lists). B prompts of any lengths form one batch.
+        mode: "ar" (plain decoding), "sd" (speculative decoding with the draft), "ssd" (the
+            speculation cache: the draft pre-drafts the next round for likely outcomes).
+        sampling: the target's `SamplingParams` (temperature 0 = greedy; top-k, top-p);
+            draft_sampling: the draft's proposal (default: the same); any proposal stays exact.
+        k: lookahead K, draft tokens per round. ssd: `SSDConfig` (fan-out F_0..F_K, Saguaro C,
+            backup "neural" | "random" | "ngram" | "auto", proposal row dtype, cache budget).
+        seed: the run's PRNG seed; every draw is keyed by (seed, request id, position, stream),
+            so a request's tokens depend on none of the batch, hits or misses.
+            request_ids [B]: the ids those keys use (default 0..B-1).
+        stop: strings that end a sequence (the text is cut before them); eos_ids: token ids that
+            end it (default: the tokenizer's EOS tokens).
+        on_tokens(row, ids): called as each row's tokens are committed (streaming).
+        verifier: a function with `ssd_jax.rejection_sample`'s signature (p [B, K+1, V],
+            q [B, K, V], tokens [B, K], accept keys, residual keys) -> VerifyResult, e.g. a
+            planted bug for the exactness harness.
+
+        Returns a `GenerationResult`: texts [B], token_ids [B][n_b], logprobs [B][n_b] (the
+        target's raw log-probabilities of the emitted tokens), finish reasons and `metrics`
+        (tokens/s, tokens per round, acceptance, hit rate, the per-round timeline, the backend).
+        Raises ValueError, before any work, for an argument it cannot serve.
+        """
+        check_request(mode, max_new_tokens, k, sampling, draft_sampling, ssd)
         if mode != "ar" and self.draft is None:
             raise ValueError(f"mode {mode!r} needs a draft model: Engine(target, draft)")
         if mode == "ssd" and isinstance(self.worker, Proposer) and not hasattr(self.worker, "resolve"):
             raise ValueError("mode 'ssd' needs a draft model (its tree); a proposer serves mode 'sd'")
-        if int(max_new_tokens) < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if mode != "ar" and int(k) < 1:
-            raise ValueError(f"lookahead K must be >= 1, got {k}")
-        if not isinstance(sampling, SamplingParams):
-            raise ValueError("sampling must be a ssd_jax.algorithm.sampling.SamplingParams")
         ids = self._encode(prompts, chat)
         batch = Batch(ids, max_new_tokens, self.eos_ids if eos_ids is None else eos_ids, stop,
                       self.target.tokenizer.decode if self.target.tokenizer else None, on_tokens)
@@ -433,17 +419,3 @@ def _mean_tokens(hist) -> float:
 def _default_verifier():
     from ssd_jax.algorithm.verify import rejection_sample
     return rejection_sample
-
-
-def _check_pair(target, draft):
-    tt, dt = target.tokenizer, draft.tokenizer
-    if tt is not None and dt is not None and tt.fingerprint() != dt.fingerprint():
-        raise ValueError("draft and target have different tokenizers: speculative decoding needs "
-                         "one shared vocabulary")
-    if (tt is None) != (dt is None):
-        raise ValueError("give both target and draft a tokenizer, or neither")
-    if draft.cfg.vocab_size != target.cfg.vocab_size:
-        vs = tt.vocab_size if tt is not None else None
-        if vs is None or vs > min(draft.cfg.vocab_size, target.cfg.vocab_size):
-            raise ValueError(f"draft embedding rows ({draft.cfg.vocab_size}) and target rows "
-                             f"({target.cfg.vocab_size}) differ and the tokenizer does not fit both")
