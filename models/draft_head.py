@@ -21,10 +21,11 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from ssd_jax.models import cpu_matmul
-from ssd_jax.models.packed import PackedWeight, pack_weight
+import jax
+
 from ssd_jax.models.params import Params
-from ssd_jax.models.quant import Int8Weight, quantize_model
+from ssd_jax.models.quant import quantize_model
+from ssd_jax.models.weights import Int8Weight
 
 
 def head_width(params: Params) -> int:
@@ -38,9 +39,10 @@ def head_width(params: Params) -> int:
 
 
 def truncate_head(params: Params, n: int) -> Params:
-    """Params whose head scores only token ids [0, n): lm_head [hidden, n] in the head's own form
-    (bf16/fp32, packed, or int8). A tied model gets its own head; the embedding stays whole for
-    the token lookup, so any id can still be fed back (a target's bonus token, say)."""
+    """Params whose head scores only token ids [0, n): lm_head [hidden, n] in the head's own
+    logical form (a bf16/fp32 array, or Int8Weight). A tied model gets its own head; the embedding
+    stays whole for the token lookup, so any id can still be fed back (a target's bonus token,
+    say). Cut the logical head, before any backend's `prepare` lays it out."""
     if not isinstance(params, Params):
         raise TypeError(f"truncate_head takes ssd_jax.models.params.Params, got {type(params).__name__}")
     rows = int(params.embed.shape[0])
@@ -54,12 +56,12 @@ def truncate_head(params: Params, n: int) -> Params:
     if head is None:
         head = jnp.asarray(params.embed)[:n].T.copy()
     elif isinstance(head, Int8Weight):
-        q = cpu_matmul.untile_int8(head.q) if head.tiled else head.q
-        head = Int8Weight(q=q[:, :n], scale=head.scale[:n], tiled=False)
-    elif isinstance(head, PackedWeight):
-        head = pack_weight(head.unpack()[:, :n])
-    else:
+        head = Int8Weight(q=head.q[:, :n], scale=head.scale[:n])
+    elif isinstance(head, jax.Array) or hasattr(head, "__array__"):
         head = head[:, :n]
+    else:
+        raise TypeError(f"the head is a backend's layout ({type(head).__name__}), not a logical "
+                        f"weight: cut the head before the backend's `prepare`")
     return params.replace(lm_head=head)
 
 

@@ -169,21 +169,10 @@ def param_bytes(params: Params) -> int:
 
 def decode_bytes(params: Params) -> int:
     """Bytes of weights one decode step streams: all but the embedding, of which it gathers a row,
-    when the head is its own array (untied, or `untie_lm_head`); the embedding is the head if tied."""
+    when the head is its own array (untied, or untied by a backend's `prepare`); the embedding is
+    the head if tied."""
     total = param_bytes(params)
     return total - params.embed.size * params.embed.dtype.itemsize if params.lm_head is not None else total
-
-
-def untie_lm_head(params: Params) -> Params:
-    """A tied model's head as its own array, lm_head = embed.T [hidden, V] (same values).
-
-    Why: the head is the largest matmul of a small model, and the CPU kernel (models/cpu_matmul.py)
-    streams a [hidden, V] weight at full bandwidth for every row count, where the tied [V, hidden]
-    layout makes each row a separate dot product. Costs one more copy of the embedding in memory.
-    """
-    if params.lm_head is not None:
-        return params
-    return params.replace(lm_head=jnp.asarray(params.embed).T.copy())
 
 
 def truncate_layers(params: Params, cfg: ModelConfig, num_layers: int) -> tuple[Params, ModelConfig]:

@@ -10,58 +10,34 @@ Quantizing a *target* also works, but it changes the distribution SD is exact to
 then the target. `Engine` quantizes nothing on its own; `ssd-jax generate --draft-quant int8` and
 `quantize_model` are explicit choices.
 
-Layout: each dense weight w [K, N] (`wqkv`, `wo`, `w_gate_up`, `w_down`, the head) becomes
-`Int8Weight(q [K, N] int8, scale [N] fp32)` with w ~= q * scale, scale = max_k |w[k, n]| / 127.
-Embedding rows, norms and biases stay in the model's dtype. A tied model gets its own int8 head
-(the embedding stays for the token lookup). Narrow weights (rows under 4 KiB) are tiled for the
-CPU kernel where it can read them (`cpu_matmul.tile_int8`): the same values in another order. The
-matmul takes each row of activations as int16 with its own scale
-(`ssd_jax.models.cpu_matmul.quantize_rows_int16`, 2^-16 of the row's largest value), so on a CPU with
-AVX512_VNNI the products are exact integer dot products.
+Layout: each dense weight w [K, N] (`wqkv`, `wo`, `w_gate_up`, `w_down`, the head) becomes the
+logical `Int8Weight(q [K, N] int8, scale [N] fp32)` of models/weights.py, w ~= q * scale, scale =
+max_k |w[k, n]| / 127, or with "int4" the layers' weights `Int4Weight` (groups of 32 rows with a
+bf16 scale and offset; int8 where the shape takes no int4 groups) and the head int8. Embedding
+rows, norms and biases stay in the model's dtype. A tied model gets its own int8 head (the
+embedding stays for the token lookup). How a backend lays these out for its kernels (the CPU's
+int8 tiles and int4 tiles) is its `prepare`'s business (`ssd_jax.models.ops.Ops`).
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
-from ssd_jax.models import cpu_matmul, int4
-from ssd_jax.models.int4 import Int4Weight
-from ssd_jax.models.packed import unpack_params
 from ssd_jax.models.params import DENSE_WEIGHTS, Params
+from ssd_jax.models.weights import (Int4Weight, Int8Weight, int4_quantizable, quantize_int4,
+                                    quantize_int8)
 
 QUANT_MODES = ("none", "int8", "int4")
 
 
-@struct.dataclass
-class Int8Weight:
-    q: jax.Array  # [K, N] int8, row-major, or laid out by cpu_matmul.tile_int8 where `tiled`
-    scale: jax.Array  # [N] float32
-    tiled: bool = struct.field(pytree_node=False, default=False)
-
-    def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        """w ~= q * scale [K, N] in `dtype` (row-major whatever the layout of q)."""
-        q = cpu_matmul.untile_int8(self.q) if self.tiled else self.q
-        return (q.astype(jnp.float32) * self.scale).astype(dtype)
-
-
-@functools.partial(jax.jit, static_argnames="tiled")
-def quantize_int8(w: jax.Array, tiled: bool = False) -> Int8Weight:
-    """w [K, N] (any float dtype) -> Int8Weight: per-column symmetric, |w - q * scale| <= scale / 2;
-    with `tiled`, q laid out by `cpu_matmul.tile_int8` (K, N must be `cpu_matmul.tileable`)."""
-    w = jnp.asarray(w, jnp.float32)
-    amax = jnp.max(jnp.abs(w), axis=0)
-    scale = jnp.where(amax > 0, amax / 127.0, 1.0)  # an all-zero column stays exactly zero
-    q = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
-    return Int8Weight(q=cpu_matmul.tile_int8(q) if tiled else q, scale=scale, tiled=tiled)
-
-
 def _check_weight(name: str, w) -> jax.Array:
-    if isinstance(w, (Int8Weight, Int4Weight)):
+    if isinstance(w, (Int8Weight, Int4Weight)) or getattr(w, "is_int8", False):
         raise ValueError(f"{name} is already quantized: quantize the original params")
+    if not isinstance(w, jax.Array) and not hasattr(w, "__array__"):
+        raise ValueError(f"{name} is a backend's layout ({type(w).__name__}), not a logical "
+                         f"weight: quantize the params before the backend's `prepare`")
     w = jnp.asarray(w)
     if w.ndim != 2 or not jnp.issubdtype(w.dtype, jnp.floating):
         raise ValueError(f"{name} must be a 2-D float weight, got {w.dtype}{list(w.shape)}")
@@ -70,35 +46,34 @@ def _check_weight(name: str, w) -> jax.Array:
     return w
 
 
-def _quantize(name: str, w, tile: bool, bits: int = 8) -> Int8Weight | Int4Weight:
+def _quantize(name: str, w, bits: int = 8) -> Int8Weight | Int4Weight:
     w = _check_weight(name, w)
-    if bits == 4 and int4.quantizable(*w.shape):
-        return int4.quantize_int4(w)
-    return quantize_int8(w, tiled=tile and cpu_matmul.tileable(*w.shape))
+    if bits == 4 and int4_quantizable(*w.shape):
+        return quantize_int4(w)
+    return quantize_int8(w)
 
 
-def quantize_params(params: Params, tile: bool | None = None, mode: str = "int8") -> Params:
-    """Params with every dense weight as Int8Weight ("int8") or Int4Weight ("int4"), and the head
-    as Int8Weight; see the module docstring. `tile`: lay out the narrow int8 ones with
-    `cpu_matmul.tile_int8` (default: where `int8_tiles()`, i.e. this machine's CPU kernel reads
-    them; the values, and every result, stay the same)."""
+def quantize_params(params: Params, mode: str = "int8") -> Params:
+    """Params with every dense weight as Int8Weight ("int8") or Int4Weight ("int4"; Int8Weight
+    where its shape takes no int4 groups), and the head as Int8Weight; see the module docstring.
+    Takes logical params (before any backend's `prepare`)."""
     if not isinstance(params, Params):
         raise TypeError(f"quantize_params takes ssd_jax.models.params.Params, got {type(params).__name__}")
     if mode not in QUANT_MODES[1:]:
         raise ValueError(f"unknown quantization {mode!r}: choose one of {QUANT_MODES[1:]}")
     bits = 4 if mode == "int4" else 8
-    tile = cpu_matmul.int8_tiles() if tile is None else bool(tile)
-    params = unpack_params(params)
     layers = []
     for i, lp in enumerate(params.layers):
-        layers.append(lp.replace(**{n: _quantize(f"layers[{i}].{n}", getattr(lp, n), tile, bits)
+        layers.append(lp.replace(**{n: _quantize(f"layers[{i}].{n}", getattr(lp, n), bits)
                                     for n in DENSE_WEIGHTS}))
     head = params.lm_head if params.lm_head is not None else jnp.asarray(params.embed).T
-    return params.replace(layers=tuple(layers), lm_head=_quantize("lm_head", head, tile))
+    return params.replace(layers=tuple(layers), lm_head=_quantize("lm_head", head))
 
 
 def is_quantized(params: Params) -> bool:
-    return isinstance(params.lm_head, Int8Weight)
+    """Whether the head is int8 (logical, or a backend's layout of it that says `is_int8`)."""
+    head = params.lm_head
+    return isinstance(head, Int8Weight) or bool(getattr(head, "is_int8", False))
 
 
 def quantize_model(model, mode: str = "int8"):

@@ -1,5 +1,6 @@
-"""Attention of a few new tokens over the KV cache, with the cache write: the plain-`jnp` reference
-and the CPU kernel's call (models/cpu_kernels/cache_attention.h, built with the small-M matmul).
+"""Attention of a few new tokens over the KV cache, with the cache write: the CPU kernel's call
+(kernels/cache_attention.h) and the cpu backend's `attend`, whose reference is
+`ssd_jax.models.ops.xla_attend`.
 
 Why: a decode step's attention is tiny work, but XLA:CPU ran it per layer as ~15 small thunks: a
 bounds-checked scatter into the cache (not in place, then copied into the output buffer), a
@@ -24,55 +25,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ssd_jax.models import cpu_matmul
+from ssd_jax.models.cpu.build import DTYPES, TARGET_ATTENTION, available, dispatch, require
+from ssd_jax.models.ops import xla_attend
 
 MAX_TOKENS = 16  # new tokens per sequence the kernel serves (decode, verify, catch-up); more: XLA
-_NEG_INF = -1e30
-
-
-@functools.partial(jax.vmap, in_axes=(0, 0, 0))
-def write(c, positions, new):
-    """c[b, positions[b, t]] = new[b, t] (slots past the buffer dropped). Written per sequence with
-    `vmap`, so the scatter carries the batch as a batching dimension: a cache sharded over the batch
-    (data-parallel draft) is updated on each shard without gathering the new KV across devices."""
-    return c.at[positions].set(new.astype(c.dtype), mode="drop")
-
-
-def attention(q, k, v, positions):
-    """q [B, T, H, D] at positions [B, T] over cache k, v [B, W, KVH, D]: slot s visible iff
-    s <= pos. Returns [B, T, H * D] in q's dtype."""
-    B, T, H, D = q.shape
-    W, KVH = k.shape[1], k.shape[2]
-    qg = q.reshape(B, T, KVH, H // KVH, D)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    s = s * (D ** -0.5)
-    mask = jnp.arange(W)[None, None, :] <= positions[:, :, None]  # [B, T, W]
-    s = jnp.where(mask[:, None, None], s, _NEG_INF)
-    p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return o.reshape(B, T, H * D).astype(q.dtype)
-
-
-def reference(q, k_new, v_new, positions, k_cache, v_cache, window: int | None = None):
-    """What the kernel computes: `write` the new rows, then `attention` over the first `window`
-    slots (default all). q [B, T, H, D], k_new / v_new [B, T, KVH, D], positions [B, T] int32,
-    caches [B, S, KVH, D]. Returns (out [B, T, H * D], k_cache, v_cache)."""
-    W = k_cache.shape[1] if window is None else window
-    k_cache = write(k_cache, positions, k_new)
-    v_cache = write(v_cache, positions, v_new)
-    return attention(q, k_cache[:, :W], v_cache[:, :W], positions), k_cache, v_cache
 
 
 def kernel(q, k_new, v_new, positions, k_cache, v_cache, window: int | None = None):
-    """The FFI call itself (CPU only); arguments and results as `reference`. The caches are
+    """The FFI call itself (CPU only); arguments and results as `xla_attend`. The caches are
     aliased to the outputs: under a jit that donates them the write is in place."""
-    if not cpu_matmul.available():
-        raise RuntimeError("the CPU kernels are not available on this machine")
+    require()
     B, T, H, D = q.shape
     S, KVH = k_cache.shape[1], k_cache.shape[2]
     W = S if window is None else int(window)
     dt = k_cache.dtype
-    if q.dtype not in cpu_matmul.DTYPES or q.dtype != dt or v_cache.dtype != dt:
+    if q.dtype not in DTYPES or q.dtype != dt or v_cache.dtype != dt:
         raise ValueError(f"kernel takes q and caches of one dtype, float32 or bfloat16; got q "
                          f"{q.dtype}, k_cache {dt}, v_cache {v_cache.dtype}")
     if (k_cache.shape != (B, S, KVH, D) or v_cache.shape != k_cache.shape or KVH < 1
@@ -86,27 +53,28 @@ def kernel(q, k_new, v_new, positions, k_cache, v_cache, window: int | None = No
     outs = (jax.ShapeDtypeStruct(q.shape, dt), jax.ShapeDtypeStruct(k_cache.shape, dt),
             jax.ShapeDtypeStruct(v_cache.shape, dt))
     out, k_cache, v_cache = jax.ffi.ffi_call(
-        cpu_matmul.TARGET_ATTENTION, outs, input_output_aliases={4: 1, 5: 2})(
+        TARGET_ATTENTION, outs, input_output_aliases={4: 1, 5: 2})(
         q, k_new.astype(dt), v_new.astype(dt), positions.astype(jnp.int32), k_cache, v_cache,
         window=W, scale=np.float32(D ** -0.5))
     return out.reshape(B, T, H * D), k_cache, v_cache
 
 
-def attend(q, k_new, v_new, positions, k_cache, v_cache, *, window: int | None = None,
-           enabled: bool = True):
-    """`kernel` where it serves (the CPU backend, the kernel built, `enabled` - a static choice:
-    `ModelConfig.cpu_kernels` - q and caches of one fp32 / bf16 dtype, at most MAX_TOKENS new
-    tokens), else `reference`. `lax.platform_dependent` keeps the reference for any non-CPU
-    lowering."""
-    T = q.shape[1]
-    if not (enabled and 0 < T <= MAX_TOKENS and q.dtype in cpu_matmul.DTYPES
+def serves(q, k_cache, v_cache) -> bool:
+    """Whether `attend` runs the kernel: the CPU backend, the kernel built, q and caches of one
+    fp32 / bf16 dtype, 1..MAX_TOKENS new tokens."""
+    return (0 < q.shape[1] <= MAX_TOKENS and q.dtype in DTYPES
             and q.dtype == k_cache.dtype == v_cache.dtype and jax.default_backend() == "cpu"
-            and cpu_matmul.available()):
-        return reference(q, k_new, v_new, positions, k_cache, v_cache, window)
-    return jax.lax.platform_dependent(
-        q, k_new, v_new, positions, k_cache, v_cache,
-        cpu=functools.partial(kernel, window=window),
-        default=functools.partial(reference, window=window))
+            and available())
 
 
-__all__ = ["MAX_TOKENS", "attend", "attention", "kernel", "reference", "write"]
+def attend(q, k_new, v_new, positions, k_cache, v_cache, *, window: int | None = None):
+    """The cpu backend's `attend`: `kernel` where it `serves`, else `xla_attend`.
+    Differentiable: the grad is xla_attend's."""
+    ref = functools.partial(xla_attend, window=window)
+    args = (q, k_new, v_new, positions, k_cache, v_cache)
+    if not serves(q, k_cache, v_cache):
+        return ref(*args)
+    return dispatch(functools.partial(kernel, window=window), ref, *args)
+
+
+__all__ = ["MAX_TOKENS", "attend", "kernel", "serves"]
