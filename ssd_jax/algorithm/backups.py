@@ -18,14 +18,19 @@ import numpy as np
 
 from ssd_jax.algorithm import sampling as smp
 
-BACKUPS = ("neural", "random", "ngram")
+BACKUPS = ("neural", "random", "ngram")  # the backup speculator names the engine accepts
 
 
 @functools.partial(jax.jit, static_argnames=("k", "vocab_size", "row_vocab", "row_dtype"))
 def random_speculation(seed, request_ids, n, *, k: int, vocab_size: int, row_vocab: int,
                        row_dtype: str = "float32"):
-    """Uniform tokens at positions n+1..n+k: tokens [B, K], rows [B, K, row_vocab] (uniform over the
-    first `vocab_size` rows, 0 on padded ones)."""
+    """Uniform tokens at positions n+1..n+k: n `[B]` int32, request_ids `[B]`, seed a scalar int or
+    key -> tokens `[B, K]` int32, rows `[B, K, V]` (V = row_vocab) in `row_dtype`, uniform over the
+    first `vocab_size` rows and 0 on padded ones. Draws are keyed (request, position, STREAM_BACKUP).
+
+    Static: `k` (K, tokens per speculation), `vocab_size` (tokens drawn from [0, vocab_size)),
+    `row_vocab` (V, the rows' length: the target's embedding rows), `row_dtype` (the rows' dtype name).
+    """
     B = n.shape[0]
     pos = n[:, None] + 1 + jnp.arange(k, dtype=jnp.int32)[None]
     keys = smp.position_keys(seed, request_ids, pos, smp.STREAM_BACKUP)
@@ -37,7 +42,8 @@ def random_speculation(seed, request_ids, n, *, k: int, vocab_size: int, row_voc
 
 def ngram_guess(history: list[int], k: int, n: int = 2) -> list[int] | None:
     """Prompt lookup: the k tokens after the latest earlier occurrence of history's last n tokens
-    (shorter suffixes are tried down to 1). None when nothing matches."""
+    (shorter suffixes are tried down to 1), padded to k by repeating the last one. None when nothing
+    matches. Plain Python on the host: history is a list of token ids, the result k of them."""
     h = np.asarray(history)
     for m in range(min(n, len(h) - 1), 0, -1):
         tail = h[-m:]
@@ -58,7 +64,13 @@ def _ngram_rows(guess, matched, *, row_vocab: int, vocab_size: int, row_dtype: s
 
 def ngram_speculation(histories: list[list[int]], seed, request_ids, n, *, k: int,
                       vocab_size: int, row_vocab: int, row_dtype: str = "float32", ngram: int = 2):
-    """Per sequence: an n-gram guess with one-hot rows, or uniform tokens and rows where none matches."""
+    """Per sequence: an n-gram guess with one-hot rows, or uniform tokens and rows where none matches.
+
+    histories: B lists of token ids (host-side); seed, request_ids `[B]`, n `[B]`: as for
+    `random_speculation`, which supplies the uniform fallback. Returns tokens `[B, K]` int32 and rows
+    `[B, K, V]` (V = row_vocab) in `row_dtype`. k, vocab_size, row_vocab and row_dtype mean what they
+    mean in `random_speculation`; `ngram` is the longest suffix matched (`ngram_guess`'s n).
+    """
     rand_toks, _ = random_speculation(seed, request_ids, n, k=k, vocab_size=vocab_size,
                                       row_vocab=row_vocab, row_dtype=row_dtype)
     rand_toks = np.asarray(rand_toks)

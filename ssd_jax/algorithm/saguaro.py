@@ -19,9 +19,12 @@ from ssd_jax.algorithm.small_topk import argmax, kth_largest
 
 
 def saguaro_scale(q: jax.Array, raw_logits: jax.Array, top_n: int, c: float) -> jax.Array:
-    """q [..., V] -> q' [..., V] (unnormalised is fine for drawing; callers normalise for verify).
+    """Saguaro's proposal (docs/ALGORITHM.md §4): q `[..., V]` -> q' `[..., V]`.
 
-    The top `top_n` tokens of `raw_logits` (ties at the boundary included) are scaled by `c`.
+    The probabilities in q of the top `top_n` tokens of `raw_logits` `[..., V]` (ties at the
+    boundary included) are multiplied by `c`, and each row is renormalised to sum to 1 (an
+    all-zero row stays zero). `top_n` (int) and `c` (float) are static; `c == 1.0` or
+    `top_n <= 0` returns q itself, unchanged.
     """
     if c == 1.0 or top_n <= 0:
         return q
@@ -35,10 +38,16 @@ def saguaro_scale(q: jax.Array, raw_logits: jax.Array, top_n: int, c: float) -> 
 def propose(logits: jax.Array, sampling: SamplingParams, keys: jax.Array, *,
             vocab_size: int | None = None, saguaro_top_n: int = 0, saguaro_c: float = 1.0,
             row_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
-    """Draft one token per row from its proposal.
+    """Draft one token per row from its proposal q' (docs/ALGORITHM.md §4).
 
-    logits [..., V] (raw draft logits), keys [...] -> (tokens [...] int32, rows [..., V] in
-    `row_dtype`: the exact numbers the token was drawn from; normalise them before verifying).
+    logits `[..., V]` (raw draft logits), keys `[...]` (typed, or raw uint32 `[..., 2]`) ->
+    (tokens `[...]` int32, rows `[..., V]` in `row_dtype`: the exact numbers the token was drawn
+    from; normalise them (`normalise_rows`) before verifying).
+
+    Static arguments: `sampling`, the draft's sampling parameters (greedy draws the argmax of the
+    rows and uses no key); `vocab_size`, real rows of V (the rest get probability 0);
+    `saguaro_top_n` / `saguaro_c`, Saguaro's top-n and scale C (`saguaro_scale`; 0 / 1.0 = off);
+    `row_dtype`, the speculation cache's row dtype, to which q' is rounded before the draw.
     """
     q = probs_from_logits(logits, sampling, vocab_size)
     q = saguaro_scale(q, logits, saguaro_top_n, saguaro_c)
@@ -49,7 +58,8 @@ def propose(logits: jax.Array, sampling: SamplingParams, keys: jax.Array, *,
 
 
 def normalise_rows(rows: jax.Array) -> jax.Array:
-    """Stored (possibly rounded, unnormalised) proposal rows -> the probabilities they sample from."""
+    """Stored (possibly rounded, unnormalised) proposal rows `[..., V]` -> the probabilities they
+    sample from, `[..., V]` float32 rows summing to 1 (an all-zero row stays zero)."""
     r = rows.astype(jnp.float32)
     total = jnp.sum(r, axis=-1, keepdims=True)
     return r / jnp.where(total > 0, total, 1.0)

@@ -88,11 +88,13 @@ def position_keys(seed, request_ids, positions, stream: int):
     key[b, t] = fold_in(fold_in(fold_in(base, request_ids[b]), positions[b, t]), stream)
 
     Args:
-      seed: a Python/traced int (-> `jax.random.key(seed)`), a scalar typed key, or a raw uint32[2] key.
+      seed: a Python/traced int (-> `jax.random.key(seed)`), a scalar typed key, or a raw uint32
+        key `[2]`.
       request_ids: `[B]` int32, a per-request id (not the batch row: the same request must get the
         same draws whichever row it sits in).
       positions: `[B, T]` int32 token positions (also accepted: `[B]`, giving `[B]` keys).
-      stream: one of the STREAM_* constants (int, may be traced).
+      stream: one of the STREAM_* constants (int, may be traced), so that the draws made at one
+        (request, position) for different purposes are independent.
     Returns:
       typed keys `[B, T]` (or `[B]`).
     """
@@ -133,6 +135,8 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
+        """Raise ValueError unless temperature is finite and >= 0, top_k an int >= 0 and top_p in
+        (0, 1]. Called on construction."""
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)):
             raise ValueError(f"temperature must be a real number, got {t!r}")
@@ -151,6 +155,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """Whether temperature is 0: the distribution is one-hot at the argmax."""
         return self.temperature == 0
 
 
@@ -172,8 +177,9 @@ def probs_from_logits(logits, params: SamplingParams, vocab_size: int | None = N
     Args:
       logits: `[..., V]` (any float dtype; computed in float32). -inf entries are fine; +inf/NaN
         logits are not supported.
-      params: temperature / top-k / top-p.
-      vocab_size: rows `>= vocab_size` are padded embedding rows and always get probability 0.
+      params: temperature / top-k / top-p (static: the Python branches depend on it).
+      vocab_size: static; entries `>= vocab_size` of the last axis are padded embedding rows and
+        always get probability 0. None: every entry is a real token.
     Returns:
       `[..., V]` float32 rows summing to 1 (never NaN).
 
@@ -257,10 +263,14 @@ def sample_from_probs(probs, keys):
 
 
 def sample(logits, params: SamplingParams, keys, vocab_size: int | None = None):
-    """Sample from the user's distribution.
+    """Sample one token per row from the user's distribution (`probs_from_logits`, then the race).
 
     Args:
-      logits: `[..., V]`; keys: `[...]`; vocab_size: see `probs_from_logits`.
+      logits: `[..., V]` raw logits.
+      params: static sampling parameters; when greedy no random draw is made (the keys' shape is
+        still checked).
+      keys: `[...]` typed keys (or raw uint32 `[..., 2]`), one per row.
+      vocab_size: static, see `probs_from_logits`.
     Returns:
       (tokens `[...]` int32, probs `[..., V]` float32 — the rows the tokens were drawn from, which a
       proposer must carry to the verifier as q').

@@ -1,27 +1,27 @@
 """Exact `lax.top_k` results for a small k, by k passes of max / argmax over the row, and a fast
 exact `argmax` (k = 1).
 
-XLA:CPU lowers `lax.top_k` over a 151,936-entry vocabulary row to a sort that takes ~27 ms a row
-on this CPU (0.85 s for 32 rows), while one max pass takes well under a millisecond. The fork
-(candidate bonus tokens), Saguaro's top-n scaling and top-k sampling need only k <= a few, so they
-use these; above `SMALL_K` they fall back to `lax.top_k`, and both paths give identical results.
+XLA:CPU lowers `lax.top_k` over a vocabulary row to a full sort, which costs far more than the
+few max passes over the row that a small k needs. The fork (candidate bonus tokens), Saguaro's
+top-n scaling and top-k sampling need only k <= a few, so they use these; above `SMALL_K` they fall
+back to `lax.top_k`, and both paths give identical results.
 
-`jnp.argmax` itself lowers to a (value, index) pair reduction that XLA:CPU does not vectorise:
-~0.7 ms for one vocabulary row and ~3.4 ms for five on one core, against ~0.07 and ~0.33 ms for
-`argmax` here. Greedy decoding, the exponential race and the proposal draw take one per row per
-step, several times a speculative round.
+`jnp.argmax` itself lowers to a (value, index) pair reduction that XLA:CPU does not vectorise;
+`argmax` here uses plain max reductions, which it does (see benchmarks/README.md). Greedy decoding,
+the exponential race and the proposal draw take one per row per step, several times a speculative
+round.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-SMALL_K = 16
+SMALL_K = 16  # above this k, `kth_largest` and `top_k_indices` use `lax.top_k` itself
 
 
 def kth_largest(x: jax.Array, k: int) -> jax.Array:
-    """x [..., V] -> [..., 1]: the k-th largest entry counting repeats, i.e.
-    `lax.top_k(x, k)[0][..., -1:]`."""
+    """x `[..., V]` -> `[..., 1]`: the k-th largest entry counting repeats, i.e.
+    `lax.top_k(x, k)[0][..., -1:]`. k (a Python int, static) must be in 1..V."""
     k = int(k)
     if k < 1 or k > x.shape[-1]:
         raise ValueError(f"k must be in [1, {x.shape[-1]}], got {k}")
@@ -42,7 +42,7 @@ _BLOCK = 128
 
 
 def argmax(x: jax.Array) -> jax.Array:
-    """x [..., V] (float, int or bool) -> int32 [...]: `jnp.argmax(x, axis=-1)` exactly: the first
+    """x `[..., V]` (float, int or bool) -> int32 `[...]`: `jnp.argmax(x, axis=-1)` exactly: the first
     maximum, any NaN counting as the largest value (the first NaN wins), -0.0 equal to 0.0.
 
     Plain max reductions, which XLA vectorises: the max of each block of 128 entries, the first
@@ -89,8 +89,9 @@ def _order_key(x: jax.Array) -> jax.Array:
 
 
 def top_k_indices(x: jax.Array, k: int) -> jax.Array:
-    """x [..., V] -> int32 [..., k]: `lax.top_k(x, k)[1]` (descending; equal values by lower
-    index first, since argmax returns the first maximum)."""
+    """x `[..., V]` -> int32 `[..., k]`: `lax.top_k(x, k)[1]` (descending; equal values by lower
+    index first, since argmax returns the first maximum). k (a Python int, static) must be in 1..V.
+    """
     k = int(k)
     V = x.shape[-1]
     if k < 1 or k > V:

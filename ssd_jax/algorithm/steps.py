@@ -3,7 +3,8 @@
 Each step runs where its inputs live: target params and cache on the target mesh, draft ones on the
 draft mesh; only token ids, outcome integers and proposal rows cross between them. Caches are
 donated so XLA updates KV in place. Static arguments (model config, sampling, K, fan-out, the
-verifier function) are hashable, so one compile serves every round.
+verifier function, the op table `ops`) are hashable, so one compile serves every round. `ops` is a
+`ssd_jax.models.ops.Ops` backend table (default the plain-XLA reference), passed to `forward`.
 
 Positions and keys: a sequence with `n` committed tokens has its bonus token `b` at position `n`
 (not yet in either KV cache). Every random draw is keyed by (request id, position of the token it
@@ -44,7 +45,7 @@ def prefill(params: Params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array,
     `[B]`, and the cache (donated) with lengths = lens.
 
     seed: scalar int or key; request_ids `[B]`. Static: `cfg` (the target's ModelConfig),
-    `sampling` (the user's SamplingParams), `vocab_size` (real rows of V).
+    `sampling` (the user's SamplingParams), `vocab_size` (real rows of V), `ops` (the op table).
     """
     cache = cache.with_lengths(jnp.zeros_like(lens))
     logits, cache = forward(params, cfg, tokens, cache, lens, last_only=True, ops=ops)
@@ -57,7 +58,8 @@ def prefill(params: Params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array,
 def prefill_cache(params: Params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array,
                   lens: jax.Array, ops: Ops = XLA) -> KVCache:
     """Draft-side prefill: tokens `[B, T]` (right-padded), lens `[B]` -> the cache (donated) holding
-    KV for the prompt only, lengths = lens (the draft never picks the first token). Static: `cfg`.
+    KV for the prompt only, lengths = lens (the draft never picks the first token). Static: `cfg`,
+    `ops` (the op table).
     """
     cache = cache.with_lengths(jnp.zeros_like(lens))
     _, cache = forward(params, cfg, tokens, cache, lens, last_only=True, ops=ops)
@@ -73,7 +75,8 @@ def decode(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Array, a
 
     active `[B]` bool (inactive rows commit no KV: their length stays n), seed a scalar int or key,
     request_ids `[B]`. Returns (token `[B]` int32, its log-prob `[B]`, cache (donated) with lengths
-    n+1 on active rows). Static: `cfg`, `sampling` (the user's), `vocab_size` (real rows of V).
+    n+1 on active rows). Static: `cfg`, `sampling` (the user's), `vocab_size` (real rows of V),
+    `ops` (the op table).
     """
     n = cache.lengths
     logits, cache = forward(params, cfg, bonus[:, None], cache, active.astype(jnp.int32), ops=ops)
@@ -95,8 +98,9 @@ def verify(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Array, s
     padding), cache (donated) with lengths n + num_accepted + 1 on active rows, n on inactive ones).
 
     Static: `cfg` (the target's ModelConfig), `sampling` (the user's SamplingParams), `vocab_size`
-    (real rows of V) and `verifier`, a function with the signature of
-    `ssd_jax.algorithm.verify.rejection_sample` (a planted bug in the exactness tests).
+    (real rows of V), `verifier`, a function with the signature of
+    `ssd_jax.algorithm.verify.rejection_sample` (it, or a planted bug in the exactness tests), and `ops`
+    (the op table).
     """
     n = cache.lengths
     K = spec.shape[1]
@@ -130,7 +134,8 @@ def draft_chain(params: Params, cfg: ModelConfig, cache: KVCache, prev: jax.Arra
 
     Static: `cfg` (the draft's ModelConfig), `sampling` (the draft's SamplingParams), `vocab_size`
     (real rows of V), `k` (K), `saguaro_top_n` (Saguaro's top-n per draft step, K entries, or ()
-    for none), `saguaro_c` (Saguaro's C) and `row_dtype` (the rows' dtype name).
+    for none), `saguaro_c` (Saguaro's C), `row_dtype` (the rows' dtype name) and `ops` (the op
+    table).
     """
     cache = cache.with_lengths(n - 1)
     # last_only: the logits of `prev` are never used, and the vocab projection is a large share
