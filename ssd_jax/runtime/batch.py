@@ -13,6 +13,14 @@ import numpy as np
 
 @dataclasses.dataclass
 class GenerationResult:
+    """What `Engine.generate` returns, one entry per prompt in prompt order.
+
+    texts: the decoded generated text (cut before the earliest stop string; "" without a tokenizer);
+    token_ids / logprobs: the generated ids and the target model's log-probability of each (raw
+    logits, temperature 1); finish_reasons: "length" | "eos" | "stop"; metrics: the call's
+    `ssd_jax.runtime.metrics.Metrics`.
+    """
+
     texts: list[str]
     token_ids: list[list[int]]  # generated ids per prompt (prompt excluded)
     logprobs: list[list[float]]  # the target model's log-probability of each generated id
@@ -22,6 +30,10 @@ class GenerationResult:
 
 class Batch:
     """prompt ids per row -> committed history; `emit` applies EOS / stop strings / exact budgets.
+
+    prompts: B lists of token ids; max_new_tokens: the exact budget per row; eos_ids: ids that end
+    a row; stop: strings that end a row once they appear in its decoded text (needs `decode`, ids ->
+    text); on_tokens(row, ids): called with each row's newly kept ids (streaming).
 
     Invariants while a row is active: history = prompt + generated, the last entry is the bonus
     token at position n = len(history) - 1 (in neither KV cache yet), prev = history[-2].
@@ -45,27 +57,33 @@ class Batch:
 
     @property
     def size(self) -> int:
+        """B, the number of rows."""
         return len(self.history)
 
     @property
     def active(self) -> np.ndarray:
+        """`[B]` bool: rows not finished yet."""
         return np.array([f == "" for f in self.finish])
 
     @property
     def n(self) -> np.ndarray:
-        """Position of each row's bonus token."""
+        """`[B]` int32: position of each row's bonus token (len(history) - 1)."""
         return np.array([len(h) - 1 for h in self.history], np.int32)
 
     @property
     def bonus(self) -> np.ndarray:
+        """`[B]` int32: each row's bonus token, the last entry of its history."""
         return np.array([h[-1] for h in self.history], np.int32)
 
     @property
     def prev(self) -> np.ndarray:
+        """`[B]` int32: the token before each row's bonus (the bonus itself for a one-token history)."""
         return np.array([h[-2] if len(h) > 1 else h[-1] for h in self.history], np.int32)
 
     def emit(self, row: int, tokens: Sequence[int], logprobs: Sequence[float]) -> int:
-        """Commit tokens for an active row until a stop condition; returns how many were kept."""
+        """Commit `tokens` (with their `logprobs`) for an active row, in order, until a stop
+        condition (EOS, the budget or a stop string; the token that meets it is kept); returns how
+        many were kept (0 for a finished row)."""
         if self.finish[row]:
             return 0
         kept = []
@@ -88,6 +106,8 @@ class Batch:
         return len(kept)
 
     def texts(self) -> list[str]:
+        """The decoded generated text of each row; a row that finished by "stop" is cut at the
+        earliest occurrence of a stop string. "" for every row without `decode`."""
         if self.decode is None:
             return ["" for _ in self.generated]
         out = []
@@ -100,6 +120,7 @@ class Batch:
         return out
 
     def result(self, metrics) -> GenerationResult:
+        """The `GenerationResult` of the rows so far, carrying `metrics`."""
         return GenerationResult(texts=self.texts(), token_ids=[list(g) for g in self.generated],
                                 logprobs=[list(l) for l in self.logprobs],
                                 finish_reasons=list(self.finish), metrics=metrics)

@@ -10,13 +10,19 @@ _enabled: str | None = None
 
 
 def default_dir() -> Path:
+    """`$SSD_JAX_HOME/jax_compilation_cache`, or `~/.cache/ssd_jax/jax_compilation_cache`."""
     root = os.environ.get("SSD_JAX_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "ssd_jax")
     return Path(root) / "jax_compilation_cache"
 
 
 def enable_compilation_cache(setting: bool | str = True) -> str | None:
-    """True: the default dir (env SSD_JAX_COMPILE_CACHE overrides; '0' turns it off); a str: that dir;
-    False: leave JAX's settings alone. Returns the directory in use, if any."""
+    """Point JAX's persistent compilation cache at a directory (created if needed), caching every
+    compile of at least 1 s.
+
+    setting: True: the default dir (env SSD_JAX_COMPILE_CACHE overrides: a dir, or "", "0",
+    "false", "off" to turn it off); a str: that dir; False: leave JAX's settings alone. Returns the
+    directory this module set, if any (None when it never set one).
+    """
     global _enabled
     env = os.environ.get("SSD_JAX_COMPILE_CACHE")
     if setting is True and env is not None:

@@ -49,7 +49,7 @@ class Metrics:
     sequence-rounds (SSD, from round 2); backups: misses served per backup speculator; timeline:
     one `RoundTimes` per round; predicted_speedup: the docs/ALGORITHM.md §6 formula's speedup over
     AR from this run's quantities (None when it cannot be computed); fanout: SSD's F_0..F_K after a
-    hit; extra: anything else a caller attaches.
+    hit; backend: the op table chosen per model; extra: anything else a caller attaches.
     """
 
     mode: str

@@ -24,19 +24,25 @@ _LAYOUT = re.compile(r"^\s*(\d+)\s*\+\s*(\d+)\s*$")
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
+    """The target's mesh (one axis, `model`: tensor parallelism) and the draft's (one axis, `data`:
+    data parallelism over the batch); built by `make_placement`."""
+
     target_mesh: Mesh
     draft_mesh: Mesh
 
     @property
     def target(self) -> NamedSharding:
+        """Replicated over the target mesh."""
         return NamedSharding(self.target_mesh, P())
 
     @property
     def draft(self) -> NamedSharding:
+        """Replicated over the draft mesh."""
         return NamedSharding(self.draft_mesh, P())
 
     @property
     def split(self) -> bool:
+        """Whether target and draft have no device in common."""
         return set(self.target_mesh.devices.flat).isdisjoint(self.draft_mesh.devices.flat)
 
     @property
@@ -51,17 +57,19 @@ class Placement:
 
     @property
     def layout(self) -> str:
+        """The layout string "T+D" (target devices + draft devices)."""
         return f"{self.tp}+{self.dp}"
 
     def target_rows(self, vocab: int) -> NamedSharding:
-        """Where proposal rows [B, K, V] land on the target: sharded over the vocabulary (each byte
-        crosses meshes once) when the TP degree divides it, else replicated."""
+        """Where proposal rows `[B, K, V]` land on the target: sharded over the vocabulary (each byte
+        crosses meshes once) when the TP degree divides V = `vocab`, else replicated."""
         if self.tp > 1 and int(vocab) % self.tp == 0:
             return NamedSharding(self.target_mesh, P(None, None, self.target_mesh.axis_names[0]))
         return self.target
 
     def draft_rows(self, batch: int) -> NamedSharding:
-        """Per-sequence draft arrays: sharded over the batch when the draft mesh divides it."""
+        """Where per-sequence draft arrays `[B, ...]` live: sharded over the batch (axis 0) when the
+        draft mesh's size divides B = `batch`, else replicated."""
         if self.dp > 1 and int(batch) % self.dp == 0:
             return NamedSharding(self.draft_mesh, P(self.draft_mesh.axis_names[0]))
         return self.draft
@@ -75,9 +83,11 @@ def make_placement(kind: str = "split", devices=None, *, target_devices: int | N
                    draft_devices: int | None = None) -> Placement:
     """kind: "split" | "colocated" | a layout "T+D" (split, T target and D draft devices).
 
-    Devices are taken in order from `devices` (default `jax.devices()`, every process's devices
-    after `jax.distributed.initialize`): target first, then the draft ("split"), or both from the
-    start ("colocated"). Plain "split" on a single device falls back to sharing it, as before."""
+    Devices are taken in order from `devices` (default `jax.local_devices()`, this process's
+    devices; after `jax.distributed.initialize` pass a list drawn from `jax.devices()` for meshes
+    that span processes, docs/SCALE_OUT.md): target first, then the draft ("split"), or both
+    from the start ("colocated"). target_devices / draft_devices: T and D (default 1 each; a layout
+    string sets both). Plain "split" on a single device falls back to sharing it."""
     m = _LAYOUT.match(str(kind))
     if m:
         t, d = int(m.group(1)), int(m.group(2))
@@ -130,6 +140,9 @@ def settle(tree, serial: bool):
 
 
 def to_mesh(tree, sharding: NamedSharding):
+    """`tree`'s arrays placed with `sharding` (another mesh's), same shapes: an async `device_put`
+    in one process; with several processes an array whose devices differ goes through the host
+    (`to_host`), and on the CPU everything in flight finishes first."""
     if jax.process_count() == 1:
         return jax.device_put(tree, sharding)
     # Multi-controller (jax.distributed): a device array moves between meshes on different device
@@ -150,7 +163,8 @@ def to_mesh(tree, sharding: NamedSharding):
 
 
 def to_host(x) -> np.ndarray:
-    """The global value of `x` as numpy on this process (all-gathered across processes if needed)."""
+    """The global value of `x` (same shape) as numpy on this process (all-gathered across processes
+    if needed; then every process must make the same `to_host` calls in the same order)."""
     if not isinstance(x, jax.Array) or x.is_fully_addressable or (
             x.is_fully_replicated and x.addressable_shards):
         return np.asarray(x)

@@ -31,16 +31,33 @@ from ssd_jax.algorithm import backups
 
 @runtime_checkable
 class Proposer(Protocol):
-    def start(self, prompt_tokens, prompt_lens, cache_len: int) -> None: ...
+    """What `Engine(target, proposer=...)` needs of an SD drafter (see the module docstring).
+    `ready()` is optional and so not part of the protocol's runtime check."""
 
-    def propose(self, state, run): ...
+    def start(self, prompt_tokens, prompt_lens, cache_len: int) -> None:
+        """Once per generate call: prompt_tokens `[B, T]` int32 (right-padded), prompt_lens `[B]`,
+        cache_len S (the KV slots per sequence). May return with work in flight."""
+        ...
 
-    def finish(self) -> None: ...
+    def propose(self, state, run):
+        """K tokens per row from `state` (a `ssd_jax.runtime.draft_worker.RoundState`) and `run` (a
+        `DraftRun`: seed, request ids, K, draft sampling) -> (tokens `[B, K]` int32, rows
+        `[B, K, V]`: the distributions the tokens were drawn from, V = the target's vocabulary rows)."""
+        ...
+
+    def finish(self) -> None:
+        """Once at the end of a generate call."""
+        ...
 
 
 class PromptLookupProposer:
     """Model-free drafting by prompt lookup (n-gram match in the sequence's own history), with
-    one-hot rows; uniform random tokens (with uniform rows) where nothing matches."""
+    one-hot rows; uniform random tokens (with uniform rows) where nothing matches.
+
+    vocab_size: the tokenizer's size (random tokens come from [0, vocab_size)); row_vocab: V, the
+    rows' length (the target's embedding rows; default vocab_size); ngram: the longest suffix
+    matched (`ssd_jax.algorithm.backups.ngram_guess`).
+    """
 
     def __init__(self, vocab_size: int, row_vocab: int | None = None, ngram: int = 2):
         self.vocab_size = int(vocab_size)
@@ -48,16 +65,19 @@ class PromptLookupProposer:
         self.ngram = int(ngram)
 
     def start(self, prompt_tokens, prompt_lens, cache_len):
-        pass
+        """Nothing to prepare: the proposer keeps no state."""
 
     def ready(self):
-        pass
+        """Nothing in flight."""
 
     def propose(self, state, run):
+        """tokens `[B, K]` int32, rows `[B, K, V]` float32 (V = row_vocab) by
+        `ssd_jax.algorithm.backups.ngram_speculation` over `state.history`, keyed by `run`'s seed
+        and request ids."""
         return backups.ngram_speculation(
             state.history, jnp.int32(run.seed), jnp.asarray(run.request_ids, jnp.int32),
             jnp.asarray(state.n), k=run.k, vocab_size=self.vocab_size, row_vocab=self.row_vocab,
             ngram=self.ngram)
 
     def finish(self):
-        pass
+        """Nothing to release."""

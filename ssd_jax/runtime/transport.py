@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-TARGET, DRAFT = 0, 1
+TARGET, DRAFT = 0, 1  # jax.distributed process ids of the two processes
 
 
 class Channel:
@@ -41,6 +41,8 @@ class Channel:
         return np.asarray(multihost_utils.process_allgather(x))
 
     def exchange(self, sender: int, obj=None):
+        """Move a picklable `obj` from process `sender` to the other one; both return it (the sender
+        its own object, the receiver the unpickled copy). Adds the time taken to `self.seconds`."""
         t0 = time.perf_counter()
         mine = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.me == sender else b""
         size = int(self._allgather(np.array([len(mine)], np.int64))[sender, 0])
@@ -54,9 +56,11 @@ class Channel:
         return obj if self.me == sender else pickle.loads(got.tobytes())
 
     def send(self, obj):
+        """`exchange` with this process as the sender; the other process must call `recv`."""
         return self.exchange(self.me, obj)
 
     def recv(self):
+        """`exchange` with the other process as the sender: returns the object it `send`s."""
         return self.exchange(1 - self.me)
 
 
@@ -77,25 +81,34 @@ class RemoteDraft:
         self._closed = False
 
     def start(self, prompt_tokens, prompt_lens, cache_len):
+        """Send prompt_tokens `[B, T]`, prompt_lens `[B]`, cache_len S and the row vocabulary V: the
+        draft process builds its worker if needed and prefills."""
         self.channel.send(("start", np.asarray(prompt_tokens), np.asarray(prompt_lens), int(cache_len),
                            int(self.row_vocab)))
 
     def ready(self):
+        """Block until the draft process's prefill is done."""
         self.channel.send(("ready",))
         self.channel.recv()
 
     def propose(self, s, run):
+        """SD drafting in the draft process: (spec `[B, K]` int32, rows `[B, K, V]`) as numpy."""
         self.channel.send(("propose", s, run))
         return self.channel.recv()
 
     def backup(self, s, run):
+        """Round 1's speculation (a backup from the real outcome): (spec `[B, K]`, rows `[B, K, V]`)
+        as numpy; the draft process then dispatches its tree at once."""
         self.channel.send(("first", s, run))
         return self.channel.recv()
 
     def dispatch_tree(self, s, spec, from_backup, run):
+        """Nothing to do here: the draft process dispatched the tree when it sent `spec`."""
         pass  # the draft process dispatched it as soon as it sent `spec`
 
     def resolve(self, num_accepted, bonus, s, run):
+        """Send the outcome (num_accepted `[B]`, bonus `[B]`); receive (spec `[B, K]`, rows
+        `[B, K, V]`, hit `[B]` bool, times dict) with the exchange's seconds as times["exchange_s"]."""
         t0 = self.channel.seconds
         self.channel.send(("resolve", np.asarray(num_accepted), np.asarray(bonus), s, run))
         spec, rows, hit, times = self.channel.recv()
@@ -103,6 +116,7 @@ class RemoteDraft:
         return spec, rows, hit, times
 
     def finish(self):
+        """End of a generate call: the draft process drops its pending tree."""
         self.channel.send(("finish",))
 
     def close(self):

@@ -21,12 +21,10 @@ a 0.02 deviation, while chi-square (non-centrality ~ n * sum(delta^2 / p) >= ~16
 shift) does.
 
 Chosen sizes (the suite's synthetic SD, tests/test_exactness_harness.py): vocabulary 4 (+1 padded
-row), K = 2, window 4 (= K + 2, so every sample crosses at least one round boundary), 256 cells
-(225 after pooling at temperature 1), n = 100_000. Measured there: power 1.0 against the three
-concentrated alternatives and 0.996 against the spread one at TV 0.02 (1000 trials each; the spread
-alternative drops to ~0.74 at TV 0.015); the actual false-alarm rate of the calibrated threshold
-(seeds 0-4, checked against 200_000 independent null draws) was 0.00085-0.0014 for a nominal 0.001.
-A window of 5 (1024 cells, 696 pooled) dilutes the chi-square: spread-alternative power was 0.83.
+row), K = 2, window 4 (= K + 2, so every sample crosses at least one round boundary), 256 cells,
+n = 100_000. That test requires power >= 0.95 against total-variation-0.02 alternatives
+(`detection_power`) and checks the calibrated false-alarm rate; a longer window spreads the same n
+over V times more cells, which dilutes the chi-square and lowers the power.
 """
 from __future__ import annotations
 
@@ -124,7 +122,8 @@ def enumerate_window_distribution(
 
 
 def window_counts(tokens, vocab_size: int) -> np.ndarray:
-    """Histogram of windows: tokens `[N, window]` -> counts `[V ** window]` (base-V index)."""
+    """Histogram of windows: tokens `[N, window]` -> counts `[V ** window]` int64 (base-V index,
+    first token most significant; V = vocab_size). A token outside [0, V) raises ValueError."""
     tokens = np.asarray(tokens)
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [N, window], got shape {tokens.shape}")
@@ -143,6 +142,8 @@ def window_counts(tokens, vocab_size: int) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class DistributionTestResult:
+    """The verdict of `distribution_test`; truthy iff it passed, printable with its numbers."""
+
     statistic: float        # pooled Pearson chi-square; inf if a zero-probability cell was hit
     threshold: float        # Monte-Carlo (1 - false_alarm) quantile under the null
     tv_empirical: float     # 0.5 * sum |counts / n - exact|
@@ -253,6 +254,8 @@ def distribution_test(counts, exact_probs, false_alarm: float = 1e-3, min_expect
       false_alarm: probability that an exact sampler fails the test.
       min_expected: pooling bar on expected counts per cell.
       seed: numpy seed of the Monte-Carlo calibration (fixed -> deterministic threshold).
+    Returns:
+      a `DistributionTestResult` (passed iff the statistic is at most the threshold).
     """
     counts = np.asarray(counts, np.int64).reshape(-1)
     exact = _normalised(exact_probs)
@@ -331,7 +334,12 @@ def _alternatives(exact: np.ndarray, tv: float, seed: int) -> dict[str, np.ndarr
 def detection_power_by_alternative(exact_probs, n: int, tv: float = 0.02, trials: int = 400,
                                    false_alarm: float = 1e-3, seed: int = 0,
                                    min_expected: float = 5.0) -> dict[str, float]:
-    """Rejection rate of `distribution_test` per alternative (see `_alternatives`), `trials` each."""
+    """Rejection rate of `distribution_test` per alternative (see `_alternatives`), `trials` each.
+
+    exact_probs: `[C]`; n: samples per simulated test; tv: the alternatives' total-variation
+    distance from exact; false_alarm: as in `distribution_test`; seed: picks the alternatives and
+    the simulated samples. Returns {alternative name: rate in [0, 1]}; deterministic for a fixed seed.
+    """
     exact = _normalised(exact_probs)
     pool, threshold = _calibrate(exact, int(n), float(false_alarm), float(min_expected), 0)
     rng = np.random.default_rng(seed + 1)
@@ -351,7 +359,8 @@ def detection_power_by_alternative(exact_probs, n: int, tv: float = 0.02, trials
 def detection_power(exact_probs, n: int, tv: float = 0.02, trials: int = 400,
                     false_alarm: float = 1e-3, seed: int = 0) -> float:
     """Fraction of trials (split evenly over the alternatives) in which samples of size n from an
-    alternative at total-variation distance `tv` are rejected. Deterministic for a fixed seed."""
+    alternative at total-variation distance `tv` from exact_probs `[C]` are rejected (the mean of
+    `detection_power_by_alternative`). Deterministic for a fixed seed."""
     alts = _alternatives(_normalised(exact_probs), tv, seed)
     per = max(1, trials // len(alts))
     rates = detection_power_by_alternative(exact_probs, n, tv=tv, trials=per,
