@@ -21,6 +21,8 @@ from ssd_jax.models.params import LayerParams, Params
 
 
 def checkpoint_dir(source: Path, dtype: str, root: Path) -> Path:
+    """The directory under `root / "converted"` for `source` converted to `dtype`: its name hashes
+    the source's resolved path, size and mtime with the dtype, so an edited source gets a new one."""
     st = source.stat()
     ident = f"{source.resolve()}|{st.st_size}|{int(st.st_mtime)}|{dtype}"
     return root / "converted" / f"{source.stem}-{dtype}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
@@ -45,6 +47,8 @@ def _from_tree(tree: dict, cfg: ModelConfig) -> Params:
 
 
 def save(path: Path, params: Params, cfg: ModelConfig) -> None:
+    """Write params (orbax) and cfg (config.json) to `path`, replacing it: written beside it first,
+    then renamed into place, so a crash never leaves a partial directory at `path`."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -57,6 +61,7 @@ def save(path: Path, params: Params, cfg: ModelConfig) -> None:
 
 
 def restore(path: Path) -> tuple[Params, ModelConfig] | None:
+    """(params, cfg) saved at `path` by `save`, or None when it holds no complete checkpoint."""
     path = Path(path)
     if not (path / "config.json").exists() or not (path / "params").exists():
         return None

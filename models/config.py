@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")  # the values ModelConfig.arch accepts
 
 _DTYPE_ALIASES = {
     "float32": "float32",
@@ -33,6 +33,23 @@ def canonical_dtype(name: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
+    """The facts of one decoder-only transformer (frozen and hashable: `jit`'s static argument).
+
+    arch: "llama" | "qwen2" | "qwen3" (HF's model_type).
+    vocab_size: V, embedding (and lm-head) rows; may exceed the tokenizer's size (padded rows).
+    hidden_size: the residual stream's width E. intermediate_size: the SwiGLU MLP's inner width.
+    num_layers: decoder blocks. num_heads: H query heads. num_kv_heads: KVH key/value heads (GQA;
+    H must be a multiple of KVH). head_dim: D, the width of one head (H * D need not equal E).
+    rms_norm_eps: the epsilon of every RMSNorm. rope_theta: RoPE's base.
+    rope_scaling: Llama-3 frequency scaling (factor, low_freq_factor, high_freq_factor,
+    original_max_position), or None for plain RoPE.
+    qkv_bias: q/k/v projections have biases (Qwen2). qk_norm: per-head RMSNorm of q and k before
+    RoPE (Qwen3). tie_embeddings: the lm head is the embedding matrix (no separate lm_head).
+    max_position_embeddings: the longest context the model supports (the engine refuses more).
+    dtype: the weights' and KV cache's dtype, "float32" or "bfloat16" (aliases accepted, stored
+    canonical).
+    """
+
     arch: str
     vocab_size: int  # embedding rows; may exceed the tokenizer's size (padded rows)
     hidden_size: int
@@ -68,13 +85,16 @@ class ModelConfig:
 
     @property
     def group_size(self) -> int:
+        """H / KVH: query heads per key/value head."""
         return self.num_heads // self.num_kv_heads
 
     def replace(self, **kw) -> "ModelConfig":
+        """A copy with the given fields changed (validated again)."""
         return dataclasses.replace(self, **kw)
 
     def inv_freq(self) -> np.ndarray:
-        """RoPE inverse frequencies [head_dim // 2], with Llama-3 scaling applied (host-side, static)."""
+        """RoPE inverse frequencies `[D // 2]` float32 numpy, with Llama-3 scaling applied
+        (host-side, static)."""
         d = self.head_dim
         inv = 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
         if self.rope_scaling is not None:
@@ -91,7 +111,9 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any], dtype: str = "float32") -> "ModelConfig":
-        """Build from a HF `config.json` dict (also what the GGUF loader produces)."""
+        """Build from a HF `config.json` dict (also what the GGUF loader produces); `dtype` is the
+        dtype to hold the weights in, not the checkpoint's. Raises ValueError for an unsupported
+        architecture or rope scaling."""
         model_type = str(hf.get("model_type", "")).lower()
         if model_type not in SUPPORTED_ARCHS:
             archs = hf.get("architectures") or []
@@ -164,7 +186,8 @@ class ModelConfig:
 
 
 def tiny_config(arch: str = "qwen2", vocab_size: int = 64, **kw) -> ModelConfig:
-    """A random-init-sized config for tests and notebooks (runs in milliseconds on the CPU)."""
+    """A tiny config for random-init models in tests and notebooks (`kw` overrides any field);
+    llama gets a Llama-3 rope scaling so that path is exercised."""
     base = dict(
         arch=arch, vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_layers=2,
         num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,

@@ -16,24 +16,32 @@ from ssd_jax.models.config import ModelConfig
 
 @struct.dataclass
 class KVCache:
+    """Every layer's KV of a batch (a pytree): k and v, per layer `[B, S, KVH, D]` (S slots), and
+    lengths `[B]` int32, the committed slots of each sequence."""
+
     k: tuple[jax.Array, ...]  # per layer [B, S, KVH, D]
     v: tuple[jax.Array, ...]  # per layer [B, S, KVH, D]
     lengths: jax.Array  # [B] int32: slots 0..lengths-1 hold committed KV
 
     @property
     def batch(self) -> int:
+        """B, the sequences."""
         return self.lengths.shape[0]
 
     @property
     def max_len(self) -> int:
+        """S, the slots per sequence."""
         return self.k[0].shape[1]
 
     def with_lengths(self, lengths: jax.Array) -> "KVCache":
-        """Rollback / commit: move the length pointers (the KV past them becomes stale)."""
+        """Rollback / commit: the same buffers with lengths `[B]` as the new length pointers (the
+        KV past them becomes stale)."""
         return self.replace(lengths=jnp.asarray(lengths, jnp.int32))
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None, sharding=None) -> KVCache:
+    """An empty cache: zeros `[B, S, KVH, D]` per layer (B = batch, S = max_len) in `dtype` (default
+    cfg.dtype), lengths `[B]` = 0, every array placed with `sharding` when given."""
     dtype = jnp.dtype(dtype or cfg.dtype)
     shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
 
@@ -49,4 +57,5 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None, sharding=
 
 
 def cache_bytes(cfg: ModelConfig, batch: int, max_len: int) -> int:
+    """Bytes of the k and v buffers of `init_cache(cfg, batch, max_len)` in cfg.dtype."""
     return 2 * cfg.num_layers * batch * max_len * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize

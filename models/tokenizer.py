@@ -45,6 +45,7 @@ _GPT4O = (
 )
 
 # kind -> names. "gpt2": GPT-2's own regex; "digits+gpt2": every digit alone, then GPT-2's regex.
+# Which `tokenizer.ggml.pre` names `Tokenizer.from_gguf_metadata` supports, grouped by split rule.
 PRE_TOKENIZER_TYPES: dict[str, tuple[str, ...]] = {
     "qwen2": ("qwen2", "deepseek-r1-qwen", "megrez"),
     "llama3": ("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx", "pixtral"),
@@ -152,7 +153,12 @@ def _compile_template(source: str):
 
 
 class Tokenizer:
-    """A `tokenizers.Tokenizer` plus what generation needs: BOS/EOS ids and the chat template."""
+    """A `tokenizers.Tokenizer` plus what generation needs: BOS/EOS ids and the chat template.
+
+    backend: the `tokenizers.Tokenizer`; bos_id: the BOS id or None; eos_ids: every id that ends
+    generation (duplicates dropped, order kept); chat_template: the jinja source or None;
+    special_tokens: bos/eos/unk/pad token texts, passed to the chat template.
+    """
 
     def __init__(
         self,
@@ -227,6 +233,9 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], source: str = "GGUF") -> "Tokenizer":
+        """Rebuild the byte-level BPE tokenizer from GGUF metadata (`read_gguf_metadata`'s dict);
+        `source` names the file in error messages. Raises ValueError for a tokenizer it cannot
+        rebuild (not byte-level BPE, an unknown pre-tokenizer, inconsistent lists)."""
         model = meta.get("tokenizer.ggml.model")
         if model != "gpt2":
             raise ValueError(
@@ -319,9 +328,12 @@ class Tokenizer:
     # ------------------------------------------------------------------------------------- methods
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; add_special_tokens also adds the BOS/EOS that the tokenizer's
+        post-processor defines (off by default)."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """The text of `ids`, without special tokens unless skip_special_tokens is False."""
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     @property
@@ -330,15 +342,18 @@ class Tokenizer:
         return self._vocab_size
 
     def token_to_id(self, token: str) -> int | None:
+        """The id of a token's vocabulary string (byte-level spelling), or None."""
         return self.backend.token_to_id(token)
 
     def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary string (byte-level spelling) of an id, or None."""
         return self.backend.id_to_token(int(token_id))
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
-        """Render `messages` with the model's jinja chat template, as transformers does."""
+        """Render `messages` ({"role", "content"} dicts) with the model's jinja chat template, as
+        transformers does; kwargs reach the template as variables. Raises ValueError without one."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
         context = {k: v for k, v in self.special_tokens.items() if v is not None}
