@@ -68,6 +68,9 @@ def restore(path: Path) -> tuple[Params, ModelConfig] | None:
     raw = json.loads((path / "config.json").read_text())
     if raw.get("rope_scaling") is not None:
         raw["rope_scaling"] = tuple(raw["rope_scaling"])
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    if set(raw) != fields:  # saved by another version of ModelConfig: convert again
+        return None
     cfg = ModelConfig(**raw)
     with ocp.StandardCheckpointer() as ckpt:
         tree = ckpt.restore(path / "params")

@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ssd_jax.models import backends
 from ssd_jax.models.config import tiny_config
 from ssd_jax.models.kv_cache import init_cache
 from ssd_jax.models.params import random_params
@@ -91,7 +92,7 @@ def test_a_miss_returns_no_speculation(setup):
             assert not np.any(np.asarray(tokens[b])) and not np.any(np.asarray(rows[b]))
     # the pallas gather kernel agrees with the reference
     hk, tk, rk = lookup(tree, jnp.asarray([0, K], jnp.int32), jnp.asarray([47, 47], jnp.int32),
-                        kernel=True)
+                        ops=backends.select("pallas"))
     np.testing.assert_array_equal(np.asarray(hk), np.asarray(hit))
     np.testing.assert_array_equal(np.asarray(rk), np.asarray(rows))
 
