@@ -1,14 +1,17 @@
-"""The CPU cache-attention kernel (models/cpu_attention.py) against its plain-jnp reference: the
-written caches, the outputs, the token-count invariance, where the model dispatches to it, the
-in-place write, and its clear errors."""
+"""The CPU cache-attention kernel (models/cpu/attention.py) against XLA's attend (models/ops.py):
+the written caches, the outputs, the token-count invariance, where the model with the cpu backend
+dispatches to it, the in-place write, and its clear errors."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ssd_jax.models import cpu_attention
+from ssd_jax.models import cpu
 from ssd_jax.models.config import tiny_config
+from ssd_jax.models.cpu import attention
+from ssd_jax.models.cpu.build import TARGET_ATTENTION
 from ssd_jax.models.kv_cache import init_cache
+from ssd_jax.models.ops import XLA, xla_attend
 from ssd_jax.models.params import random_params
 from ssd_jax.models.transformer import forward
 
@@ -37,8 +40,8 @@ SHAPES = [  # B, T, H, KVH, D, S
 def test_kernel_matches_reference(shape, dtype):
     args = _case(*shape, dtype)
     T = shape[1]
-    want = jax.jit(cpu_attention.reference)(*args)
-    got = jax.jit(cpu_attention.kernel)(*args)
+    want = jax.jit(xla_attend)(*args)
+    got = jax.jit(attention.kernel)(*args)
     # the writes are copies: equal bit for bit, including the rows dropped past the cache
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))
@@ -51,7 +54,7 @@ def test_kernel_matches_reference(shape, dtype):
 def test_writes_past_the_cache_are_dropped_and_the_rest_untouched():
     q, kn, vn, _, kc, vc = _case(2, 3, 4, 2, 16, 10, jnp.float32)
     positions = jnp.asarray([[8, 9, 10], [2, 3, 4]], jnp.int32)  # row 0's last token: slot 10
-    _, k2, v2 = jax.jit(cpu_attention.kernel)(q, kn, vn, positions, kc, vc)
+    _, k2, v2 = jax.jit(attention.kernel)(q, kn, vn, positions, kc, vc)
     want_k = np.array(kc)
     want_k[0, 8:10] = np.asarray(kn[0, :2])
     want_k[1, 2:5] = np.asarray(kn[1])
@@ -66,8 +69,8 @@ def test_writes_past_the_cache_are_dropped_and_the_rest_untouched():
 def test_window_bounds_the_slots_read(dtype):
     args = _case(2, 2, 4, 2, 32, 64, dtype, start=[50, 20])
     for window in (8, 30, 64):
-        want = cpu_attention.reference(*args, window=window)
-        got = cpu_attention.kernel(*args, window=window)
+        want = xla_attend(*args, window=window)
+        got = attention.kernel(*args, window=window)
         tol = 2e-6 if dtype == jnp.float32 else 1e-2
         np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32),
                                    atol=tol, rtol=tol)
@@ -75,7 +78,7 @@ def test_window_bounds_the_slots_read(dtype):
     q, kn, vn, pos, kc, vc = args
     kc = kc.at[:, 40:].set(jnp.nan)
     vc = vc.at[:, 40:].set(jnp.inf)
-    out = cpu_attention.kernel(q, kn, vn, pos, kc, vc, window=30)[0]
+    out = attention.kernel(q, kn, vn, pos, kc, vc, window=30)[0]
     assert bool(jnp.isfinite(out).all())
 
 
@@ -87,7 +90,7 @@ def test_a_token_gives_the_same_output_in_a_five_token_call_as_alone(dtype):
     q, kn, vn, _, kc, vc = _case(2, 5, 12, 2, 128, 256, dtype)
     start = np.asarray([200, 137])
     positions = jnp.asarray(start[:, None] + np.arange(5)[None], jnp.int32)
-    f = jax.jit(cpu_attention.kernel)
+    f = jax.jit(attention.kernel)
     whole, wk, wv = f(q, kn, vn, positions, kc, vc)
     outs = []
     for t in range(5):
@@ -99,25 +102,24 @@ def test_a_token_gives_the_same_output_in_a_five_token_call_as_alone(dtype):
     np.testing.assert_array_equal(np.asarray(wv), np.asarray(vc))
 
 
-def _decode_hlo(cfg, T):
-    params = random_params(cfg, 0)
+def _decode_hlo(cfg, T, ops=None):
+    ops = cpu.backend() if ops is None else ops
+    params = ops.prepare(random_params(cfg, 0))
     cache = init_cache(cfg, 2, 32)
-    f = jax.jit(lambda p, c, t: forward(p, cfg, t, c), donate_argnums=(1,))
+    f = jax.jit(lambda p, c, t: forward(p, cfg, t, c, ops=ops), donate_argnums=(1,))
     return f.lower(params, cache, jnp.zeros((2, T), jnp.int32)).compile().as_text()
 
 
 def test_the_model_dispatches_to_the_kernel_and_writes_the_cache_in_place():
     cfg = tiny_config("qwen2", vocab_size=64)
     hlo = _decode_hlo(cfg, 1)
-    assert hlo.count(f'custom_call_target="{cpu_attention.cpu_matmul.TARGET_ATTENTION}"') \
-        == cfg.num_layers
+    assert hlo.count(f'custom_call_target="{TARGET_ATTENTION}"') == cfg.num_layers
     # donated caches aliased through the custom call: no copy of a cache-shaped buffer
     cache_shape = f"[2,32,{cfg.num_kv_heads},{cfg.head_dim}]"
     assert not [ln for ln in hlo.splitlines() if " copy(" in ln and cache_shape in ln]
-    assert cpu_attention.cpu_matmul.TARGET_ATTENTION not in _decode_hlo(
-        cfg, cpu_attention.MAX_TOKENS + 1)  # a prefill past 16 tokens: XLA
-    assert cpu_attention.cpu_matmul.TARGET_ATTENTION not in _decode_hlo(
-        cfg.replace(cpu_kernels=False), 1)
+    assert TARGET_ATTENTION not in _decode_hlo(
+        cfg, attention.MAX_TOKENS + 1)  # a prefill past 16 tokens: XLA
+    assert TARGET_ATTENTION not in _decode_hlo(cfg, 1, XLA)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -126,25 +128,26 @@ def test_model_logits_with_and_without_the_kernel(arch):
     params = random_params(cfg, 1, scale=1.0)
     toks = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 7)), jnp.int32)
     out = {}
-    for on in (True, False):
-        c = cfg.replace(cpu_kernels=on)
-        fwd = jax.jit(forward, static_argnums=1)
-        _, cache = fwd(params, c, toks[:, :4], init_cache(c, 2, 16))
-        out[on], _ = fwd(params, c, toks[:, 4:], cache)
+    fwd = jax.jit(forward, static_argnames=("cfg", "ops"))
+    for on, ops in ((True, cpu.backend()), (False, XLA)):
+        p = ops.prepare(params)
+        _, cache = fwd(p, cfg=cfg, tokens=toks[:, :4], cache=init_cache(cfg, 2, 16), ops=ops)
+        out[on], _ = fwd(p, cfg=cfg, tokens=toks[:, 4:], cache=cache, ops=ops)
     np.testing.assert_allclose(np.asarray(out[True]), np.asarray(out[False]), atol=2e-5, rtol=2e-5)
 
 
 def test_clear_errors():
     q, kn, vn, pos, kc, vc = _case(1, 1, 4, 2, 16, 8, jnp.float32)
     with pytest.raises(ValueError, match="one dtype"):
-        cpu_attention.kernel(q.astype(jnp.bfloat16), kn, vn, pos, kc, vc)
+        attention.kernel(q.astype(jnp.bfloat16), kn, vn, pos, kc, vc)
     with pytest.raises(ValueError, match="inconsistent shapes"):
-        cpu_attention.kernel(q, kn, vn, pos, kc, vc[:, :4])
+        attention.kernel(q, kn, vn, pos, kc, vc[:, :4])
     with pytest.raises(ValueError, match="inconsistent shapes"):
-        cpu_attention.kernel(q.reshape(1, 1, 2, 32), kn, vn, pos, kc, vc)
+        attention.kernel(q.reshape(1, 1, 2, 32), kn, vn, pos, kc, vc)
     with pytest.raises(ValueError, match="window 9"):
-        cpu_attention.kernel(q, kn, vn, pos, kc, vc, window=9)
+        attention.kernel(q, kn, vn, pos, kc, vc, window=9)
     # where the kernel does not serve, attend is the reference
-    out = cpu_attention.attend(q.astype(jnp.bfloat16), kn, vn, pos, kc, vc)
-    want = cpu_attention.reference(q.astype(jnp.bfloat16), kn, vn, pos, kc, vc)
+    assert not attention.serves(q.astype(jnp.bfloat16), kc, vc)
+    out = attention.attend(q.astype(jnp.bfloat16), kn, vn, pos, kc, vc)
+    want = xla_attend(q.astype(jnp.bfloat16), kn, vn, pos, kc, vc)
     np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(want[0]))

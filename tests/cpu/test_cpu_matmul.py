@@ -1,5 +1,7 @@
-"""The small-M CPU matmul kernel (models/cpu_matmul.py) against its plain-jnp reference, its
-row-count invariance, where the model dispatches to it, and its clear errors."""
+"""The small-M CPU matmul kernel (models/cpu/matmul.py) against the exact product and XLA's dense,
+its row-count invariance, where the cpu backend's dense dispatches to it, the model's logits with
+the cpu backend against XLA's, the build (features, the package's sources, the off switch) and its
+clear errors."""
 import os
 import subprocess
 import sys
@@ -9,10 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ssd_jax.models import cpu_matmul
+from ssd_jax.models import cpu
 from ssd_jax.models.config import tiny_config
+from ssd_jax.models.cpu import build, layouts, matmul
+from ssd_jax.models.cpu.layouts import untie_lm_head
 from ssd_jax.models.kv_cache import init_cache
-from ssd_jax.models.params import decode_bytes, param_bytes, random_params, untie_lm_head
+from ssd_jax.models.ops import XLA, xla_dense
+from ssd_jax.models.params import decode_bytes, param_bytes, random_params
 from ssd_jax.models.transformer import forward
 
 
@@ -23,15 +28,26 @@ def _rand(shape, seed):
 def test_kernel_builds_on_this_machine():
     # CI and the dev machine have g++; a machine without a compiler gets XLA and a warning, but
     # here a failed build must be seen, not silently replaced by the slow path.
-    assert cpu_matmul.available(), "the CPU kernel did not build: see the warning above"
+    assert build.available(), f"the CPU kernel did not build: {build.reason()}"
+    assert build.reason() == ""
 
 
-def test_fastest_dtype_is_bf16_only_where_the_kernel_serves_it(monkeypatch):
-    assert cpu_matmul.fastest_dtype() == "bfloat16"  # CPU with the kernel
-    monkeypatch.setattr(cpu_matmul, "available", lambda: False)
-    assert cpu_matmul.fastest_dtype() == "float32"  # XLA's own CPU bf16 dots are ~10x slower
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert cpu_matmul.fastest_dtype() == "bfloat16"
+def test_the_backend_hints_name_what_the_built_kernels_serve():
+    ops = cpu.backend()
+    assert ops.name == "cpu" and ops is cpu.backend()  # one table: a stable static argument
+    # bf16 is fast only where the strips kernel serves it: XLA's own CPU bf16 dots are ~10x slower
+    strips = build.has_feature("bf16_strips")
+    assert ops.fast_dtypes == (("bfloat16", "float32") if strips else ("float32",))
+    assert ops.fast_quant[0] == "none"
+    assert ("int8" in ops.fast_quant) == build.has_feature("int8_tiles")
+    assert ("int4" in ops.fast_quant) == build.has_feature("int4")
+    assert ops.tree_attention is XLA.tree_attention and ops.cache_gather is XLA.cache_gather
+
+
+def test_the_entry_point_names_the_backend():
+    from importlib.metadata import entry_points
+    eps = {ep.name: ep for ep in entry_points(group="ssd_jax.backends")}
+    assert eps["cpu"].value == "ssd_jax.models.cpu:backend" and eps["cpu"].load() is cpu.backend
 
 
 @pytest.mark.parametrize("transpose_w", [False, True])
@@ -40,7 +56,7 @@ def test_fastest_dtype_is_bf16_only_where_the_kernel_serves_it(monkeypatch):
 def test_kernel_matches_reference(transpose_w, lead, K, N):
     x = _rand((*lead, K), 0)
     w = _rand((N, K) if transpose_w else (K, N), 1)
-    got = jax.jit(lambda x, w: cpu_matmul.kernel(x, w, transpose_w))(x, w)
+    got = jax.jit(lambda x, w: matmul.kernel(x, w, transpose_w))(x, w)
     assert got.shape == (*lead, N) and got.dtype == jnp.float32
     x64 = np.asarray(x, np.float64)
     w64 = np.asarray(w, np.float64).T if transpose_w else np.asarray(w, np.float64)
@@ -59,7 +75,7 @@ def test_bf16_weights_match_the_exact_product(transpose_w, x_dtype, out_dtype, l
     # the sum is fp32 either way, then rounded once if the result is bf16.
     x = _rand((*lead, K), 6).astype(x_dtype)
     w = _rand((N, K) if transpose_w else (K, N), 7).astype(jnp.bfloat16)
-    got = jax.jit(lambda x, w: cpu_matmul.kernel(x, w, transpose_w, out_dtype))(x, w)
+    got = jax.jit(lambda x, w: matmul.kernel(x, w, transpose_w, out_dtype))(x, w)
     assert got.shape == (*lead, N) and got.dtype == out_dtype
     x64 = np.asarray(x.astype(jnp.float32), np.float64)
     w64 = np.asarray(w.astype(jnp.float32), np.float64)
@@ -78,7 +94,7 @@ def test_a_row_is_the_same_whatever_the_row_count(transpose_w, dtype):
     K, N = 300, 1000
     w = _rand((N, K) if transpose_w else (K, N), 2).astype(dtype)
     x = _rand((16, K), 3).astype(dtype)
-    f = jax.jit(lambda x, w: cpu_matmul.kernel(x, w, transpose_w))
+    f = jax.jit(lambda x, w: matmul.kernel(x, w, transpose_w))
     one = np.stack([np.asarray(f(x[m:m + 1], w))[0] for m in range(16)])
     for M in (2, 5, 7, 16):
         np.testing.assert_array_equal(np.asarray(f(x[:M], w)), one[:M])
@@ -92,11 +108,11 @@ def test_concurrent_callers_get_their_serial_results():
         pytest.skip("needs two usable CPUs for the kernel to split its work")
     from concurrent.futures import ThreadPoolExecutor
     K, N = 512, 8192
-    calls = [jax.jit(lambda x, w: cpu_matmul.kernel(x, w))]
+    calls = [jax.jit(lambda x, w: matmul.kernel(x, w))]
     ws = [_rand((K, N), 10), _rand((K, N), 11).astype(jnp.bfloat16)]
-    if cpu_matmul.bf16_strips():
-        calls.append(jax.jit(lambda x, w: cpu_matmul.kernel(x, w, packed=True)))
-        ws[1] = cpu_matmul.pack_bf16(ws[1])
+    if build.has_feature("bf16_strips"):
+        calls.append(jax.jit(lambda x, w: matmul.kernel(x, w, packed=True)))
+        ws[1] = layouts.pack_bf16(ws[1])
     else:
         calls.append(calls[0])
     xs = [_rand((4, K), 12), _rand((4, K), 13).astype(jnp.bfloat16)]
@@ -117,13 +133,13 @@ def test_results_do_not_depend_on_the_helper_thread():
     # whoever runs a chunk, its sums are the same.
     K, N = 512, 8192
     w, x = _rand((K, N), 14), _rand((5, K), 15)
-    f = jax.jit(lambda x, w: cpu_matmul.kernel(x, w))
+    f = jax.jit(lambda x, w: matmul.kernel(x, w))
     with_helper = np.asarray(f(x, w))
     try:
-        cpu_matmul.use_helper_thread(False)
+        build.use_helper_thread(False)
         without = [np.asarray(f(x, w)) for _ in range(3)]
     finally:
-        cpu_matmul.use_helper_thread(True)
+        build.use_helper_thread(True)
     for r in without:
         np.testing.assert_array_equal(r, with_helper)
     np.testing.assert_array_equal(np.asarray(f(x, w)), with_helper)
@@ -133,13 +149,15 @@ def _dispatches(fn, *args) -> bool:
     return "ssd_jax_small_m_matmul" in jax.jit(fn).lower(*args).as_text()
 
 
-def test_matmul_uses_the_kernel_only_where_it_serves():
+def test_dense_uses_the_kernel_only_where_it_serves(monkeypatch):
     w = _rand((64, 32), 4)
-    mm = cpu_matmul.matmul
+    mm = cpu.dense
     assert _dispatches(lambda x, w: mm(x, w), _rand((5, 64), 5), w)
     assert _dispatches(lambda x, w: mm(x, w), _rand((2, 8, 64), 5), w)  # 16 rows
+    assert _dispatches(lambda x, w: mm(x, w, transpose_w=True), _rand((5, 32), 5), w)  # tied head
     assert not _dispatches(lambda x, w: mm(x, w), _rand((17, 64), 5), w)  # past MAX_ROWS: XLA's GEMM
-    assert not _dispatches(lambda x, w: mm(x, w, enabled=False), _rand((5, 64), 5), w)
+    np.testing.assert_array_equal(np.asarray(mm(_rand((17, 64), 5), w)),
+                                  np.asarray(xla_dense(_rand((17, 64), 5), w)))
     xb, wb = _rand((5, 64), 5).astype(jnp.bfloat16), w.astype(jnp.bfloat16)
     assert _dispatches(lambda x, w: mm(x, w), xb, wb)
     assert mm(xb, wb).dtype == jnp.bfloat16
@@ -148,32 +166,40 @@ def test_matmul_uses_the_kernel_only_where_it_serves():
     assert not _dispatches(lambda x, w: mm(x, w), _rand((5, 64), 5), wb)  # mixed dtypes: XLA
     xh, wh = _rand((5, 64), 5).astype(jnp.float16), w.astype(jnp.float16)
     assert not _dispatches(lambda x, w: mm(x, w), xh, wh)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # another platform: XLA's dense
+    assert not _dispatches(lambda x, w: mm(x, w), _rand((5, 64), 5), w)
 
 
 def test_kernel_rejects_bad_operands_with_a_clear_error():
     x, w = _rand((2, 8), 0), _rand((8, 4), 1)
     with pytest.raises(ValueError, match="fp32/bf16"):
-        cpu_matmul.kernel(x.astype(jnp.float16), w)
+        matmul.kernel(x.astype(jnp.float16), w)
     with pytest.raises(ValueError, match="fp32/bf16"):
-        cpu_matmul.kernel(x, w, out_dtype=jnp.int32)
+        matmul.kernel(x, w, out_dtype=jnp.int32)
     with pytest.raises(ValueError, match="contraction sizes differ"):
-        cpu_matmul.kernel(x, _rand((9, 4), 1))
+        matmul.kernel(x, _rand((9, 4), 1))
     with pytest.raises(ValueError, match="contraction sizes differ"):
-        cpu_matmul.kernel(x, w, transpose_w=True)
+        matmul.kernel(x, w, transpose_w=True)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_forward_with_the_kernel_matches_xla(arch):
     cfg = tiny_config(arch, vocab_size=96, tie_embeddings=(arch == "llama"))
     params = random_params(cfg, seed=1)
+    ops = cpu.backend()
+    prepared = ops.prepare(params)
+    assert prepared.lm_head is not None  # the tied head untied for the kernel
     toks = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 5)), jnp.int32)
+    fwd = jax.jit(forward, static_argnames=("cfg", "ops"))
     outs = {}
-    for on in (True, False):
-        c = cfg.replace(cpu_kernels=on)
-        fwd = jax.jit(forward, static_argnums=1)
-        assert ("ssd_jax_small_m_matmul" in fwd.lower(params, c, toks, init_cache(c, 2, 16)).as_text()) == on
-        outs[on], _ = fwd(params, c, toks, init_cache(c, 2, 16))
-    np.testing.assert_allclose(np.asarray(outs[True]), np.asarray(outs[False]), rtol=1e-5, atol=1e-5)
+    for name, o, p in (("cpu", ops, prepared), ("xla", XLA, params)):
+        hlo = fwd.lower(p, cfg=cfg, tokens=toks, cache=init_cache(cfg, 2, 16), ops=o).as_text()
+        assert ("ssd_jax_small_m_matmul" in hlo) == (name == "cpu")
+        outs[name], _ = fwd(p, cfg=cfg, tokens=toks, cache=init_cache(cfg, 2, 16), ops=o)
+    np.testing.assert_allclose(np.asarray(outs["cpu"]), np.asarray(outs["xla"]), rtol=1e-5, atol=1e-5)
+    # the unprepared (tied) params through the cpu ops give the same logits too
+    tied, _ = fwd(params, cfg=cfg, tokens=toks, cache=init_cache(cfg, 2, 16), ops=ops)
+    np.testing.assert_allclose(np.asarray(tied), np.asarray(outs["xla"]), rtol=1e-5, atol=1e-5)
 
 
 def test_untied_head_copy_gives_the_same_logits_and_reads_the_same_bytes():
@@ -196,11 +222,11 @@ def test_kernel_source_compiles_where_the_cpu_lacks_avx512_bf16_or_vnni(march):
     # The machine builds with -march=native, so code behind its feature checks (vdpbf16ps, packed
     # strips, vpdpwssd, tiles) always compiles here; a fallback that does not would only break on a
     # user's older CPU, where the kernel would then silently turn into XLA.
-    cxx = cpu_matmul._compiler()
+    cxx = build.compiler()
     assert cxx is not None, "no C++ compiler: CI installs one"
-    flags = [f for f in cpu_matmul._FLAGS if f not in ("-march=native", "-shared")]
+    flags = [f for f in build.flags() if not f.startswith("-march=") and f != "-shared"]
     done = subprocess.run([cxx, *flags, f"-march={march}", "-fsyntax-only",
-                           f"-I{jax.ffi.include_dir()}", str(cpu_matmul._SOURCE)],
+                           f"-I{jax.ffi.include_dir()}", str(build.SOURCE)],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -211,26 +237,42 @@ def test_the_package_ships_every_kernel_source():
     import fnmatch
     import tomllib
     from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
-    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
-        "package-data"]["ssd_jax.models"]
-    sources = sorted(p.relative_to(root / "models").as_posix()
-                     for p in (root / "models" / "cpu_kernels").iterdir() if p.is_file())
+    root = Path(__file__).resolve().parents[2]
+    setup = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "ssd_jax.models.cpu" in setup["packages"]
+    assert setup["package-dir"]["ssd_jax.models"] == "models"  # so the package's folder is models/cpu
+    globs = setup["package-data"]["ssd_jax.models.cpu"]
+    pkg = root / "models" / "cpu"
+    assert build.SOURCE.parent == pkg / "kernels"
+    sources = sorted(p.relative_to(pkg).as_posix()
+                     for p in (pkg / "kernels").iterdir() if p.is_file())
     assert sources and all(any(fnmatch.fnmatch(s, g) for g in globs) for s in sources), (sources, globs)
+    assert {"kernels/small_m_matmul.cc", "kernels/bf16_strips.h"} <= set(sources)
 
 
 def test_turned_off_by_the_environment_variable():
-    code = ("from ssd_jax.models import cpu_matmul; import jax.numpy as jnp; "
-            "assert not cpu_matmul.available(); "
-            "print(float(cpu_matmul.matmul(jnp.ones((2, 3)), jnp.ones((3, 4))).sum()))")
+    code = ("from ssd_jax.models import cpu; import jax.numpy as jnp; import pytest\n"
+            "assert not cpu.available() and 'SSD_JAX_CPU_KERNELS=0' in cpu.build.reason()\n"
+            "with pytest.raises(RuntimeError, match='cpu backend is not available.*SSD_JAX_CPU'):\n"
+            "    cpu.backend()\n"
+            "print(float(cpu.dense(jnp.ones((2, 3)), jnp.ones((3, 4))).sum()))")
     env = dict(os.environ, SSD_JAX_CPU_KERNELS="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "24.0"
 
 
-def test_has_feature_names_what_the_built_kernel_serves():
-    assert cpu_matmul.has_feature("bf16_strips") == cpu_matmul.bf16_strips()
-    assert cpu_matmul.has_feature("int8_tiles") == cpu_matmul.int8_tiles()
+def test_features_name_what_the_built_kernel_serves():
+    f = build.features()
+    assert f["isa"] == build.isa() and f["available"] is True
+    assert set(f) == {"isa", "available", "bf16_strips", "int8_tiles", "int4"}
+    for name in ("bf16_strips", "int8_tiles", "int4"):
+        assert f[name] == build.has_feature(name)
+    if build.isa() == "native":  # what this CPU has is what the native build serves
+        flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+        if "avx512_bf16" in flags:
+            assert f["bf16_strips"]
+        if "avx512_vnni" in flags and "avx512bw" in flags:
+            assert f["int8_tiles"] and f["int4"]
     with pytest.raises(ValueError, match="unknown kernel feature 'int3'.*int4"):
-        cpu_matmul.has_feature("int3")
+        build.has_feature("int3")

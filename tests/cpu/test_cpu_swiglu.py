@@ -1,18 +1,21 @@
-"""The CPU SwiGLU kernel (models/cpu_swiglu.py) against its plain-jnp reference: bit for bit on
-every bf16 gate value and on random fp32 ones, row invariance, the prefill's threaded path, where
-the model dispatches to it, and its clear errors."""
+"""The CPU SwiGLU kernel (models/cpu/swiglu.py) against XLA's swiglu (models/ops.py): bit for bit
+on every bf16 gate value and on random fp32 ones, row invariance, the prefill's threaded path,
+where the model with the cpu backend dispatches to it, and its clear errors."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ssd_jax.models import cpu_swiglu
+from ssd_jax.models import cpu
 from ssd_jax.models.config import tiny_config
+from ssd_jax.models.cpu import swiglu
+from ssd_jax.models.cpu.build import TARGET_SWIGLU
 from ssd_jax.models.kv_cache import init_cache
+from ssd_jax.models.ops import XLA, xla_swiglu
 from ssd_jax.models.params import random_params
 from ssd_jax.models.transformer import forward
 
-kernel, reference = jax.jit(cpu_swiglu.kernel), jax.jit(cpu_swiglu.reference)
+kernel, reference = jax.jit(swiglu.kernel), jax.jit(xla_swiglu)
 
 
 def _assert_same(got, want):
@@ -20,7 +23,7 @@ def _assert_same(got, want):
     differ = ~((got == want) | (np.isnan(got) & np.isnan(want)))
     assert not differ.any(), (
         f"{differ.sum()} of {differ.size} values differ from XLA's (first: kernel {got[differ][:4]}"
-        f", XLA {want[differ][:4]}): has XLA:CPU's exp changed? (cpu_kernels/exp16.h)")
+        f", XLA {want[differ][:4]}): has XLA:CPU's exp changed? (models/cpu/kernels/exp16.h)")
     assert got.shape == want.shape
 
 
@@ -55,31 +58,33 @@ def test_a_row_is_the_same_whatever_the_other_rows():
 
 def test_swiglu_uses_the_kernel_only_where_it_serves():
     x = jnp.ones((2, 3, 2 * 24), jnp.bfloat16)
-    target = f'custom_call_target="{cpu_swiglu.cpu_matmul.TARGET_SWIGLU}"'
+    target = f'custom_call_target="{TARGET_SWIGLU}"'
 
-    def hlo(dtype, enabled=True):
-        f = jax.jit(lambda a: cpu_swiglu.swiglu(a, enabled=enabled))
-        return f.lower(x.astype(dtype)).as_text(dialect="hlo")
+    def hlo(dtype, op=swiglu.swiglu):
+        return jax.jit(op).lower(x.astype(dtype)).as_text(dialect="hlo")
 
     assert target in hlo(jnp.bfloat16) and target in hlo(jnp.float32)
-    assert target not in hlo(jnp.bfloat16, enabled=False)
+    assert target not in hlo(jnp.bfloat16, XLA.swiglu)
     assert target not in hlo(jnp.float16)
+    assert cpu.backend().swiglu is swiglu.swiglu
 
 
 def test_the_model_runs_one_swiglu_kernel_a_layer_and_its_logits_match_xla():
     cfg = tiny_config("qwen2", vocab_size=64)
     params = random_params(cfg, 0, scale=1.0)
     toks = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 6)), jnp.int32)
-    fwd = jax.jit(forward, static_argnums=1)
-    hlo = fwd.lower(params, cfg, toks, init_cache(cfg, 2, 16)).compile().as_text()
-    assert hlo.count(f'custom_call_target="{cpu_swiglu.cpu_matmul.TARGET_SWIGLU}"') == cfg.num_layers
-    out = {on: fwd(params, cfg.replace(cpu_kernels=on), toks, init_cache(cfg, 2, 16))[0]
-           for on in (True, False)}
+    fwd = jax.jit(forward, static_argnames=("cfg", "ops"))
+    ops = cpu.backend()
+    hlo = fwd.lower(params, cfg=cfg, tokens=toks, cache=init_cache(cfg, 2, 16),
+                    ops=ops).compile().as_text()
+    assert hlo.count(f'custom_call_target="{TARGET_SWIGLU}"') == cfg.num_layers
+    out = {on: fwd(o.prepare(params), cfg=cfg, tokens=toks, cache=init_cache(cfg, 2, 16), ops=o)[0]
+           for on, o in ((True, ops), (False, XLA))}
     np.testing.assert_allclose(np.asarray(out[True]), np.asarray(out[False]), atol=2e-5, rtol=2e-5)
 
 
 def test_clear_errors():
     with pytest.raises(ValueError, match=r"\[\.\.\., 2I\]"):
-        cpu_swiglu.swiglu(jnp.ones((2, 7), jnp.float32))
+        swiglu.swiglu(jnp.ones((2, 7), jnp.float32))
     with pytest.raises(ValueError, match="float32 or bfloat16"):
-        cpu_swiglu.kernel(jnp.ones((2, 8), jnp.float16))
+        swiglu.kernel(jnp.ones((2, 8), jnp.float16))
