@@ -131,14 +131,15 @@ def probe(ops: Ops, device=None) -> Ops:
     by their XLA references (`without_kernels`). Kernels that compile here can still fail at
     other shapes: the draft worker falls back the same way at its first call."""
     failed, why = [], []
+    where = None if device is None else jax.sharding.SingleDeviceSharding(device)
     for name, args in _probe_args().items():
         fn = getattr(ops, name)
         if fn is _KERNEL_OPS[name]:
             continue
+        if where is not None:
+            args = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where) for a in args)
         try:
-            lowered = jax.jit(fn).trace(*args).lower() if device is None else \
-                jax.jit(fn, device=device).trace(*args).lower()
-            lowered.compile()
+            jax.jit(fn).trace(*args).lower().compile()
         except Exception as e:  # noqa: BLE001 - any lowering or compile failure means: fall back
             failed.append(name)
             why.append(f"{type(e).__name__}: {e}")

@@ -185,6 +185,7 @@ class Engine:
             else:
                 self._run_ssd(batch, rids, run, metrics, ssd)
         metrics.compile_s = timer.seconds
+        metrics.backend = self.backend  # again: a kernel may have fallen back during the run
         metrics.new_tokens = sum(len(g) for g in batch.generated)
         return batch.result(metrics)
 
