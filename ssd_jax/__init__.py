@@ -23,7 +23,7 @@ __version__ = "0.2.0"
 _EXPORTS = {
     # running it
     "Engine": "ssd_jax.runtime.engine",
-    "SSDConfig": "ssd_jax.runtime.engine",
+    "SSDConfig": "ssd_jax.runtime.config",
     "GenerationResult": "ssd_jax.runtime.batch",
     "Metrics": "ssd_jax.runtime.metrics",
     "Proposer": "ssd_jax.runtime.proposer",
@@ -40,6 +40,9 @@ _EXPORTS = {
     "forward": "ssd_jax.models.transformer",
     "tree_step": "ssd_jax.models.transformer",
     "quantize_model": "ssd_jax.models.quant",
+    # backends: the op tables the forward runs on
+    "Ops": "ssd_jax.models.ops",
+    "select_backend": ("ssd_jax.models.backends", "select"),
     # the algorithm's pure functions
     "SamplingParams": "ssd_jax.algorithm.sampling",
     "rejection_sample": "ssd_jax.algorithm.verify",
