@@ -18,6 +18,7 @@ from ssd_jax.models.config import ModelConfig
 
 @struct.dataclass
 class LayerParams:
+    """One decoder layer's weights (fused qkv and gate/up; see the module docstring)."""
     attn_norm: jax.Array  # [hidden]
     wqkv: jax.Array  # [hidden, (H + 2 KVH) D]
     bqkv: jax.Array | None  # [(H + 2 KVH) D] (Qwen2) or None
@@ -151,6 +152,7 @@ def perturb_hf_tensors(tensors: Mapping[str, np.ndarray], rel: float, seed: int 
 
 
 def random_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.5) -> Params:
+    """Params with every tensor random (`random_hf_tensors`), for tests and notebooks."""
     return params_from_hf(random_hf_tensors(cfg, seed, scale), cfg)
 
 
@@ -164,6 +166,7 @@ def perturb(params: Params, key: jax.Array, rel: float) -> Params:
 
 
 def param_bytes(params: Params) -> int:
+    """Bytes of every array in `params`."""
     return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
 
 

@@ -25,6 +25,7 @@ from ssd_jax.models.params import LayerParams, Params
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """x [..., E] normalised by its root mean square (in fp32), cast back, scaled by w [E]."""
     # As HF: normalise in fp32, cast back, then scale (the order matters in bf16).
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)

@@ -25,6 +25,7 @@ class Int8Weight:
 
     @property
     def shape(self) -> tuple[int, int]:
+        """(K, N) of the weight it stands for."""
         return tuple(self.q.shape)
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
@@ -41,6 +42,7 @@ class Int4Weight:
 
     @property
     def shape(self) -> tuple[int, int]:
+        """(K, N) of the weight it stands for."""
         return tuple(self.q.shape)
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:

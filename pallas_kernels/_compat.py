@@ -49,4 +49,5 @@ def next_pow2(n: int) -> int:
 
 
 def is_pow2(n: int) -> bool:
+    """Whether n is a power of 2 (n >= 1)."""
     return n >= 1 and (n & (n - 1)) == 0

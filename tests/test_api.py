@@ -1,5 +1,6 @@
 """The public API: `ssd_jax.__all__` resolves lazily and is documented, `python -m ssd_jax` runs, and
 every public function and class of the documented modules has a docstring of its own."""
+import dataclasses
 import importlib
 import inspect
 import subprocess
@@ -10,33 +11,23 @@ import pytest
 import ssd_jax
 
 # The modules whose public functions, classes and methods must each carry a docstring.
-DOCUMENTED_MODULES = [
-    "ssd_jax.algorithm.sampling",
-    "ssd_jax.algorithm.small_topk",
-    "ssd_jax.algorithm.verify",
-    "ssd_jax.algorithm.saguaro",
-    "ssd_jax.algorithm.tree",
-    "ssd_jax.algorithm.speculation_cache",
-    "ssd_jax.algorithm.backups",
-    "ssd_jax.algorithm.steps",
-    "ssd_jax.runtime.batch",
-    "ssd_jax.runtime.metrics",
-    "ssd_jax.runtime.proposer",
-    "ssd_jax.runtime.placement",
-    "ssd_jax.runtime.compile_cache",
-    "ssd_jax.runtime.transport",
-    "ssd_jax.runtime.draft_process",
-    "ssd_jax.testing",
-    "ssd_jax.testing.pytest_plugin",
-    "ssd_jax.models.config",
-    "ssd_jax.models.kv_cache",
-    "ssd_jax.models.model",
-    "ssd_jax.models.tokenizer",
-    "ssd_jax.models.registry",
-    "ssd_jax.models.checkpoint",
-    "ssd_jax.models.loading.hf",
-    "ssd_jax.models.loading.gguf",
-]
+def _all_modules() -> list[str]:
+    """Every module of the installed package (the GPU benchmark script aside: it is a script)."""
+    import pkgutil
+
+    import ssd_jax.models
+    import ssd_jax.pallas_kernels
+    names = set()
+    # ssd_jax.models and ssd_jax.pallas_kernels live in folders of their own (package-dir)
+    for pkg in (ssd_jax, ssd_jax.models, ssd_jax.pallas_kernels):
+        names.add(pkg.__name__)
+        for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+            if not info.name.endswith(("bench_gpu", "__main__")):
+                names.add(info.name)
+    return sorted(names)
+
+
+DOCUMENTED_MODULES = _all_modules()
 
 
 def _own_doc(obj) -> str:
@@ -62,8 +53,9 @@ def _public_members(module):
 
 def _public_methods(cls, module_name):
     """(name, function) of the public methods and properties written in `cls`'s own body."""
+    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
     for name, attr in vars(cls).items():
-        if name.startswith("_"):
+        if name.startswith("_") or name in fields:  # a field whose default is a function
             continue
         if isinstance(attr, property):
             fn = attr.fget

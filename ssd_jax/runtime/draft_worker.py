@@ -34,6 +34,7 @@ class RoundState:
 
     @classmethod
     def of(cls, batch) -> "RoundState":
+        """The round-boundary state of an `ssd_jax.runtime.batch.Batch`."""
         return cls(batch.n, batch.prev, batch.bonus, batch.active, batch.history)
 
 
@@ -110,6 +111,8 @@ class DraftWorker:
         return jnp.pad(rows, [(0, 0)] * (rows.ndim - 1) + [(0, self.row_vocab - V)])
 
     def start(self, prompt_tokens: np.ndarray, prompt_lens: np.ndarray, cache_len: int):
+        """Prefill the draft's cache with the prompts [B, T] (lengths [B]) in a cache of
+        `cache_len` slots; dispatched, not waited for (`ready` waits)."""
         B = prompt_tokens.shape[0]
         self._batch, self.rows = B, _batch_sharding(self.sharding, B)
         self.cache = init_cache(self.cfg, B, cache_len, sharding=self.rows)

@@ -142,6 +142,7 @@ def shard_target(params: Params, cfg: ModelConfig, mesh: Mesh) -> tuple[ModelCon
 
 
 def cache_specs(num_layers: int) -> KVCache:
+    """PartitionSpecs of a TP target's KV cache: the KV-head axis over `model`, lengths replicated."""
     kv = P(None, None, TP_AXIS, None)
     return KVCache(k=(kv,) * num_layers, v=(kv,) * num_layers, lengths=P())
 

@@ -1,0 +1,1 @@
+"""User-facing tools: the `ssd-jax` command (fetch, generate, bench) and the benchmark set."""
