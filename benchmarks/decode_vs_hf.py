@@ -51,9 +51,13 @@ def param_bytes_torch(model) -> int:
 
 
 def machine_info() -> dict:
+    """Platform, CPU (model and `cpu_features`: the instruction-set flags the kernels use and
+    SSD_JAX_CPU_ISA), versions: recorded beside every figure."""
     import numpy as np
+
+    from ssd_jax.runtime.defaults import cpu_features
     info = dict(platform=platform.platform(), python=platform.python_version(),
-                cpu_count=os.cpu_count(), numpy=np.__version__)
+                cpu_count=os.cpu_count(), numpy=np.__version__, cpu_features=cpu_features())
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -315,8 +319,11 @@ def _fastest(row: dict, prefix: str) -> dict:
 
 def render(report: dict) -> str:
     k = report["k"]
+    from ssd_jax.runtime.defaults import describe
+    feats = report.get("machine", {}).get("cpu_features")
     out = [f"Target {TARGET}, KV cache {report['context']} tokens, verify = {k + 1} tokens, "
-           f"median of {report['iters']} calls (ms).", "",
+           f"median of {report['iters']} calls (ms).",
+           f"CPU: {describe(feats) if feats else 'features not recorded'}.", "",
            "| cores | framework | dtype | decode ms | verify ms | verify/decode | ours/HF decode "
            "| ours/HF verify | decode GB/s (weights) | copy GB/s | fraction of copy BW | read GB/s "
            "| fraction of read BW |",

@@ -125,7 +125,9 @@ def _best(by_k: dict, ar: float) -> tuple[str, float]:
 
 
 def render(rep: dict) -> str:
-    out = []
+    from ssd_jax.runtime.defaults import describe
+    feats = rep.get("machine", {}).get("cpu_features")
+    out = [f"CPU: {describe(feats) if feats else 'features not recorded'}.", ""]
     for row in rep["results"]:
         j, h = row["jax"], row["torch"]
         jk = j.get("sd_by_k") or {str(rep["k"]): j["sd"]}

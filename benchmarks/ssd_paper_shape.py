@@ -195,12 +195,14 @@ def main() -> None:
                      f"{table[0].get('draft_width_slope') or float('nan'):.2f}, acceptance; "
                      f"predicted p_hit {chosen.p_hit:.2f}, "
                      f"predicted SSD/AR {chosen.predicted_speedup:.2f}x)")
+    from ssd_jax.runtime.defaults import cpu_features, describe
+    lines.append(f"- CPU: {describe()}")  # beside the figures (and in the JSON's meta)
     report = "\n".join(lines)
     print(report)
     os.makedirs(args.out, exist_ok=True)
     meta = {"command": "python benchmarks/ssd_paper_shape.py " + " ".join(sys.argv[1:]),
             "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.platform()}",
-            "python": platform.python_version()}
+            "python": platform.python_version(), "cpu_features": cpu_features()}
     try:
         import jax
         meta["jax"] = jax.__version__

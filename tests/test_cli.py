@@ -12,10 +12,10 @@ import pytest
 from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from ssd_jax.models import cpu_matmul
 from ssd_jax.models.config import tiny_config
 from ssd_jax.models.params import perturb_hf_tensors, random_hf_tensors
 from ssd_jax.models.tokenizer import _byte_alphabet
+from ssd_jax.runtime.defaults import Layout, choose, cpu_features, describe
 from ssd_jax.tools import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,6 +38,7 @@ def tiny_tokenizer(swap: bool = False) -> Tokenizer:
     return tok
 
 
+CHOICE = choose()  # what --backend / --dtype / --draft-quant auto resolve to on this machine
 VOCAB = tiny_tokenizer().get_vocab_size(with_added_tokens=True)  # 97: no padded embedding rows
 CFG = tiny_config("qwen2", vocab_size=VOCAB)
 
@@ -74,7 +75,9 @@ def home(tmp_path, monkeypatch):
 
 
 def run_cli(argv, capsys):
-    """cli.main in this process -> (exit code, stdout, stderr)."""
+    """cli.main in this process -> (exit code, stdout, stderr). JAX has started in this process
+    (`CHOICE`), so SSD with --placement auto runs split here (`defaults.ssd_layout`); the
+    console-script tests run the two-process layout."""
     try:
         rc = cli.main(argv)
     except SystemExit as e:  # argparse
@@ -97,7 +100,12 @@ def test_generate_json_each_mode_agrees(pair, capsys):
         obj = json.loads(out)
         assert set(obj) == {"text", "token_ids", "metrics"}
         assert obj["metrics"]["mode"] == mode
-        assert obj["metrics"]["dtype"] == cpu_matmul.fastest_dtype()  # --dtype auto, the default
+        m = obj["metrics"]
+        assert m["dtype"] == CHOICE["dtype"]  # --dtype auto, the default
+        assert m["draft_quant"] == (None if mode == "ar" else CHOICE["draft_quant"])
+        assert m["backend"]["target"] == CHOICE["backend"].name
+        assert m["placement"] == ("split" if mode != "ssd" else m["placement"])
+        assert m["cpu_features"] == cpu_features()
         assert 1 <= len(obj["token_ids"]) <= 12
         assert obj["metrics"]["new_tokens"] == len(obj["token_ids"])
         assert isinstance(obj["text"], str)
@@ -144,6 +152,24 @@ def test_console_script_generate_json(pair):
     assert proc.returncode == 0, proc.stderr[-3000:]
     obj = json.loads(proc.stdout)
     assert obj["metrics"]["mode"] == "ssd" and obj["token_ids"]
+    # a fresh process on a CPU: --placement auto runs SSD in the layout that overlaps, and says so
+    lay = fresh_layout()
+    assert obj["metrics"]["placement"] == lay.placement, proc.stderr[-3000:]
+    if lay.placement == "two-process":
+        a, b = lay.cores
+        assert f"ssd-jax: SSD with the draft in its own process on core {b}, the target on core {a}" \
+            in proc.stderr
+    else:
+        assert "ssd-jax: SSD with the draft in its own process cannot run here" in proc.stderr
+
+
+def fresh_layout():
+    """`defaults.ssd_layout()` as a fresh process sees it (this one has started JAX)."""
+    code = ("import json; from ssd_jax.runtime.defaults import ssd_layout; "
+            "print(json.dumps(ssd_layout().__dict__))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    d = json.loads(proc.stdout)
+    return Layout(d["placement"], tuple(d["cores"]) if d["cores"] else None, d["reason"])
 
 
 # ------------------------------------------------------------------------------------------ bench
@@ -178,6 +204,10 @@ def test_bench_writes_json_table_and_plots(pair, capsys, tmp_path):
             [p["token_ids"] for p in ar["prompts"]]
     md = (out_dir / "bench.md").read_text()
     assert "| colocated | " in md and "| SSD |" in md and rep["machine"]["cpu_count"] is not None
+    # the CPU's features beside the figures: in the JSON (machine and each layout) and the table
+    assert rep["machine"]["cpu_features"] == cpu_features() == lay["cpu_features"]
+    assert lay["backend"]["target"] == CHOICE["backend"].name
+    assert f"- CPU features: {describe(cpu_features())}" in md
     assert md in out  # the table is printed too
     if importlib.util.find_spec("matplotlib") is not None:  # the plots need the notebooks extra
         for png in ("tokens_per_s.png", "hit_rate.png", "accepted_lengths.png", "speedup.png"):
@@ -209,11 +239,18 @@ def assert_one_line_error(rc, err, *needles):
 @pytest.mark.parametrize("extra,needle", [
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "0"], "top_p"),
-    (["--max-new-tokens", "0"], "max-new-tokens"),
+    (["--max-new-tokens", "0"], "max_new_tokens"),
     (["--fanout", "1,x"], "fan-out"),
     (["--fanout", "1,2"], "K+1"),
     (["--fanout", "plan"], "ssd-jax bench"),
-    (["--k", "0"], "K must be >= 1"),
+    (["--k", "0"], "K must be an int >= 1"),
+    (["--backend", "nope"], "--backend"),
+    (["--top-k", "-1"], "top_k"),
+    (["--fanout", "1,-1,1,1"], ">= 0"),
+    (["--fanout", "0,0,0,0"], "positive sums"),
+    (["--saguaro-c", "0"], "saguaro_c"),
+    (["--max-len", "0"], "--max-len"),
+    (["--placement", "two-process", "--mode", "ar"], "--mode sd or ssd"),
     (["--saguaro-c", "2"], "saguaro_c"),
     (["--dtype", "fp8"], "dtype"),
     (["--mode", "fast"], "--mode"),

@@ -155,9 +155,13 @@ def _prompts(args) -> tuple[list[dict], str]:
 
 # ------------------------------------------------------------------------------------------ machine
 def machine_info() -> dict:
+    """Platform, Python, CPUs (count, usable, model, `cpu_features`: the instruction-set flags the
+    kernels use and SSD_JAX_CPU_ISA), memory and library versions: recorded beside every figure."""
     import numpy as np
+
+    from ssd_jax.runtime.defaults import cpu_features
     info = dict(platform=platform.platform(), python=platform.python_version(),
-                cpu_count=os.cpu_count(), numpy=np.__version__)
+                cpu_count=os.cpu_count(), numpy=np.__version__, cpu_features=cpu_features())
     if hasattr(os, "sched_getaffinity"):
         info["usable_cpus"] = sorted(os.sched_getaffinity(0))
     try:

@@ -52,6 +52,22 @@ def _f(x, fmt="{:.2f}", none="—") -> str:
     return none if x is None else fmt.format(x)
 
 
+def _features(mach: dict) -> str:
+    """The machine's `cpu_features` in one line (ssd_jax.runtime.defaults.describe)."""
+    from ssd_jax.runtime.defaults import describe
+    f = mach.get("cpu_features")
+    return describe(f) if f else "not recorded"
+
+
+def _backend(lay: dict) -> str:
+    """"cpu" or "target cpu, draft xla": the op tables a layout ran with."""
+    b = lay.get("backend") or {}
+    names = sorted(set(b.values()))
+    if len(names) == 1:
+        return names[0]
+    return ", ".join(f"{k} {v}" for k, v in b.items()) or "?"
+
+
 def render_markdown(rep: dict) -> str:
     cfg, mach = rep["config"], rep["machine"]
     versions = ", ".join(f"{m} {mach[m]}" for m in ("jax", "jaxlib", "flax", "torch", "transformers")
@@ -62,6 +78,7 @@ def render_markdown(rep: dict) -> str:
            f"- machine: {mach.get('cpu', '?')}, {mach.get('cpu_count')} CPUs "
            f"(usable {mach.get('usable_cpus', '?')}), {mach.get('memory_gib', '?')} GiB, "
            f"{mach.get('platform')}, Python {mach.get('python')}",
+           f"- CPU features: {_features(mach)}",
            f"- versions: {versions}",
            f"- load average (1/5/15 min) at start {rep.get('loadavg_start')}, at end "
            f"{rep.get('loadavg_end')}",
@@ -76,15 +93,15 @@ def render_markdown(rep: dict) -> str:
             "AR of the same layout. Predicted: ALGORITHM.md §6 from this run's measured times and rates "
             "(SSD: `metrics.predicted_speedup`; SD: T_1 E / (T_v + K T_d)), mean over prompts. "
             "Agree: leading tokens equal to AR of the same layout, per prompt.", "",
-            "| layout | cores | mode | tok/s | speed-up vs AR | predicted | tokens/round "
+            "| layout | cores | backend | mode | tok/s | speed-up vs AR | predicted | tokens/round "
             "| acceptance | hit rate | agree with AR |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, lay in rep["layouts"].items():
         ar = lay["modes"].get("ar", {}).get("tokens_per_s")
         for mode, m in lay["modes"].items():
             sp = m["tokens_per_s"] / ar if ar and m.get("tokens_per_s") else None
             out.append(
-                f"| {name} | {','.join(map(str, lay['cores']))} | {mode.upper()} "
+                f"| {name} | {','.join(map(str, lay['cores']))} | {_backend(lay)} | {mode.upper()} "
                 f"| {_f(m.get('tokens_per_s'))} | {_f(sp, '{:.2f}x') if mode != 'ar' else '1.00x'} "
                 f"| {_f(m.get('predicted_speedup'), '{:.2f}x')} "
                 f"| {_f(m.get('tokens_per_round')) if mode != 'ar' else '1.00'} "
@@ -97,7 +114,8 @@ def render_markdown(rep: dict) -> str:
         for mode, m in h["modes"].items():
             sp = m["tokens_per_s"] / ar if ar and m.get("tokens_per_s") else None
             out.append(f"| HF transformers ({h['dtype']}, {h['threads']} thread) "
-                       f"| {','.join(map(str, h['cores']))} | {'AR' if mode == 'ar' else 'assisted'} "
+                       f"| {','.join(map(str, h['cores']))} | torch "
+                       f"| {'AR' if mode == 'ar' else 'assisted'} "
                        f"| {_f(m.get('tokens_per_s'))} | {_f(sp, '{:.2f}x')} | — | — | — | — "
                        f"| {' '.join(m.get('agree_with_ar', []))} |")
     if rep.get("errors"):

@@ -150,7 +150,10 @@ def worker_layout(layout: str, job: dict) -> dict:
         modes[mode] = _aggregate(mode, per, k)
     if remote is not None:
         remote.close()
-    return dict(layout=layout, t1_s=t1, modes=modes)
+    from ssd_jax.runtime.defaults import cpu_features
+    # what ran these figures: the op table per model and the CPU's features as this worker saw them
+    return dict(layout=layout, t1_s=t1, modes=modes, backend=engine.backend,
+                cpu_features=cpu_features())
 
 
 def hf_model_on_our_weights(spec: str, dtype: str, cache_dir: str | None):

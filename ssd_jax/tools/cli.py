@@ -15,6 +15,24 @@ from ssd_jax.models.config import canonical_dtype
 EXIT_USAGE = 2
 
 
+class GenerateError(RuntimeError):
+    """The run could not start (e.g. the draft process did not join)."""
+
+DEFAULT_K = 4  # the CLI's lookahead; the default SSD fan-out is `default_fanout(K)`
+
+
+def default_fanout(k: int) -> tuple[int, ...] | None:
+    """The CLI's SSD fan-out at lookahead `k` when --fanout is not given (None: one candidate
+    per position, `ssd_jax.algorithm.fanout.uniform(k, 1)`)."""
+    return None
+
+
+def _default_fanout_text() -> str:
+    f = default_fanout(DEFAULT_K)
+    return "one candidate per position" if f is None else ",".join(map(str, f)) + \
+        f" at K={DEFAULT_K}"
+
+
 def _fanout(text: str) -> tuple[int, ...] | str:
     if text == "plan":  # SSDConfig(fanout="plan"): planned from the engine's own AR and SD runs
         return text
@@ -44,42 +62,79 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fetch", help="download, verify and cache default models")
     f.add_argument("names", nargs="*", default=[registry.DEFAULT_TARGET, registry.DEFAULT_DRAFT],
                    help=f"default models: {', '.join(registry.MODELS)} (default: the Qwen pair)")
-    f.add_argument("--cache-dir", default=None)
+    f.add_argument("--cache-dir", default=None,
+                   help="where models are cached (default $SSD_JAX_HOME or ~/.cache/ssd_jax)")
 
-    g = sub.add_parser("generate", help="generate text from a prompt")
+    g = sub.add_parser("generate", help="generate text from a prompt",
+                       description="Generate text with plain decoding (ar), speculative decoding "
+                                   "(sd) or speculative speculative decoding (ssd). Every argument "
+                                   "is checked before a model loads.")
     g.add_argument("--target", default=registry.DEFAULT_TARGET,
-                   help="a default model name, a .gguf file or an HF folder")
-    g.add_argument("--draft", default=registry.DEFAULT_DRAFT)
+                   help="the target model: a default model name, a .gguf file or an HF folder "
+                        f"(default {registry.DEFAULT_TARGET})")
+    g.add_argument("--draft", default=registry.DEFAULT_DRAFT,
+                   help="the draft model (sd, ssd), as --target "
+                        f"(default {registry.DEFAULT_DRAFT})")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="raw prompt text (use --chat to apply the chat template)")
     src.add_argument("--prompt-file", help="a file holding the prompt")
-    g.add_argument("--chat", action="store_true")
-    g.add_argument("--mode", choices=("ar", "sd", "ssd"), default="ssd")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--chat", action="store_true",
+                   help="wrap the prompt in the target tokenizer's chat template")
+    g.add_argument("--mode", choices=("ar", "sd", "ssd"), default="ssd",
+                   help="ar: plain decoding; sd: speculative decoding; ssd: speculative "
+                        "speculative decoding, the next round pre-drafted while the target "
+                        "verifies (default)")
+    g.add_argument("--max-new-tokens", type=int, default=64,
+                   help="tokens to generate at most (>= 1; default 64)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature (>= 0; 0 = greedy, the default)")
+    g.add_argument("--top-k", type=int, default=0,
+                   help="keep the k most likely tokens (>= 0; 0 = off, the default)")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling mass in (0, 1] (1 = off, the default)")
+    g.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
+    g.add_argument("--backend", default="auto",
+                   help="the op table: auto (default: the cpu kernels on a one-device CPU where "
+                        "they build, pallas on a GPU, else xla), xla, pallas, or a plug-in "
+                        "(ssd_jax.models.backends.backend_names())")
     g.add_argument("--dtype", default="auto",
-                   help="float32/fp32, bfloat16/bf16, or auto (default): bf16 on an accelerator or "
-                        "where the CPU matmul kernel builds, else fp32 (ssd_jax.models.cpu_matmul.fastest_dtype)")
-    g.add_argument("--draft-quant", choices=("none", "int8", "int4"), default="none",
-                   help="int8: the draft's matmul weights as int8 with per-column scales (half "
-                        "bf16's bytes per draft step); int4: its layers as int4 in groups of 32, "
-                        "head int8 (models/int4.py). Output stays exact, acceptance may change")
+                   help="weights and activations: float32/fp32, bfloat16/bf16, or auto "
+                        "(default): the fastest with this machine's kernels (bf16 where the CPU "
+                        "kernels serve AVX-512 BF16 or on a GPU, else fp32; "
+                        "ssd_jax.runtime.defaults.choose)")
+    g.add_argument("--draft-quant", choices=("auto", "none", "int8", "int4"), default="auto",
+                   help="the draft's weights: int8 (per-column scales), int4 (groups of 32, head "
+                        "int8), none, or auto (default): the fewest bytes with a fast path here "
+                        "(int4 / int8 where the CPU kernels serve AVX-512 VNNI, else none). A "
+                        "format without a fast path here runs as none, with one warning. Output "
+                        "stays exact, acceptance may change")
     g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="cut the draft's head to token ids [0, N) (models/draft_head.py): fewer "
                         "bytes per draft step; output stays exact, acceptance may change")
-    g.add_argument("--k", type=int, default=4, help="lookahead K (draft tokens per round)")
-    g.add_argument("--fanout", type=_fanout, default=None, help="F_0..F_K, e.g. 2,2,1,1,1")
-    g.add_argument("--saguaro-c", type=float, default=1.0)
-    g.add_argument("--backup", choices=("neural", "random", "ngram"), default="neural")
-    g.add_argument("--placement", choices=("split", "colocated"), default="split")
+    g.add_argument("--k", type=int, default=DEFAULT_K,
+                   help=f"lookahead K, draft tokens per round (>= 1; default {DEFAULT_K})")
+    g.add_argument("--fanout", type=_fanout, default=None,
+                   help="SSD fan-out F_0..F_K: candidates pre-drafted per outcome position, K+1 "
+                        "non-negative integers with a positive sum, e.g. 0,0,0,0,1 (default: "
+                        f"{_default_fanout_text()})")
+    g.add_argument("--saguaro-c", type=float, default=1.0,
+                   help="Saguaro sampling C in (0, 1] (default 1: off)")
+    g.add_argument("--backup", choices=("neural", "random", "ngram"), default="neural",
+                   help="what SSD proposes after a miss (default neural: the draft)")
+    g.add_argument("--placement", choices=("auto", "split", "colocated", "two-process"),
+                   default="auto",
+                   help="where target and draft run: two-process (the draft in its own process "
+                        "on its own core), split (two meshes in one process), colocated (one "
+                        "device), or auto (default): two-process for SSD on a CPU with two "
+                        "usable cores, else split; the layout and why go to stderr")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--max-len", type=int, default=4096)
+    g.add_argument("--max-len", type=int, default=4096,
+                   help="KV cache length: prompt plus new tokens (default 4096)")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object {text, token_ids, metrics} instead of streaming")
-    g.add_argument("--cache-dir", default=None)
+    g.add_argument("--cache-dir", default=None,
+                   help="where models are fetched and converted (default $SSD_JAX_HOME or "
+                        "~/.cache/ssd_jax)")
 
     b = sub.add_parser("bench", help="AR, SD and SSD (and HF assisted generation) side by side",
                        description=bench.__doc__.split("\n\n")[0])
@@ -94,31 +149,135 @@ def _fetch(args) -> int:
     return 0
 
 
-def _generate(args) -> int:
-    from ssd_jax.models.load import load_draft, load_model
-    from ssd_jax.runtime.engine import Engine, SSDConfig
+def _validate_generate(args) -> None:
+    """Every generate argument, checked before any model loads (a ValueError naming the bad one):
+    the request's rules are the engine's own (`ssd_jax.runtime.config.check_request`:
+    mode, max-new-tokens, K, sampling, fan-out, Saguaro C, backup), then the backend, dtype,
+    placement, max-len and draft-vocab."""
     from ssd_jax.algorithm.sampling import SamplingParams
+    from ssd_jax.models import backends
+    from ssd_jax.runtime.config import SSDConfig, check_request
 
-    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.fanout == "plan":  # one generate call has no earlier AR and SD runs to plan from
         raise ValueError("--fanout plan needs AR and SD runs to plan from: use it with "
                          "`ssd-jax bench`, or give F_0..F_K")
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    check_request(args.mode, args.max_new_tokens, args.k, sampling)
+    args.fanout_used = args.fanout if args.fanout is not None else default_fanout(args.k)
+    if args.mode == "ssd":
+        SSDConfig(fanout=args.fanout_used, saguaro_c=args.saguaro_c, backup=args.backup).lists(args.k)
+    if args.backend not in backends.backend_names():
+        raise ValueError(f"unknown --backend {args.backend!r}: choose one of "
+                         f"{', '.join(backends.backend_names())}")
+    if args.dtype != "auto":
+        args.dtype = canonical_dtype(args.dtype)
+    if args.max_len < 2:
+        raise ValueError(f"--max-len must be >= 2 (prompt plus new tokens), got {args.max_len}")
+    if args.draft_vocab is not None and args.draft_vocab < 1:
+        raise ValueError(f"the draft head's vocabulary (--draft-vocab) must be >= 1, got "
+                         f"{args.draft_vocab}")
+    if args.placement == "two-process" and args.mode == "ar":
+        raise ValueError("--placement two-process runs a draft in its own process: use it with "
+                         "--mode sd or ssd")
+    args.sampling = sampling
+
+
+def _layout(args):
+    """(placement to run, two-process cores or None, the stderr line or None)."""
+    from ssd_jax.runtime.defaults import Layout, ssd_layout, usable_cores
+
+    if args.placement == "auto":
+        if args.mode != "ssd":
+            return "split", None, None
+        if args.backend not in ("auto", "cpu"):
+            lay = Layout("split", None, f"--backend {args.backend}: the draft's own process "
+                                        f"chooses its backend itself; running split in one process")
+        else:
+            lay = ssd_layout()
+        if lay.placement == "two-process":
+            return lay.placement, lay.cores, f"ssd-jax: SSD with {lay.reason}"
+        return lay.placement, None, f"ssd-jax: SSD with the draft in its own process cannot run " \
+                                    f"here: {lay.reason}"
+    if args.placement == "two-process":
+        cores = usable_cores()
+        if len(cores) >= 2:
+            return "two-process", (cores[0], cores[1]), (
+                f"ssd-jax: {args.mode.upper()} with the draft in its own process on core "
+                f"{cores[1]}, the target on core {cores[0]}")
+        return "two-process", None, (f"ssd-jax: {args.mode.upper()} with the draft in its own "
+                                     f"process; only {len(cores)} usable core, so both processes "
+                                     f"share it")
+    return args.placement, None, None
+
+
+def _choose(args, platform=None) -> dict:
+    """`defaults.choose` for the flags; its warnings printed as one stderr line each."""
+    import warnings
+    from ssd_jax.runtime.defaults import choose
+
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        c = choose(args.backend, args.dtype, args.draft_quant if args.mode != "ar" else "none",
+                   platform=platform)
+    for note in c["notes"]:
+        print(f"ssd-jax: warning: {note.removeprefix('ssd_jax: ')}", file=sys.stderr)
+    return c
+
+
+def _native_stdout_to_stderr() -> None:
+    """gloo (the two-process transport's collectives) prints to file descriptor 1, in this
+    process and the draft's: from here on fd 1 is stderr, and `sys.stdout` (the text, the JSON) a
+    copy of the real stdout."""
+    import os
+    sys.stdout.flush()
+    real = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = open(real, "w", buffering=1, encoding="utf-8")
+
+
+def _generate(args) -> int:
+    _validate_generate(args)
     prompt = args.prompt
     if args.prompt_file is not None:
         with open(args.prompt_file, encoding="utf-8") as fh:
             prompt = fh.read()
-    if args.dtype == "auto":
-        from ssd_jax.models.cpu_matmul import fastest_dtype
-        args.dtype = fastest_dtype()
-    args.dtype = canonical_dtype(args.dtype)
-    target = load_model(args.target, args.dtype, cache_dir=args.cache_dir)
-    draft = None
+    registry.resolve(args.target, args.cache_dir)  # a missing / unfetched model: one line, now
     if args.mode != "ar":
-        draft = load_draft(args.draft, args.dtype, args.draft_quant, args.draft_vocab,
-                           cache_dir=args.cache_dir)
-    engine = Engine(target, draft, placement=args.placement, max_len=args.max_len)
+        registry.resolve(args.draft, args.cache_dir)
+    placement, cores, line = _layout(args)
+    remote = None
+    if placement == "two-process":
+        _native_stdout_to_stderr()
+        # jax.distributed first: the backend and formats are chosen without starting JAX
+        choice = _choose(args, platform="cpu")
+        from ssd_jax.runtime.transport import start_two_process
+        try:
+            remote = start_two_process(args.draft, dtype=choice["dtype"],
+                                       quant=choice["draft_quant"], draft_vocab=args.draft_vocab,
+                                       cores=cores, cache_dir=args.cache_dir)
+        except RuntimeError as e:
+            raise GenerateError(f"the draft process did not start: {e} (--placement split runs "
+                                f"in one process)") from e
+        backend = args.backend  # the target process selects it for its own device
+    else:
+        choice = _choose(args)
+        backend = choice["backend"]
+    from ssd_jax.models.load import load_draft, load_model
+    from ssd_jax.runtime.config import SSDConfig
+    from ssd_jax.runtime.defaults import cpu_features
+    from ssd_jax.runtime.engine import Engine
+
+    dtype, quant = choice["dtype"], choice["draft_quant"]
+    target = load_model(args.target, dtype, cache_dir=args.cache_dir)
+    if remote is not None:
+        engine = Engine(target, remote_draft=remote, max_len=args.max_len, backend=backend)
+    else:
+        draft = None
+        if args.mode != "ar":
+            draft = load_draft(args.draft, dtype, quant, args.draft_vocab, cache_dir=args.cache_dir)
+        engine = Engine(target, draft, placement=placement, max_len=args.max_len, backend=backend)
+    if line:  # said once the layout runs (errors before this are one line each)
+        print(line, file=sys.stderr)
     tok = target.tokenizer
     streamed: list[int] = []
     printed = [0]
@@ -132,12 +291,16 @@ def _generate(args) -> int:
             printed[0] = len(text)
 
     out = engine.generate(
-        [prompt], mode=args.mode, max_new_tokens=args.max_new_tokens, sampling=sampling, k=args.k,
-        ssd=SSDConfig(fanout=args.fanout, saguaro_c=args.saguaro_c, backup=args.backup),
+        [prompt], mode=args.mode, max_new_tokens=args.max_new_tokens, sampling=args.sampling,
+        k=args.k, ssd=SSDConfig(fanout=args.fanout_used, saguaro_c=args.saguaro_c,
+                                backup=args.backup),
         seed=args.seed, stop=args.stop, chat=args.chat, on_tokens=None if args.json else on_tokens)
     if args.json:
-        print(json.dumps({"text": out.texts[0], "token_ids": out.token_ids[0],
-                          "metrics": {**out.metrics.to_dict(), "dtype": args.dtype}}))
+        metrics = out.metrics.to_dict()
+        metrics.update(dtype=dtype, draft_quant=quant if args.mode != "ar" else None,
+                       backend=metrics.get("backend") or engine.backend, placement=placement,
+                       cpu_features=cpu_features())
+        print(json.dumps({"text": out.texts[0], "token_ids": out.token_ids[0], "metrics": metrics}))
     else:
         sys.stdout.write("\n")
         print(out.metrics.summary(), file=sys.stderr)
@@ -160,7 +323,7 @@ def main(argv=None) -> int:
     try:
         return {"fetch": _fetch, "generate": _generate, "bench": _bench}[args.command](args)
     except (ValueError, registry.FetchError, FileNotFoundError, OSError, BenchError,
-            BenchmarkSetError) as e:
+            BenchmarkSetError, GenerateError) as e:
         msg = " ".join(str(e).split("\n")[0].split()) or type(e).__name__
         print(f"ssd-jax: error: {msg}", file=sys.stderr)
         return EXIT_USAGE if isinstance(e, ValueError) else 1
