@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from safetensors.numpy import save_file
@@ -262,6 +263,42 @@ def assert_one_line_error(rc, err, *needles):
 def test_generate_bad_flags(pair, capsys, extra, needle):
     rc, _, err = run_cli(gen_args(pair, *extra), capsys)
     assert_one_line_error(rc, err, needle)
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--k", "0"], "K must be an int >= 1"),
+    (["--fanout", "1,1"], "K+1"),
+    (["--fanout", "1,-1,1,1,1"], ">= 0"),
+    (["--saguaro-c", "1.5"], "saguaro_c"),
+    (["--temperature", "-0.5"], "temperature"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--top-k", "-3"], "top_k"),
+    (["--max-new-tokens", "0"], "max_new_tokens"),
+    (["--backend", "bogus"], "--backend"),
+])
+def test_generate_checks_arguments_before_any_load(capsys, monkeypatch, tmp_path, extra, needle):
+    """A bad argument is the error even with a missing --target: nothing loads, nothing starts,
+    and the answer comes in well under a model load."""
+    import ssd_jax.models.load as load
+    from ssd_jax.runtime import transport
+
+    def never(*a, **k):
+        raise AssertionError("loaded or started before the arguments were checked")
+    for mod, name in ((load, "load_model"), (load, "load_draft"), (transport, "start_two_process")):
+        monkeypatch.setattr(mod, name, never)
+    t0 = time.perf_counter()
+    rc, _, err = run_cli(["generate", "--target", str(tmp_path / "bogus"), "--draft",
+                          str(tmp_path / "bogus_draft"), "--prompt", "x", *extra], capsys)
+    assert time.perf_counter() - t0 < 5
+    assert_one_line_error(rc, err, needle)
+    assert str(tmp_path) not in err  # not the missing model
+
+
+def test_console_script_checks_k_before_the_target(tmp_path):
+    proc = subprocess.run([SCRIPT, "generate", "--target", str(tmp_path / "bogus"), "--prompt", "x",
+                           "--k", "0"], capture_output=True, text=True, env=dict(os.environ),
+                          timeout=300)
+    assert_one_line_error(proc.returncode, proc.stderr, "K must be an int >= 1")
 
 
 def test_generate_model_errors(pair, capsys, tmp_path):
