@@ -16,7 +16,7 @@ from ssd_jax.models.cpu.layouts import Int4Tiles, pack_int4, unpack_int4
 from ssd_jax.models.cpu.matmul import reference_int8
 from ssd_jax.models.kv_cache import init_cache
 from ssd_jax.models.ops import XLA, xla_dense
-from ssd_jax.models.params import random_params
+from ssd_jax.models.params import decode_bytes, random_params
 from ssd_jax.models.quant import quantize_params
 from ssd_jax.models.transformer import forward
 from ssd_jax.models.weights import Int4Weight, Int8Weight, quantize_int4
@@ -191,6 +191,8 @@ def test_int4_forward_kernel_matches_reference_and_stays_near_the_float_model(ar
     assert all(isinstance(lp.w_down, Int4Tiles if kernel else Int4Weight) for lp in prepared.layers)
     hlo = fwd.lower(prepared, cfg=cfg, tokens=toks, cache=init_cache(cfg, 2, 16), ops=ops).as_text()
     assert ("ssd_jax_small_m_matmul_int4" in hlo) == kernel
+    if kernel:  # the tiles are 5 bits a weight: a decode streams less than the int8 model's
+        assert decode_bytes(prepared) < decode_bytes(ops.prepare(quantize_params(params)))
     got, _ = fwd(prepared, cfg=cfg, tokens=toks, cache=init_cache(cfg, 2, 16), ops=ops)
     want, _ = fwd(qp, cfg=cfg, tokens=toks, cache=init_cache(cfg, 2, 16), ops=KERNEL_REFERENCE)
     xla, _ = fwd(qp, cfg=cfg, tokens=toks, cache=init_cache(cfg, 2, 16), ops=XLA)
