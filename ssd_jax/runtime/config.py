@@ -26,8 +26,9 @@ class SSDConfig:
     row_dtype: str = "float32"
     cache_budget_bytes: int | None = None
 
-    def lists(self, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(F after a hit, F after a backup) for lookahead k, each K+1 entries with equal sums,
+    def lists(self, k: int, vocab: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(F after a hit, F after a backup) for lookahead k, each K+1 entries with equal sums
+        and, given the vocabulary size, within `fanout.caps` (V - 1 candidates at j < K, V at K);
         or a ValueError naming the bad knob (fan-out lists, saguaro_c, backup)."""
         if isinstance(self.fanout, str):
             raise ValueError(f"fanout {self.fanout!r}: give F_0..F_K, None, or 'plan' (which the "
@@ -39,6 +40,13 @@ class SSDConfig:
         if sum(hit) != sum(backup) or sum(hit) < 1 or min(hit + backup) < 0:
             raise ValueError(f"fan-out lists must be >= 0 with equal positive sums (static MQ): "
                              f"{hit} vs {backup}")
+        if vocab is not None:
+            cap = fo.caps(k, int(vocab))
+            for f in (hit, backup):
+                if any(x > c for x, c in zip(f, cap)):
+                    raise ValueError(f"fan-out {f} asks for more candidates than a vocabulary of "
+                                     f"{vocab} has: at most {cap} (the drafted token is masked "
+                                     f"out at j < K)")
         if not 0.0 < self.saguaro_c <= 1.0:
             raise ValueError(f"saguaro_c must be in (0, 1], got {self.saguaro_c}")
         if self.backup not in BACKUPS:
@@ -47,10 +55,12 @@ class SSDConfig:
 
 
 def check_request(mode: str, max_new_tokens: int, k: int, sampling=SamplingParams(),
-                  draft_sampling=None, ssd: SSDConfig | None = None) -> None:
+                  draft_sampling=None, ssd: SSDConfig | None = None,
+                  vocab: int | None = None) -> None:
     """A ValueError naming the first bad argument of a generate call (mode, max_new_tokens, K,
     the sampling parameters, and for SSD the fan-out lists, Saguaro C and backup); None if all
-    are good. Needs no model: `Engine.generate` and the CLI call it before any work."""
+    are good. Needs no model (`vocab`, the vocabulary size, only adds the fan-out caps):
+    `Engine.generate` and the CLI call it before any work."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
     if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
@@ -65,7 +75,8 @@ def check_request(mode: str, max_new_tokens: int, k: int, sampling=SamplingParam
             raise ValueError(f"ssd must be a ssd_jax.SSDConfig, got {type(ssd).__name__}")
         # "plan" is resolved from the engine's own measurements: check the rest of the knobs
         plan = ssd.fanout == "plan"
-        (dataclasses.replace(ssd, fanout=None, fanout_backup=None) if plan else ssd).lists(int(k))
+        (dataclasses.replace(ssd, fanout=None, fanout_backup=None) if plan else ssd).lists(
+            int(k), vocab)
 
 
 def check_pair(target, draft) -> None:

@@ -149,7 +149,7 @@ class Engine:
         (tokens/s, tokens per round, acceptance, hit rate, the per-round timeline, the backend).
         Raises ValueError, before any work, for an argument it cannot serve.
         """
-        check_request(mode, max_new_tokens, k, sampling, draft_sampling, ssd)
+        check_request(mode, max_new_tokens, k, sampling, draft_sampling, ssd, self.vocab_size)
         if mode != "ar" and self.draft is None:
             raise ValueError(f"mode {mode!r} needs a draft model: Engine(target, draft)")
         if mode == "ssd" and isinstance(self.worker, Proposer) and not hasattr(self.worker, "resolve"):
@@ -324,7 +324,7 @@ class Engine:
         m.init_hist(k)
         if ssd.fanout == "plan":
             ssd = dataclasses.replace(ssd, fanout=self.plan_fanout(k, batch.size), fanout_backup=None)
-        f_hit, f_backup = ssd.lists(k)
+        f_hit, f_backup = ssd.lists(k, self.vocab_size)
         m.fanout = f_hit
         vocab_rows = self.target.cfg.vocab_size
         check_budget(batch.size, sum(f_hit), k, vocab_rows, ssd.row_dtype, ssd.cache_budget_bytes)
@@ -385,7 +385,8 @@ class Engine:
         if sum(sd["accept_hist"]) == 0:
             raise ValueError("fanout='plan': the last SD run completed no timed round")
         return plan_from_sd(self._t1, sd["tv"], sd["draft_s"], sd["accept_hist"], ks=(k,),
-                            batch=batch, width_slope=self.draft_width_slope()).fanout
+                            batch=batch, vocab=self.vocab_size,
+                            width_slope=self.draft_width_slope()).fanout
 
     def draft_width_slope(self) -> float | None:
         """The extra cost per row of this engine's draft forward relative to one row (what a tree
