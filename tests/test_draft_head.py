@@ -1,17 +1,15 @@
 """A draft head cut to ids [0, n) (models/draft_head.py): the logits it keeps, -inf past them, every
-head form (float, tied, packed bf16, int8), exact SD and SSD with it, and errors that name the
-problem. Its distribution exactness at temperature > 0 is in tests/test_engine_exactness.py."""
+logical head form (float, tied, int8), exact SD and SSD with it, and errors that name the
+problem (the cpu backend's layouts of a cut head: tests/cpu/test_cpu_layouts.py). Its distribution exactness at temperature > 0 is in tests/test_engine_exactness.py."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ssd_jax.models import cpu_matmul
 from ssd_jax.models.config import tiny_config
 from ssd_jax.models.draft_head import head_width, prepare_draft, truncate_head, truncate_model_head
 from ssd_jax.models.kv_cache import init_cache
 from ssd_jax.models.model import Model
-from ssd_jax.models.packed import PackedWeight, pack_params
 from ssd_jax.models.params import random_params
 from ssd_jax.models.quant import Int8Weight, quantize_params
 from ssd_jax.models.transformer import forward
@@ -54,17 +52,6 @@ def test_cutting_an_int8_head_equals_quantizing_a_cut_head():
     np.testing.assert_array_equal(_logits(a, cfg), _logits(b, cfg))
 
 
-@pytest.mark.skipif(not cpu_matmul.bf16_strips(), reason="packs only where the AVX512_BF16 kernel runs")
-def test_cutting_a_packed_head_equals_packing_a_cut_head():
-    cfg = tiny_config("qwen2", vocab_size=256, dtype="bfloat16")
-    params = random_params(cfg, 3)
-    a = truncate_head(pack_params(params), 96)
-    b = pack_params(truncate_head(params, 96))
-    assert isinstance(a.lm_head, PackedWeight) and head_width(a) == 96
-    np.testing.assert_array_equal(np.asarray(a.lm_head.w), np.asarray(b.lm_head.w))
-    np.testing.assert_array_equal(_logits(a, cfg), _logits(b, cfg))
-
-
 def test_bad_cuts_name_the_problem():
     cfg = tiny_config("qwen2", vocab_size=V)
     model = Model(cfg, random_params(cfg, 0), name="tiny")
@@ -75,6 +62,9 @@ def test_bad_cuts_name_the_problem():
         truncate_head(truncate_head(model.params, N), N + 1)
     with pytest.raises(TypeError, match="Params"):
         truncate_head({"lm_head": None}, N)
+    laid_out = model.params.replace(lm_head=type("Layout", (), {"shape": (32, V)})())
+    with pytest.raises(TypeError, match="backend's layout.*before the backend's `prepare`"):
+        truncate_head(laid_out, N)
     cut = truncate_model_head(model, N)
     assert cut.name == f"tiny+head{N}" and truncate_model_head(cut, N) is cut
     assert truncate_model_head(model, V) is model
@@ -105,13 +95,12 @@ def test_proposal_rows_of_a_cut_draft_are_zero_past_the_cut():
     np.testing.assert_allclose(np.asarray(rows).sum(-1), 1.0, rtol=1e-5)
 
 
-def test_load_draft_cuts_then_quantizes_and_skips_packing_an_int8_draft(tmp_path):
+def test_load_draft_cuts_then_quantizes_logical_weights(tmp_path):
     import json
 
     from safetensors.numpy import save_file
 
     from ssd_jax.models.load import load_draft
-    from ssd_jax.models.packed import is_packed
     from ssd_jax.models.params import random_hf_tensors
 
     cfg = tiny_config("qwen2", vocab_size=256)
@@ -120,7 +109,9 @@ def test_load_draft_cuts_then_quantizes_and_skips_packing_an_int8_draft(tmp_path
     kw = dict(use_cache=False, with_tokenizer=False)
     d = load_draft(tmp_path, "bfloat16", "int8", 96, **kw)
     assert isinstance(d.params.lm_head, Int8Weight) and head_width(d.params) == 96
-    assert not is_packed(d.params) and d.name.endswith("+head96+int8")
+    assert type(d.params.lm_head) is Int8Weight and d.name.endswith("+head96+int8")
     plain = load_draft(tmp_path, "bfloat16", **kw)
     assert head_width(plain.params) == 256
-    assert is_packed(plain.params) == cpu_matmul.bf16_strips()  # load_model's default
+    # logical: arrays, for a backend's prepare to lay out
+    assert all(isinstance(getattr(lp, n), jax.Array) for lp in plain.params.layers
+               for n in ("wqkv", "wo", "w_gate_up", "w_down"))

@@ -211,3 +211,26 @@ def test_smollm2_bf16_prepared_decodes_the_same_tokens():
                                                        eos_ids=[]).token_ids
     for p, g, w in zip(ids, got, want):
         assert_greedy_agreement(plain.params, plain.cfg, p, g, w)
+
+
+def test_a_cut_head_is_cut_logical_then_laid_out():
+    from ssd_jax.models.draft_head import head_width, truncate_head
+    cfg = tiny_config("qwen2", vocab_size=256, dtype="bfloat16")
+    params = random_params(cfg, 3)
+    ops = cpu.backend()
+    cut = ops.prepare(truncate_head(params, 96))
+    assert head_width(cut) == 96
+    assert isinstance(cut.lm_head, PackedWeight) == has_feature("bf16_strips")
+    if isinstance(cut.lm_head, PackedWeight):
+        with pytest.raises(TypeError, match="before the backend's `prepare`"):
+            truncate_head(cut, 64)
+    np.testing.assert_array_equal(np.asarray(to_logical(cut).lm_head),
+                                  np.asarray(truncate_head(params, 96).lm_head))
+    toks = jax.random.randint(jax.random.key(0), (2, 5), 0, cfg.vocab_size)
+    got = forward(cut, cfg, toks, init_cache(cfg, 2, 16), ops=ops)[0]
+    full = forward(params, cfg, toks, init_cache(cfg, 2, 16), ops=XLA)[0]
+    assert np.all(np.asarray(got)[..., 96:] == -np.inf)
+    np.testing.assert_allclose(np.asarray(got)[..., :96], np.asarray(full)[..., :96], rtol=2e-2, atol=2e-2)
+    q8 = ops.prepare(truncate_head(quantize_params(params), 96))  # an int8 cut head, tiled where narrow
+    assert head_width(q8) == 96
+    assert isinstance(q8.lm_head, TiledInt8Weight) == has_feature("int8_tiles")
