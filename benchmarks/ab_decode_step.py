@@ -12,9 +12,11 @@ noise floor: its ratio should be ~1.00.
 
 Variants (each compiled beside the baseline, the 1.5B target in bf16, `--context` tokens cached):
 - `control`: the baseline again;
-- `xla-swiglu`: the MLP's silu(gate) * up as XLA's fusion instead of the CPU kernel;
-- `xla-attention`: the KV write and attention as XLA's ops instead of the CPU kernel;
-- `no-helper`: the kernels split their work on XLA's pool only (`cpu_matmul.use_helper_thread`).
+- `xla-swiglu`: the MLP's silu(gate) * up as XLA's fusion instead of the CPU kernel (the cpu
+  backend's table with its `swiglu` replaced by `xla_swiglu`);
+- `xla-attention`: the KV write and attention as XLA's ops instead of the CPU kernel (`attend`
+  replaced by `xla_attend`);
+- `no-helper`: the kernels split their work on XLA's pool only (`cpu.use_helper_thread`).
 A ratio above 1 means the variant is slower than the baseline (so what it removes helps).
 """
 from __future__ import annotations
@@ -45,53 +47,48 @@ def main(argv=None) -> int:
     if unknown or not chosen:
         ap.error(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
 
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from ssd_jax.models import cpu_attention, cpu_matmul, cpu_swiglu
+    from ssd_jax.models import cpu
+    from ssd_jax.models.ops import xla_attend, xla_swiglu
     from ssd_jax.models.kv_cache import init_cache
     from ssd_jax.models.load import load_model
     from ssd_jax.algorithm import steps
     from ssd_jax.algorithm.sampling import SamplingParams
 
-    if not cpu_matmul.available():
-        sys.exit("the CPU kernels are not available here: nothing to compare")
+    if not cpu.available():
+        sys.exit(f"the CPU kernels are not available here ({cpu.build.reason()}): nothing to compare")
+    ops = cpu.backend()
     model = load_model(args.model, args.dtype)
-    cfg, params = model.cfg, jax.device_put(model.params)
+    cfg, params = model.cfg, ops.prepare(jax.device_put(model.params))
     V, sp = model.tokenizer.vocab_size, SamplingParams()
     max_len = 256 * (-(-(args.context + 8) // 256))
     lengths = np.asarray([args.context], np.int32)
     seed, rids = jnp.int32(0), jnp.zeros((1,), jnp.int32)
     bonus, active = jnp.asarray([1], jnp.int32), jnp.ones((1,), bool)
 
-    def compile_step():
-        jax.clear_caches()  # trace again, so that a patched module function is seen
+    def compile_step(table=ops):
+        jax.clear_caches()  # trace again: a second compile of the same table for `control`
         return steps.decode.lower(params, cfg, init_cache(cfg, 1, max_len), bonus, active, seed,
-                                  rids, sp, V).compile()
-
-    def patched(module, name, replacement):
-        original = getattr(module, name)
-        setattr(module, name, replacement)
-        try:
-            return compile_step()
-        finally:
-            setattr(module, name, original)
+                                  rids, sp, V, ops=table).compile()
 
     runs = {"baseline": compile_step()}
     for v in chosen:
         if v in ("control", "no-helper"):
             runs[v] = compile_step()
         elif v == "xla-swiglu":
-            runs[v] = patched(cpu_swiglu, "swiglu", lambda gu, enabled=True: cpu_swiglu.reference(gu))
+            runs[v] = compile_step(dataclasses.replace(ops, name="cpu-xla-swiglu", swiglu=xla_swiglu))
         elif v == "xla-attention":
-            runs[v] = patched(cpu_attention, "attend",
-                              lambda q, k, v_, p, kc, vc, window=None, enabled=True:
-                              cpu_attention.reference(q, k, v_, p, kc, vc, window))
+            runs[v] = compile_step(dataclasses.replace(ops, name="cpu-xla-attention",
+                                                       attend=xla_attend))
     caches = {name: init_cache(cfg, 1, max_len).with_lengths(lengths) for name in runs}
 
     def step(name):
-        cpu_matmul.use_helper_thread(name != "no-helper")
+        cpu.use_helper_thread(name != "no-helper")
         t0 = time.perf_counter()
         tok, _, c = runs[name](params, caches[name], bonus, active, seed, rids)
         jax.block_until_ready(tok)
@@ -108,7 +105,7 @@ def main(argv=None) -> int:
         rng.shuffle(order)
         for name in order:
             times[name].append(step(name))
-    cpu_matmul.use_helper_thread(True)
+    cpu.use_helper_thread(True)
 
     base = times["baseline"]
     print(f"{args.model} {args.dtype}, {args.context} tokens cached, {args.rounds} rounds, "

@@ -1,4 +1,4 @@
-"""The cache-attention kernel (models/cpu_attention.py) against its XLA reference, side by side.
+"""The cache-attention kernel (models/cpu/attention.py) against its XLA reference, side by side.
 
     taskset -c 0 python benchmarks/cache_attention.py
     taskset -c 0,1 python benchmarks/cache_attention.py --slots 256,2048 --tokens 1,5
@@ -31,7 +31,8 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from ssd_jax.models import cpu_attention
+    from ssd_jax.models.cpu import attention
+    from ssd_jax.models.ops import xla_attend
 
     H, KVH, D, dt = 12, 2, 128, jnp.bfloat16
     rng = np.random.default_rng(0)
@@ -45,8 +46,8 @@ def main(argv=None) -> int:
             q, kn, vn = a(1, T, H, D), a(1, T, KVH, D), a(1, T, KVH, D)
             pos = jnp.asarray(S - 56 + np.arange(T)[None], jnp.int32)
             res = {}
-            for name, fn in (("reference", cpu_attention.reference),
-                             ("kernel", cpu_attention.kernel)):
+            for name, fn in (("reference", xla_attend),
+                             ("kernel", attention.kernel)):
                 def layers(x, ks, vs, fn=fn):
                     out_k, out_v = [], []
                     for kc, vc in zip(ks, vs):  # each layer's output feeds the next one's query

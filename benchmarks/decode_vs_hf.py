@@ -159,8 +159,15 @@ def worker_jax(context: int, iters: int, k: int, dtype: str = "float32", threads
     from ssd_jax.algorithm.sampling import SamplingParams
     from ssd_jax.algorithm.verify import rejection_sample
 
+    from ssd_jax.models.ops import XLA
+    try:  # the CPU kernels' backend table (models/cpu), where they build
+        from ssd_jax.models import cpu
+        ops = cpu.backend()
+    except RuntimeError as e:
+        print(f"{e}: XLA's ops", file=sys.stderr)
+        ops = XLA
     model = load_model(TARGET, dtype)
-    cfg, params = model.cfg, jax.device_put(model.params)
+    cfg, params = model.cfg, ops.prepare(jax.device_put(model.params))  # the backend's layouts
     nbytes = decode_bytes(params)  # the head's bytes once (an untied copy is read, not the embedding)
     V = model.tokenizer.vocab_size
     sp = SamplingParams()
@@ -171,7 +178,7 @@ def worker_jax(context: int, iters: int, k: int, dtype: str = "float32", threads
     seed, rids = jnp.int32(0), jnp.zeros((1,), jnp.int32)
     cache = init_cache(cfg, 1, 256 * (-(-(context + k + 2) // 256)))
     _, _, cache = steps.prefill(params, cfg, cache, jnp.asarray(toks), jnp.asarray([context], jnp.int32),
-                                seed, rids, sp, V)
+                                seed, rids, sp, V, ops=ops)
     state = dict(cache=cache)
     bonus = jnp.asarray([int(rng.integers(V))], jnp.int32)
     active = jnp.ones((1,), bool)
@@ -181,13 +188,13 @@ def worker_jax(context: int, iters: int, k: int, dtype: str = "float32", threads
 
     def decode():
         tok, lp, c = steps.decode(params, cfg, state["cache"].with_lengths(ctx), bonus, active, seed,
-                                  rids, sp, V)
+                                  rids, sp, V, ops=ops)
         jax.block_until_ready(tok)
         state["cache"] = c
 
     def verify():
         res, lp, c = steps.verify(params, cfg, state["cache"].with_lengths(ctx), bonus, spec, rows,
-                                  active, seed, rids, sp, V, rejection_sample)
+                                  active, seed, rids, sp, V, rejection_sample, ops=ops)
         jax.block_until_ready(res.tokens)
         state["cache"] = c
 

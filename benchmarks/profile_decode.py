@@ -44,8 +44,15 @@ def main(argv=None) -> int:
     from ssd_jax.algorithm import steps
     from ssd_jax.algorithm.sampling import SamplingParams
 
+    from ssd_jax.models.ops import XLA
+    try:  # the CPU kernels' backend table (models/cpu), where they build
+        from ssd_jax.models import cpu
+        ops = cpu.backend()
+    except RuntimeError as e:
+        print(f"{e}: XLA's ops", file=sys.stderr)
+        ops = XLA
     model = load_model(args.model, args.dtype)
-    cfg, params = model.cfg, jax.device_put(model.params)
+    cfg, params = model.cfg, ops.prepare(jax.device_put(model.params))  # the backend's layouts
     V = model.tokenizer.vocab_size
     sp = SamplingParams()
     ctx = args.context
@@ -56,19 +63,19 @@ def main(argv=None) -> int:
     seed, rids = jnp.int32(0), jnp.zeros((1,), jnp.int32)
     cache = init_cache(cfg, 1, max_len)
     _, _, cache = steps.prefill(params, cfg, cache, jnp.asarray(toks),
-                                jnp.asarray([ctx], jnp.int32), seed, rids, sp, V)
+                                jnp.asarray([ctx], jnp.int32), seed, rids, sp, V, ops=ops)
     state = dict(cache=cache)
     bonus, active = jnp.asarray([1], jnp.int32), jnp.ones((1,), bool)
     lengths = np.asarray([ctx], np.int32)
 
     def decode():
         tok, _, c = steps.decode(params, cfg, state["cache"].with_lengths(lengths), bonus, active,
-                                 seed, rids, sp, V)
+                                 seed, rids, sp, V, ops=ops)
         jax.block_until_ready(tok)
         state["cache"] = c
 
     hlo = steps.decode.lower(params, cfg, state["cache"], bonus, active, seed, rids, sp,
-                             V).compile().as_text()
+                             V, ops=ops).compile().as_text()
     for _ in range(3):
         decode()
     wall = []
