@@ -67,6 +67,7 @@ def _cpu_fingerprint() -> str:
 
 
 def compiler() -> str | None:
+    """The C++ compiler to build with: $CXX, else c++, g++ or clang++ on the PATH (None: none)."""
     return (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
             or shutil.which("clang++"))
 
@@ -145,6 +146,7 @@ def reason() -> str:
 
 
 def require() -> None:
+    """A RuntimeError saying why, unless the kernel library is available."""
     if not _load():
         raise RuntimeError(f"the CPU kernels are not available on this machine: {_REASON[0]}")
 

@@ -47,6 +47,7 @@ def packable(K: int, N: int) -> bool:
 
 
 def check_packable(w) -> tuple[int, int]:
+    """(K, N) of w, or a ValueError unless `packable`."""
     if w.ndim != 2 or not packable(*w.shape):
         raise ValueError(f"a packed w is [K, N] with K even and N a multiple of {STRIP_COLS}, "
                          f"got {list(w.shape)}")
@@ -77,10 +78,12 @@ class PackedWeight:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """(K, N) of the weight it lays out."""
         return self.w.shape
 
     @property
     def dtype(self):
+        """The weight's dtype (bfloat16)."""
         return self.w.dtype
 
     def unpack(self) -> jax.Array:
@@ -105,6 +108,7 @@ def tileable(K: int, N: int) -> bool:
 
 
 def check_tileable(q) -> tuple[int, int]:
+    """(K, N) of q, or a ValueError unless `tileable`."""
     if q.ndim != 2 or not tileable(*q.shape):
         raise ValueError(f"a tiled int8 q is [K, N] with K a multiple of {TILE_ROWS} and N a "
                          f"multiple of {TILE_COLS} up to {TILE_MAX_COLS}, got {list(q.shape)}")
@@ -136,12 +140,15 @@ class TiledInt8Weight:
 
     @property
     def shape(self) -> tuple[int, int]:
+        """(K, N) of the weight it lays out."""
         return tuple(self.q.shape)
 
     def logical(self) -> Int8Weight:
+        """The models/weights.py value it lays out."""
         return Int8Weight(q=untile_int8(self.q), scale=self.scale)
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """w [K, N] in `dtype` (the logical value dequantized)."""
         return self.logical().dequantize(dtype)
 
 
@@ -207,13 +214,16 @@ class Int4Tiles:
 
     @property
     def shape(self) -> tuple[int, int]:
+        """(K, N) of the weight it lays out."""
         G, NB = _check_tiles(self.tiles)
         return G * GROUP, NB * BLOCK
 
     def logical(self) -> Int4Weight:
+        """The models/weights.py value it lays out."""
         return Int4Weight(*unpack_int4(self.tiles))
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """w [K, N] in `dtype` (the logical value dequantized)."""
         return self.logical().dequantize(dtype)
 
 
