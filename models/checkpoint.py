@@ -20,11 +20,15 @@ from ssd_jax.models.config import ModelConfig
 from ssd_jax.models.params import LayerParams, Params
 
 
+FORMAT = 2  # bump when what a checkpoint holds changes (2: ModelConfig without cpu_kernels)
+
+
 def checkpoint_dir(source: Path, dtype: str, root: Path) -> Path:
     """The directory under `root / "converted"` for `source` converted to `dtype`: its name hashes
-    the source's resolved path, size and mtime with the dtype, so an edited source gets a new one."""
+    the source's resolved path, size and mtime with the dtype and `FORMAT`, so an edited source,
+    or another version of this package, gets a new one."""
     st = source.stat()
-    ident = f"{source.resolve()}|{st.st_size}|{int(st.st_mtime)}|{dtype}"
+    ident = f"{source.resolve()}|{st.st_size}|{int(st.st_mtime)}|{dtype}|v{FORMAT}"
     return root / "converted" / f"{source.stem}-{dtype}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
 
 
