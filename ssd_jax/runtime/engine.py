@@ -337,7 +337,6 @@ class Engine:
         # Round 1 has no cache: its speculation comes from the backup.
         spec, rows = draft.backup(RoundState.of(batch), drun)
         from_backup = np.ones(batch.size, bool)
-        first = True
         while batch.active.any():
             t0, c0, n0 = self._round_start(batch)
             before = RoundState.of(batch)
@@ -347,22 +346,23 @@ class Engine:
             t1 = time.perf_counter()
             if chooser is not None:
                 chooser.record(drun.backup, tokens=(k_acc + 1)[from_backup & before.active])
-                if not first and m.lookups:
+                if m.lookups:
                     kind = chooser.choose(m.hit_rate, m.verify_s / m.rounds, m.draft_s / m.rounds,
                                           _mean_tokens(m.accept_hist_after_hit))
                 drun = dataclasses.replace(drun, backup=kind)
             spec, rows, hit, times = draft.resolve(k_acc, np.asarray(res.bonus), RoundState.of(batch),
                                                    drun)
-            missed = ~hit & batch.active
-            if not first:
-                m.hits += int((hit & before.active).sum())
-                m.lookups += int(before.active.sum())
+            # This lookup decides the next round's speculation: it counts for the rows that have a
+            # next round (still active after this commit), from the first loop iteration on.
+            nxt = batch.active
+            missed = ~hit & nxt
+            m.hits += int((hit & nxt).sum())
+            m.lookups += int(nxt.sum())
             if missed.any():
                 m.backups[drun.backup] = m.backups.get(drun.backup, 0) + int(missed.sum())
                 if chooser is not None:
                     chooser.record(drun.backup, backup_s=times["backup_s"])
             from_backup = missed
-            first = False
             # T_p: measured by a draft process itself; in-process, dispatch -> ready as seen here
             tree_s = times.get("tree_s", t1 - t0 + times["tree_wait_s"])
             m.verify_s += t1 - t0
@@ -371,7 +371,8 @@ class Engine:
             m.add_round(self._round_end(batch, RoundTimes(
                 verify_s=t1 - t0, draft_s=tree_s,
                 backup_s=times["backup_s"], exchange_s=times.get("exchange_s", 0.0),
-                hit=int((hit & before.active).sum()), active=int(before.active.sum())), t0, c0, n0))
+                hit=int((hit & nxt).sum()), lookups=int(nxt.sum()),
+                active=int(before.active.sum())), t0, c0, n0))
         draft.finish()
         m.predicted_speedup = self._predict(m)
 

@@ -31,7 +31,8 @@ class RoundTimes:
     backup_s: float = 0.0  # time spent producing a backup speculation after a miss
     exchange_s: float = 0.0  # moving outcome / speculation between meshes or processes
     round_s: float = 0.0
-    hit: int = -1  # SSD: hits among active sequences this round (-1 when not counted)
+    hit: int = -1  # SSD: hits of this round's lookup (which decides the next round; -1: none)
+    lookups: int = 0  # SSD: the sequences that lookup counted (those with a next round)
     active: int = 0
     tokens: int = 0  # tokens committed this round (all sequences)
     compiled: bool = False  # a compile happened inside this round: excluded from tokens/s
