@@ -122,7 +122,8 @@ def verify(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Array, s
 def draft_chain(params: Params, cfg: ModelConfig, cache: KVCache, prev: jax.Array, bonus: jax.Array,
                 n: jax.Array, seed: jax.Array, request_ids: jax.Array, sampling: smp.SamplingParams,
                 vocab_size: int, k: int, saguaro_top_n: tuple[int, ...] = (),
-                saguaro_c: float = 1.0, row_dtype: str = "float32", ops: Ops = XLA):
+                saguaro_c: float = 1.0, row_dtype: str = "float32", ops: Ops = XLA,
+                draft_rows: jax.Array | None = None):
     """SD drafting (and the neural backup): K sequential draft steps from bonus b at position n.
 
     The first forward covers [token at n-1, b] so a committed token the draft has no KV for (s_K
@@ -130,14 +131,20 @@ def draft_chain(params: Params, cfg: ModelConfig, cache: KVCache, prev: jax.Arra
     by (request, n+i, STREAM_DRAFT): the same draw a tree branch makes for that position.
     prev `[B]` (the token at n-1), bonus `[B]`, n `[B]`, seed a scalar int or key, request_ids
     `[B]`. Returns tokens `[B, K]` int32, rows `[B, K, V]` (row_dtype), cache (donated) with KV for
-    positions n-1..n+K-1.
+    positions n-1..n+K-1. draft_rows `[B]` bool (default all): the rows drafted; the others'
+    cache is left exactly as it was (their writes land past the cache and are dropped, their
+    lengths are kept) and their tokens and rows are meaningless. Why: a neural backup for the rows
+    that missed must not rewrite the draft KV of the rows that hit, or a request's later draws
+    could depend on its batch companions.
 
     Static: `cfg` (the draft's ModelConfig), `sampling` (the draft's SamplingParams), `vocab_size`
     (real rows of V), `k` (K), `saguaro_top_n` (Saguaro's top-n per draft step, K entries, or ()
     for none), `saguaro_c` (Saguaro's C), `row_dtype` (the rows' dtype name) and `ops` (the op
     table).
     """
-    cache = cache.with_lengths(n - 1)
+    kept = cache.lengths
+    start = n - 1 if draft_rows is None else jnp.where(draft_rows, n - 1, cache.max_len)
+    cache = cache.with_lengths(start)
     # last_only: the logits of `prev` are never used, and the vocab projection is a large share
     # of a small draft's forward
     last, cache = forward(params, cfg, jnp.stack([prev, bonus], 1), cache, last_only=True, ops=ops)
@@ -152,4 +159,6 @@ def draft_chain(params: Params, cfg: ModelConfig, cache: KVCache, prev: jax.Arra
         if i < k - 1:
             logits, cache = forward(params, cfg, t[:, None], cache, ops=ops)
             last = logits[:, 0]
+    if draft_rows is not None:
+        cache = cache.with_lengths(jnp.where(draft_rows, cache.lengths, kept))
     return jnp.stack(toks, 1), jnp.stack(rows, 1), cache

@@ -126,20 +126,24 @@ class DraftWorker:
         jax.block_until_ready(self.cache)
 
     def propose(self, s: RoundState, run: DraftRun, saguaro_top_n: tuple[int, ...] = (),
-                saguaro_c: float = 1.0):
-        """K draft tokens from each row's bonus (SD drafting; also the neural backup)."""
+                saguaro_c: float = 1.0, draft_rows: np.ndarray | None = None):
+        """K draft tokens from each row's bonus (SD drafting; also the neural backup, for the
+        `draft_rows` [B] that missed: the others' draft KV stays untouched)."""
         spec, rows, self.cache = steps.draft_chain(
             self.params, self.cfg, self.cache, self._put(s.prev), self._put(s.bonus), self._put(s.n),
             jnp.int32(run.seed), self._put(run.request_ids), run.sampling, self.vocab_size, run.k,
-            saguaro_top_n, saguaro_c, run.row_dtype, ops=self.ops)
+            saguaro_top_n, saguaro_c, run.row_dtype, ops=self.ops,
+            draft_rows=None if draft_rows is None else self._put(np.asarray(draft_rows, bool)))
         return settle((spec, self._fit_rows(rows)), self._serial)
 
-    def backup(self, s: RoundState, run: DraftRun):
-        """A speculation from each row's real outcome (ALGORITHM.md §5). Saguaro scales the top F^b_i + 1
-        tokens of draft token i+1: the candidates the fork after this backup round will cache."""
+    def backup(self, s: RoundState, run: DraftRun, draft_rows: np.ndarray | None = None):
+        """A speculation from each row's real outcome (ALGORITHM.md §5) for the `draft_rows` [B]
+        that need one (default: the active rows). Saguaro scales the top F^b_i + 1 tokens of draft token i+1: the
+        candidates the fork after this backup round will cache."""
         if run.backup == "neural":
             top_n = tuple(f + 1 for f in run.fanout_backup[:-1])
-            return self.propose(s, run, top_n, run.saguaro_c)
+            rows = s.active if draft_rows is None else draft_rows
+            return self.propose(s, run, top_n, run.saguaro_c, draft_rows=rows)
         seed, rids, n = jnp.int32(run.seed), self._put(run.request_ids), self._put(s.n)
         kw = dict(k=run.k, vocab_size=self.vocab_size, row_vocab=self.row_vocab,
                   row_dtype=run.row_dtype)
@@ -196,7 +200,7 @@ class DraftWorker:
         missed = ~hit & s.active
         backup_s = 0.0
         if missed.any():
-            bspec, brows = self.backup(s, run)
+            bspec, brows = self.backup(s, run, draft_rows=missed)
             spec, rows = _take_backup(self._put(missed), bspec, spec, brows, rows)
             jax.block_until_ready(rows)
             backup_s = time.perf_counter() - t1
