@@ -130,6 +130,22 @@ def test_generate_json_each_mode_agrees(pair, capsys):
     assert json.loads(out)["metrics"]["dtype"] == "float32"
 
 
+def test_generate_ssd_defaults(pair, capsys):
+    """Without --k / --fanout, SSD runs the CLI's measured defaults (K=5, fan-out 0,0,0,0,0,1);
+    a --fanout alone sets K to its length - 1."""
+    base = ["generate", "--target", pair["target"], "--draft", pair["draft"], "--prompt", PROMPT,
+            "--max-new-tokens", "8", "--max-len", "256", "--json"]
+    rc, out, err = run_cli(base, capsys)
+    assert rc == 0, err
+    m = json.loads(out)["metrics"]
+    assert m["mode"] == "ssd" and m["k"] == cli.DEFAULT_K["ssd"] == 5
+    assert tuple(m["fanout"]) == cli.default_fanout(5) == (0, 0, 0, 0, 0, 1)
+    rc, out, err = run_cli([*base, "--fanout", "1,0,1"], capsys)
+    assert rc == 0, err
+    m = json.loads(out)["metrics"]
+    assert m["k"] == 2 and m["fanout"] == [1, 0, 1]
+
+
 def test_generate_streams_the_same_text(pair, capsys, tmp_path):
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text(PROMPT)
@@ -267,7 +283,7 @@ def test_generate_bad_flags(pair, capsys, extra, needle):
 
 @pytest.mark.parametrize("extra,needle", [
     (["--k", "0"], "K must be an int >= 1"),
-    (["--fanout", "1,1"], "K+1"),
+    (["--k", "4", "--fanout", "1,1"], "K+1"),
     (["--fanout", "1,-1,1,1,1"], ">= 0"),
     (["--saguaro-c", "1.5"], "saguaro_c"),
     (["--temperature", "-0.5"], "temperature"),

@@ -18,19 +18,21 @@ EXIT_USAGE = 2
 class GenerateError(RuntimeError):
     """The run could not start (e.g. the draft process did not join)."""
 
-DEFAULT_K = 4  # the CLI's lookahead; the default SSD fan-out is `default_fanout(K)`
+# The CLI's lookahead K per mode and its SSD fan-out, as measured best on a 2-core Xeon
+# (benchmarks/README.md, "CLI defaults"): SD at K=4; SSD at K=5 with the narrow fan-out
+# 0,...,0,1 (pre-draft only the all-accepted outcome: a wide tree outlasts the verify on a CPU).
+DEFAULT_K = {"ar": 4, "sd": 4, "ssd": 5}
 
 
-def default_fanout(k: int) -> tuple[int, ...] | None:
-    """The CLI's SSD fan-out at lookahead `k` when --fanout is not given (None: one candidate
-    per position, `ssd_jax.algorithm.fanout.uniform(k, 1)`)."""
-    return None
+def default_fanout(k: int) -> tuple[int, ...]:
+    """The CLI's SSD fan-out at lookahead `k` when --fanout is not given: F_0..F_{K-1} = 0,
+    F_K = 1 (one tree branch, for the outcome where every draft token is accepted)."""
+    return (0,) * int(k) + (1,)
 
 
 def _default_fanout_text() -> str:
-    f = default_fanout(DEFAULT_K)
-    return "one candidate per position" if f is None else ",".join(map(str, f)) + \
-        f" at K={DEFAULT_K}"
+    return ",".join(map(str, default_fanout(DEFAULT_K["ssd"]))) + \
+        f" at K={DEFAULT_K['ssd']}, i.e. 0 at every position but the last"
 
 
 def _fanout(text: str) -> tuple[int, ...] | str:
@@ -111,8 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="cut the draft's head to token ids [0, N) (models/draft_head.py): fewer "
                         "bytes per draft step; output stays exact, acceptance may change")
-    g.add_argument("--k", type=int, default=DEFAULT_K,
-                   help=f"lookahead K, draft tokens per round (>= 1; default {DEFAULT_K})")
+    g.add_argument("--k", type=int, default=None,
+                   help=f"lookahead K, draft tokens per round (>= 1; default {DEFAULT_K['sd']} "
+                        f"for sd, {DEFAULT_K['ssd']} for ssd)")
     g.add_argument("--fanout", type=_fanout, default=None,
                    help="SSD fan-out F_0..F_K: candidates pre-drafted per outcome position, K+1 "
                         "non-negative integers with a positive sum, e.g. 0,0,0,0,1 (default: "
@@ -162,6 +165,8 @@ def _validate_generate(args) -> None:
         raise ValueError("--fanout plan needs AR and SD runs to plan from: use it with "
                          "`ssd-jax bench`, or give F_0..F_K")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if args.k is None:
+        args.k = DEFAULT_K[args.mode] if args.fanout is None else len(args.fanout) - 1
     check_request(args.mode, args.max_new_tokens, args.k, sampling)
     args.fanout_used = args.fanout if args.fanout is not None else default_fanout(args.k)
     if args.mode == "ssd":
