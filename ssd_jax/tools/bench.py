@@ -75,7 +75,7 @@ def _cores(text: str) -> tuple[int, int]:
 def add_arguments(b: argparse.ArgumentParser, fanout_type) -> None:
     b.add_argument("--target", default=registry.DEFAULT_TARGET,
                    help="a default model name, a .gguf file or an HF folder")
-    b.add_argument("--draft", default=registry.DEFAULT_DRAFT)
+    b.add_argument("--draft", default=registry.DEFAULT_DRAFT, help="the draft model, as --target")
     b.add_argument("--prompts-file", default=None,
                    help="one prompt per line, or JSONL with a \"text\" key per line "
                         "(default: the benchmark set, ssd_jax.tools.benchmark_set)")
@@ -85,12 +85,13 @@ def add_arguments(b: argparse.ArgumentParser, fanout_type) -> None:
     b.add_argument("--k", type=int, default=4, help="lookahead K (draft tokens per round)")
     b.add_argument("--fanout", type=fanout_type, default=None,
                    help="SSD F_0..F_K, e.g. 2,2,1,1,1, or 'plan' (from this layout's AR and SD runs)")
-    b.add_argument("--saguaro-c", type=float, default=1.0)
-    b.add_argument("--backup", choices=("neural", "random", "ngram", "auto"), default="neural")
-    b.add_argument("--temperature", type=float, default=0.0)
-    b.add_argument("--top-k", type=int, default=0)
-    b.add_argument("--top-p", type=float, default=1.0)
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--saguaro-c", type=float, default=1.0, help="Saguaro C in (0, 1] (default 1)")
+    b.add_argument("--backup", choices=("neural", "random", "ngram", "auto"), default="neural",
+                   help="what SSD proposes after a miss (default neural: the draft)")
+    b.add_argument("--temperature", type=float, default=0.0, help=">= 0; 0 = greedy (default)")
+    b.add_argument("--top-k", type=int, default=0, help=">= 0; 0 = off (default)")
+    b.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off (default)")
+    b.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     b.add_argument("--dtype", default="float32", help="float32/fp32 or bfloat16/bf16")
     b.add_argument("--draft-quant", choices=("none", "int8", "int4"), default="none",
                    help="the draft's matmul weights as int8, or its layers as int4 (models/quant.py)")
@@ -107,13 +108,15 @@ def add_arguments(b: argparse.ArgumentParser, fanout_type) -> None:
     b.add_argument("--hf", choices=("auto", "yes", "no"), default="auto",
                    help="also run HF transformers AR + assisted generation (auto: when torch and "
                         "transformers are installed)")
-    b.add_argument("--hf-dtype", choices=("float32", "bfloat16"), default="float32")
+    b.add_argument("--hf-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="HF transformers weights dtype (default float32)")
     b.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the short warm-up generate before each mode")
-    b.add_argument("--max-len", type=int, default=4096)
+    b.add_argument("--max-len", type=int, default=4096, help="KV cache length (default 4096)")
     b.add_argument("--note", default="", help="a remark stored with the results (e.g. machine load)")
     b.add_argument("--out", default=None, help="output folder (default benchmarks/results/<timestamp>/)")
-    b.add_argument("--cache-dir", default=None)
+    b.add_argument("--cache-dir", default=None,
+                   help="where models are cached (default $SSD_JAX_HOME or ~/.cache/ssd_jax)")
 
 
 # ------------------------------------------------------------------------------------------ prompts
