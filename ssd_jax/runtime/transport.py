@@ -35,6 +35,19 @@ class Channel:
         import jax
         self.me = jax.process_index()
         self.seconds = 0.0  # time spent exchanging
+        self._count = 0  # messages so far (names each one's barrier)
+
+    def _meet(self):
+        """Both processes reach the same message before its collectives start. Why: gloo gives up
+        on a peer after ~30 s, and a peer can be busy far longer between messages (loading and
+        converting its model before the first one); the coordination service's barrier waits up
+        to 10 minutes. Messages are numbered, so both sides must exchange in the same order, as
+        the collectives already require."""
+        from jax._src import distributed
+        client = distributed.global_state.client
+        if client is not None:
+            self._count += 1
+            client.wait_at_barrier(f"ssd_jax_channel_{self._count}", timeout_in_ms=600_000)
 
     def _allgather(self, x: np.ndarray) -> np.ndarray:
         from jax.experimental import multihost_utils
@@ -44,6 +57,7 @@ class Channel:
         """Move a picklable `obj` from process `sender` to the other one; both return it (the sender
         its own object, the receiver the unpickled copy). Adds the time taken to `self.seconds`."""
         t0 = time.perf_counter()
+        self._meet()
         mine = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.me == sender else b""
         size = int(self._allgather(np.array([len(mine)], np.int64))[sender, 0])
         # Buffers come in power-of-2 sizes: each new shape would compile a new allgather, and a
