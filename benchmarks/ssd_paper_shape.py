@@ -80,7 +80,7 @@ def worker(args) -> None:
     from ssd_jax.models.load import load_draft, load_model
     from ssd_jax.runtime.engine import Engine, SSDConfig
 
-    target = load_model(args.target, args.dtype, pack=False if args.no_pack else None)
+    target = load_model(args.target, args.dtype)
     prompts = _prompts(args.prompts)
     if args.layout == "ssd-two-process":
         eng = Engine(target, remote_draft=remote)
@@ -129,9 +129,6 @@ def main() -> None:
     p.add_argument("--draft-quant", default="none", choices=("none", "int8", "int4"))
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="cut the draft's head to token ids [0, N) (models/draft_head.py)")
-    p.add_argument("--no-pack", action="store_true",
-                   help="keep the target's bf16 weights row-major (models/packed.py): its verify is "
-                        "then compute-bound and leaves the memory bus to the draft's core")
     p.add_argument("--layout", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     args = p.parse_args()
