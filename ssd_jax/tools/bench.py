@@ -73,6 +73,7 @@ def _cores(text: str) -> tuple[int, int]:
 
 
 def add_arguments(b: argparse.ArgumentParser, fanout_type) -> None:
+    """The `ssd-jax bench` flags on parser `b`; `fanout_type` parses a --fanout value."""
     b.add_argument("--target", default=registry.DEFAULT_TARGET,
                    help="a default model name, a .gguf file or an HF folder")
     b.add_argument("--draft", default=registry.DEFAULT_DRAFT, help="the draft model, as --target")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 
 def leading_equal(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two id lists share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -69,6 +70,7 @@ def _backend(lay: dict) -> str:
 
 
 def render_markdown(rep: dict) -> str:
+    """bench.md from a bench report dict (machine, config, per-layout and per-mode figures)."""
     cfg, mach = rep["config"], rep["machine"]
     versions = ", ".join(f"{m} {mach[m]}" for m in ("jax", "jaxlib", "flax", "torch", "transformers")
                          if m in mach)

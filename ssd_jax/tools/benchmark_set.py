@@ -61,6 +61,7 @@ class BenchmarkSetError(RuntimeError):
 
 
 def benchmarks_dir() -> Path:
+    """Where the benchmark prompts are cached (under the ssd_jax cache directory)."""
     return registry.cache_dir() / "benchmarks"
 
 

@@ -56,6 +56,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `ssd-jax` argument parser (fetch, generate, bench)."""
     from ssd_jax.tools import bench
 
     p = _Parser(prog="ssd-jax", description=__doc__.splitlines()[0])
@@ -318,6 +319,8 @@ def _bench(args) -> int:
 
 
 def main(argv=None) -> int:
+    """The `ssd-jax` command: run `argv` (default sys.argv[1:]); user errors print one
+    `ssd-jax: error: ...` line and return non-zero."""
     from ssd_jax.tools.bench import BenchError
     from ssd_jax.tools.benchmark_set import BenchmarkSetError
 
