@@ -26,8 +26,8 @@ from ssd_jax.runtime.batch import Batch, GenerationResult
 from ssd_jax.runtime.compile_cache import enable_compilation_cache
 from ssd_jax.runtime.config import MODES, SSDConfig, check_pair, check_request
 from ssd_jax.runtime.draft_worker import DraftRun, DraftWorker, RoundState
-from ssd_jax.runtime.metrics import CompileTimer, Metrics, RoundTimes
-from ssd_jax.algorithm.policy import BackupChooser, plan_from_sd, ssd_speedup, width_slope_from_times
+from ssd_jax.runtime.metrics import CompileTimer, Metrics, RoundTimes, mean_tokens
+from ssd_jax.algorithm.policy import BackupChooser, plan_from_sd, width_slope_from_times
 from ssd_jax.runtime.proposer import Proposer
 from ssd_jax.runtime.placement import Placement, make_placement, settle, spans_processes, to_mesh
 from ssd_jax.algorithm.sampling import SamplingParams
@@ -348,7 +348,7 @@ class Engine:
                 chooser.record(drun.backup, tokens=(k_acc + 1)[from_backup & before.active])
                 if m.lookups:
                     kind = chooser.choose(m.hit_rate, m.verify_s / m.rounds, m.draft_s / m.rounds,
-                                          _mean_tokens(m.accept_hist_after_hit))
+                                          mean_tokens(m.accept_hist_after_hit))
                 drun = dataclasses.replace(drun, backup=kind)
             spec, rows, hit, times = draft.resolve(k_acc, np.asarray(res.bonus), RoundState.of(batch),
                                                    drun)
@@ -374,7 +374,7 @@ class Engine:
                 hit=int((hit & nxt).sum()), lookups=int(nxt.sum()),
                 active=int(before.active.sum())), t0, c0, n0))
         draft.finish()
-        m.predicted_speedup = self._predict(m)
+        m.predicted_speedup = m.ssd_prediction(self._t1)
 
     def plan_fanout(self, k: int, batch: int = 1) -> tuple[int, ...]:
         """The fan-out `policy.plan_from_sd` picks for SSD at lookahead k from this engine's last
@@ -396,27 +396,6 @@ class Engine:
         if self._width_slope is None and isinstance(self.worker, DraftWorker):
             self._width_slope = width_slope_from_times(self.worker.width_times())
         return self._width_slope
-
-    def _predict(self, m: Metrics) -> float | None:
-        """Spec §6 speedup over plain decoding from this run's measured quantities (needs T_1 from
-        an earlier `ar` run of this engine)."""
-        steady = [r for r in m.timeline if not r.compiled]
-        if self._t1 is None or not steady or not m.lookups:
-            return None
-        tv = float(np.median([r.verify_s for r in steady]))
-        tp = float(np.median([r.draft_s for r in steady]))
-        with_backup = [r.backup_s for r in steady if r.backup_s > 0]
-        tb = float(np.mean(with_backup)) if with_backup else 0.0
-        e_hit = _mean_tokens(m.accept_hist_after_hit)
-        e_miss = _mean_tokens(m.accept_hist_after_miss)
-        batch = max(int(round(np.mean([r.active for r in steady]))), 1)
-        # one miss stalls the batch: the formula's all-hit probability is p_hit^batch
-        return ssd_speedup(self._t1, tv, tp, tb, m.hit_rate, e_hit, e_miss, batch=batch)
-
-
-def _mean_tokens(hist) -> float:
-    total = sum(hist)
-    return sum((j + 1) * c for j, c in enumerate(hist)) / total if total else 1.0
 
 
 def _default_verifier():

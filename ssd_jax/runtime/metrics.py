@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ssd_jax.algorithm.policy import acceptance_from_hist
+from ssd_jax.algorithm.policy import acceptance_from_hist, ssd_speedup
 
 _COMPILE_EVENTS = (
     "/jax/core/compile/jaxpr_trace_duration",
@@ -135,6 +135,23 @@ class Metrics:
         """hits / lookups (NaN before any lookup)."""
         return self.hits / self.lookups if self.lookups else float("nan")
 
+    def ssd_prediction(self, t1: float | None) -> float | None:
+        """The docs/ALGORITHM.md §6 speed-up over plain decoding from this SSD run's own steady
+        rounds (median verify and tree times, mean backup time, tokens per round after hits and
+        misses, hit rate, mean active batch), given T_1, a plain decode step measured apart; None
+        without T_1, steady rounds or lookups."""
+        steady = [r for r in self.timeline if not r.compiled]
+        if t1 is None or not steady or not self.lookups:
+            return None
+        tv = float(np.median([r.verify_s for r in steady]))
+        tp = float(np.median([r.draft_s for r in steady]))
+        with_backup = [r.backup_s for r in steady if r.backup_s > 0]
+        tb = float(np.mean(with_backup)) if with_backup else 0.0
+        batch = max(int(round(np.mean([r.active for r in steady]))), 1)
+        # one miss stalls the batch: the formula's all-hit probability is p_hit^batch
+        return ssd_speedup(t1, tv, tp, tb, self.hit_rate, mean_tokens(self.accept_hist_after_hit),
+                           mean_tokens(self.accept_hist_after_miss), batch=batch)
+
     def to_dict(self) -> dict[str, Any]:
         """Every field plus the derived rates, as JSON-ready values (NaN -> None)."""
         d = dataclasses.asdict(self)
@@ -196,3 +213,9 @@ class CompileTimer:
         finally:
             with self._lock:
                 CompileTimer._active.remove(self)
+
+
+def mean_tokens(hist) -> float:
+    """Mean tokens emitted per round, accepted + the bonus, from an accept histogram (1 if empty)."""
+    total = sum(hist)
+    return sum((j + 1) * c for j, c in enumerate(hist)) / total if total else 1.0
