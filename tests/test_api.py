@@ -104,3 +104,8 @@ def test_public_functions_and_classes_have_docstrings(module_name):
             missing += [f"{name}.{m}" for m, fn in _public_methods(obj, module_name)
                         if not _own_doc(fn)]
     assert missing == [], f"{module_name}: no docstring for {missing}"
+
+
+def test_the_version_is_the_installed_distributions():
+    from importlib.metadata import version
+    assert ssd_jax.__version__ == version("ssd_jax")
