@@ -5,8 +5,6 @@ K + 2 = 4 tokens from one prompt; the empirical window distribution must pass th
 chi-square test of `ssd_jax.testing` against the exact target distribution enumerated from the
 target's forward. Planted bugs in the verifier and in the proposer must fail the same test.
 """
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,67 +12,22 @@ import pytest
 
 import ssd_jax.algorithm.steps
 import ssd_jax.algorithm.tree
-from ssd_jax.models.config import tiny_config
-from ssd_jax.models.draft_head import truncate_model_head
-from ssd_jax.models.kv_cache import init_cache
-from ssd_jax.models.model import Model
-from ssd_jax.models.params import perturb, random_params
-from ssd_jax.models.transformer import forward
 from ssd_jax.algorithm import saguaro
-from ssd_jax.runtime.engine import Engine, SSDConfig
 from ssd_jax.algorithm.sampling import SamplingParams
-from ssd_jax.testing import (PLANTED_BUG_VERIFIERS, distribution_test, enumerate_window_distribution,
-                             window_counts)
+from ssd_jax.models.draft_head import truncate_model_head
+from ssd_jax.runtime.engine import SSDConfig
+from ssd_jax.testing import PLANTED_BUG_VERIFIERS, distribution_test, window_counts
+
+from _engine_stats import T07, T10, V, exact, make_pair, sample_windows, verdict
 
 pytestmark = pytest.mark.slow
-
-V = 4
-K = 2
-WINDOW = K + 2
-N = 100_000
-CHUNK = 25_000
-PROMPT = [1, 3, 0]
-CFG = tiny_config("qwen2", vocab_size=V, hidden_size=32, intermediate_size=64, num_heads=2,
-                  num_kv_heads=1, head_dim=16, num_layers=2)
 
 
 @pytest.fixture(scope="module")
 def pair():
-    target = Model(CFG, random_params(CFG, 3, scale=2.0))
-    draft = Model(CFG, perturb(target.params, jax.random.key(5), 0.6))
-    return target, draft
+    return make_pair()
 
 
-@functools.lru_cache(maxsize=None)
-def exact(sampling: SamplingParams):
-    target = Model(CFG, random_params(CFG, 3, scale=2.0))
-
-    @jax.jit
-    def logits_fn(tokens):
-        return forward(target.params, CFG, tokens, init_cache(CFG, tokens.shape[0], tokens.shape[1]))[0]
-
-    return enumerate_window_distribution(logits_fn, PROMPT, WINDOW, sampling, V)
-
-
-def sample_windows(pair, mode, sampling, **kw):
-    eng = Engine(*pair, max_len=16, compilation_cache=False)
-    windows, metrics = [], []
-    for c in range(N // CHUNK):
-        out = eng.generate([PROMPT] * CHUNK, mode=mode, max_new_tokens=WINDOW, k=K,
-                           sampling=sampling, request_ids=range(c * CHUNK, (c + 1) * CHUNK),
-                           seed=11, **kw)
-        windows.append(np.asarray(out.token_ids))
-        metrics.append(out.metrics)
-    return np.concatenate(windows), metrics
-
-
-def verdict(pair, mode, sampling, **kw):
-    toks, metrics = sample_windows(pair, mode, sampling, **kw)
-    return distribution_test(window_counts(toks, V), exact(sampling)), metrics
-
-
-T07 = SamplingParams(temperature=0.7)
-T10 = SamplingParams(temperature=1.0)
 EXACT_CASES = {
     "sd-t1.0": ("sd", T10, {}),
     "sd-t0.7-topk3": ("sd", SamplingParams(temperature=0.7, top_k=3), {}),
