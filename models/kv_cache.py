@@ -4,12 +4,27 @@ Slot s of a sequence's cache holds the KV of the token at position s. A forward 
 writes them at slots `lengths .. lengths+T-1` and each query attends to slots <= its own position, so
 stale KV past the length (a rejected speculation) is masked until it is overwritten. Rollback is
 therefore just a new `lengths` — no copies.
+
+Overflow (writing past slot S-1) is an error, never a silent drop, checked at three levels so the
+jitted fast path pays nothing:
+- static (trace time, always): all T tokens real (`num_new=None`) and T > S raises
+  `CacheOverflowError` while tracing;
+- concrete (eager calls, always): lengths and counts held on the host or as addressable arrays
+  (a notebook calling `forward` un-jitted) are checked with numpy before any work;
+- traced (under jit): a `jax.experimental.checkify.debug_check`, dropped when the function is
+  not checkified (compiled away: the jitted HLO is the same as without it), enforced under
+  `checked(fn)` (or your own `checkify.checkify`). The debug mode flags every write past the end,
+  including `steps.draft_chain`'s deliberate dropped writes for rows it does not draft.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
+from jax.experimental import checkify
 
 from ssd_jax.models.config import ModelConfig
 
@@ -35,13 +50,105 @@ class KVCache:
 
     def with_lengths(self, lengths: jax.Array) -> "KVCache":
         """Rollback / commit: the same buffers with lengths `[B]` as the new length pointers (the
-        KV past them becomes stale)."""
-        return self.replace(lengths=jnp.asarray(lengths, jnp.int32))
+        KV past them becomes stale). A length outside [0, S] is a `CacheOverflowError` (module
+        docstring: at once for host values, under `checked` for traced ones)."""
+        lengths = jnp.asarray(lengths, jnp.int32)
+        check_room(lengths, 0, self.max_len, "KVCache.with_lengths")
+        return self.replace(lengths=lengths)
+
+
+class CacheOverflowError(ValueError):
+    """A write (or a length) past the end of a KV cache or a branch buffer: the message names
+    the call, the rows, their lengths and the capacity."""
+
+
+def _host(x) -> np.ndarray | None:
+    """x as a numpy array when its value is known without tracing, else None."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return None
+    return np.asarray(x)
+
+
+def check_room(lengths, count, capacity: int, what: str = "forward") -> None:
+    """Raise `CacheOverflowError` unless every row b has 0 <= lengths[b] and lengths[b] +
+    count[b] <= capacity. lengths `[B]` (or a scalar) int: the slot each row writes from; count
+    `[B]` or a scalar: how many slots it writes; capacity: S, static. Host values are checked
+    now; traced ones by a `checkify.debug_check` (a no-op unless checkified, e.g. by
+    `checked`)."""
+    lh, ch = _host(lengths), _host(count)
+    if lh is not None and ch is not None:
+        lh, ch = np.broadcast_arrays(np.atleast_1d(lh).astype(np.int64),
+                                     np.atleast_1d(ch).astype(np.int64))
+        bad = np.flatnonzero((lh < 0) | (ch < 0) | (lh + ch > capacity))
+        if bad.size:
+            rows = "; ".join(f"row {b} at length {lh[b]} writing {ch[b]}" for b in bad[:4])
+            raise CacheOverflowError(
+                f"{what}: writing past the cache's end (S = {capacity} slots): {rows}; make the "
+                f"cache longer (init_cache max_len) or roll it back (with_lengths) first")
+        return
+    lengths, count = jnp.asarray(lengths), jnp.asarray(count)
+    ok = jnp.all((lengths >= 0) & (count >= 0) & (lengths + count <= capacity))
+    checkify.debug_check(ok, f"{_MARK}{what}: writing past the cache's end: lengths {{}} + "
+                             f"written {{}} exceed S = {capacity}", lengths, count)
+
+
+_MARK = "KV cache overflow in "
+
+
+def checked(fn):
+    """`fn` with its cache-overflow debug checks on: the same call, run under
+    `jax.experimental.checkify` (user checks), raising `CacheOverflowError` when any write of
+    `forward` / `tree_step` / `KVCache.with_lengths` inside it went past a buffer's end.
+
+    fn may be jitted or not; its array arguments (jax / numpy arrays, pytrees of them) are traced,
+    every other argument (ModelConfig, Ops, Python ints such as `window`) is passed through as
+    is, so `checked(forward)(params, cfg, tokens, cache)` works as `forward` does. One compile per
+    set of static arguments (kept by the returned function); call it eagerly, not inside
+    `jax.jit`, and keep it off the fast path (the check costs a device-to-host read per call)."""
+    compiled = {}  # (treedef, static leaves) -> jitted checkified fn of the array leaves
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        is_array = tuple(isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves)
+        static = tuple(x for x, a in zip(leaves, is_array) if not a)
+
+        def inner(arrays):
+            it = iter(arrays)
+            full = [next(it) if a else x for x, a in zip(leaves, is_array)]
+            a, k = jax.tree_util.tree_unflatten(tree, full)
+            return fn(*a, **k)
+
+        try:
+            key = (tree, is_array, static)
+            hash(key)
+        except TypeError:  # an unhashable static argument: trace this call alone
+            call = checkify.checkify(inner, errors=checkify.user_checks)
+        else:
+            if key not in compiled:
+                compiled[key] = jax.jit(checkify.checkify(inner, errors=checkify.user_checks))
+            call = compiled[key]
+        err, out = call([x for x, a in zip(leaves, is_array) if a])
+        try:
+            err.throw()
+        except checkify.JaxRuntimeError as e:
+            msg = str(e)
+            if _MARK in msg:
+                raise CacheOverflowError(msg.split(_MARK, 1)[1].split(" (`check` failed)")[0]) from None
+            raise
+        return out
+
+    return run
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None, sharding=None) -> KVCache:
     """An empty cache: zeros `[B, S, KVH, D]` per layer (B = batch, S = max_len) in `dtype` (default
     cfg.dtype), lengths `[B]` = 0, every array placed with `sharding` when given."""
+    if int(batch) < 1 or int(max_len) < 1:
+        raise ValueError(f"init_cache needs batch >= 1 and max_len >= 1, got batch={batch}, "
+                         f"max_len={max_len}")
     dtype = jnp.dtype(dtype or cfg.dtype)
     shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from ssd_jax.models.config import ModelConfig
-from ssd_jax.models.kv_cache import KVCache
+from ssd_jax.models.kv_cache import CacheOverflowError, KVCache, check_room
 from ssd_jax.models.ops import XLA, Ops
 from ssd_jax.models.params import LayerParams, Params
 
@@ -106,10 +106,26 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache,
     table (`ssd_jax.models.ops`; default the differentiable XLA reference). Returns logits
     [B, T, V] fp32 (or [B, V] at each row's last real token with `last_only`) and the cache with
     lengths += num_new. Pure: jit it with `static_argnames=("cfg", "window", "last_only", "ops")`.
+
+    Writing real tokens past slot S-1 raises `CacheOverflowError` (`ssd_jax.models.kv_cache`):
+    at trace time when T > S with every token real, at once for host lengths (an eager call),
+    and under `kv_cache.checked` for traced ones (free otherwise). Padding past num_new may run
+    past the end: it is dropped, as documented above.
     """
     B, T = tokens.shape
+    if cache.lengths.shape != (B,):
+        raise ValueError(f"forward: tokens are [B={B}, T={T}] but the cache holds "
+                         f"{cache.lengths.shape} lengths, one per sequence expected")
     if num_new is None:
+        if T > cache.max_len:
+            raise CacheOverflowError(f"forward: {T} tokens per sequence do not fit a cache of "
+                                     f"S = {cache.max_len} slots")
+        check_room(cache.lengths, T, cache.max_len, "forward")
         num_new = jnp.full((B,), T, jnp.int32)
+    else:
+        if jnp.shape(num_new) != (B,):
+            raise ValueError(f"forward: num_new must be [B={B}], got shape {jnp.shape(num_new)}")
+        check_room(cache.lengths, num_new, cache.max_len, "forward")
     W = cache.max_len if window is None else min(int(window), cache.max_len)
     positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     x = params.embed[tokens]
@@ -153,7 +169,19 @@ def tree_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: ja
     (own-path slot written and the last one visible); valid [B, MQ]. Returns logits [B, MQ, V]
     fp32 and the branch KV with slot `step` filled. The attention is `ops.tree_attention` (the
     plain-jnp reference, or the Pallas kernel of the `pallas` backend).
+
+    A step outside [0, K) (its write would be clamped onto the last slot) or a valid branch's
+    prefix_len past the cache's S raises `CacheOverflowError`: at once for host values, under
+    `kv_cache.checked` for traced ones (free otherwise).
     """
+    B, MQ = tokens.shape
+    depth = branch.k[0].shape[2]
+    if branch.k[0].shape[:2] != (B, MQ) or positions.shape != (B, MQ) or prefix_len.shape != (B, MQ):
+        raise ValueError(f"tree_step: tokens [B, MQ] = {[B, MQ]}, positions {list(positions.shape)}, "
+                         f"prefix_len {list(prefix_len.shape)} and branch KV "
+                         f"{list(branch.k[0].shape[:2])} must agree")
+    check_room(step, 1, depth, "tree_step (branch KV slot `step`)")
+    check_room(jnp.where(valid, prefix_len, 0), 0, cache.max_len, "tree_step (prefix_len)")
     W = cache.max_len if window is None else min(int(window), cache.max_len)
     x = params.embed[tokens]  # [B, MQ, E]
     new_k, new_v = [], []
@@ -163,7 +191,6 @@ def tree_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: ja
         bk = jax.lax.dynamic_update_slice_in_dim(bk, k[:, :, None].astype(bk.dtype), step, axis=2)
         bv = jax.lax.dynamic_update_slice_in_dim(bv, v[:, :, None].astype(bv.dtype), step, axis=2)
         att = ops.tree_attention(q, kc[:, :W], vc[:, :W], prefix_len, bk, bv, step, valid)
-        B, MQ = tokens.shape
         x = x + ops.dense(att.reshape(B, MQ, -1), lp.wo)
         x = x + _mlp(lp, cfg, ops, x, g)
         new_k.append(bk)
