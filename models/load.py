@@ -21,6 +21,16 @@ def _read(path: Path):
     return load_gguf(path)
 
 
+def _read_config(path: Path) -> dict:
+    """The HF-style config alone (no weights read), as `_read` would return it."""
+    if path.is_dir():
+        import json
+        from ssd_jax.models.loading.hf import normalize_config
+        return normalize_config(json.loads((path / "config.json").read_text()))
+    from ssd_jax.models.loading.gguf import load_gguf_config
+    return load_gguf_config(path)
+
+
 def _tokenizer(path: Path):
     from ssd_jax.models.tokenizer import Tokenizer
     return Tokenizer.from_hf_folder(path) if path.is_dir() else Tokenizer.from_gguf(path)
@@ -29,7 +39,13 @@ def _tokenizer(path: Path):
 def load_model(name_or_path: str | Path, dtype: str = "float32", *, use_cache: bool = True,
                cache_dir: str | Path | None = None, with_tokenizer: bool = True) -> Model:
     """The model with logical params (models/weights.py): a backend lays them out for its kernels
-    with its own `prepare` (`ssd_jax.models.ops.Ops`), once they are placed."""
+    with its own `prepare` (`ssd_jax.models.ops.Ops`), once they are placed.
+
+    With `use_cache` the converted params are saved under `cache_dir` (models/checkpoint.py) and
+    restored by later loads; a cache that is half-written or corrupt is converted again (one
+    warning). Too little disk for the cache raises `checkpoint.CacheSpaceError` (naming the
+    directory and the bytes needed) before converting, or if the disk fills up while writing,
+    leaving no partial cache; `use_cache=False` converts without writing anything."""
     dtype = canonical_dtype(dtype)
     import jax
     if jax.process_count() > 1:
@@ -43,6 +59,9 @@ def load_model(name_or_path: str | Path, dtype: str = "float32", *, use_cache: b
     if restored is not None:
         params, cfg = restored
     else:
+        if use_cache:  # no room for the cache: say so before the slow conversion
+            checkpoint.check_space(ckpt, checkpoint.param_bytes(
+                ModelConfig.from_hf(_read_config(path), dtype)))
         config, tensors = _read(path)
         cfg = ModelConfig.from_hf(config, dtype)
         params = params_from_hf(tensors, cfg)

@@ -1,9 +1,11 @@
-"""The orbax conversion cache (models/checkpoint.py): a round trip, and a checkpoint saved by
-another version of ModelConfig is not loaded (the caller converts again)."""
+"""The orbax conversion cache (models/checkpoint.py): a round trip with its manifest, and a
+checkpoint saved by another version of ModelConfig is not loaded (the caller converts again).
+Corrupt, half-written and full-disk caches: tests/test_faults_io.py."""
 import json
 
 import jax
 import numpy as np
+import pytest
 
 from ssd_jax.models import checkpoint
 from ssd_jax.models.config import tiny_config
@@ -15,14 +17,33 @@ def test_round_trip_and_a_stale_config_is_not_loaded(tmp_path):
     params = random_params(cfg, 0)
     path = tmp_path / "ckpt"
     checkpoint.save(path, params, cfg)
+    assert checkpoint.problem(path) is None
+    manifest = json.loads((path / checkpoint.MANIFEST).read_text())
+    assert "config.json" in manifest["files"] and manifest["format"] == checkpoint.FORMAT
     got, got_cfg = checkpoint.restore(path)
     assert got_cfg == cfg
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert list(tmp_path.iterdir()) == [path]  # no temporary left beside it
+
+    def rewrite(raw):  # as an older version would have written it: a valid manifest
+        (path / "config.json").write_text(json.dumps(raw))
+        checkpoint._write_manifest(path)
+        assert checkpoint.problem(path) is None
+
     raw = json.loads((path / "config.json").read_text())
-    raw["cpu_kernels"] = True  # a field an older ModelConfig had
-    (path / "config.json").write_text(json.dumps(raw))
-    assert checkpoint.restore(path) is None
-    del raw["cpu_kernels"], raw["dtype"]
-    (path / "config.json").write_text(json.dumps(raw))
-    assert checkpoint.restore(path) is None
+    rewrite(dict(raw, cpu_kernels=True))  # a field an older ModelConfig had
+    with pytest.warns(UserWarning, match="another ModelConfig"):
+        assert checkpoint.restore(path) is None
+    del raw["dtype"]
+    rewrite(raw)
+    with pytest.warns(UserWarning, match="another ModelConfig"):
+        assert checkpoint.restore(path) is None
+
+
+@pytest.mark.parametrize("arch, dtype", [("llama", "float32"), ("qwen2", "bfloat16"),
+                                         ("qwen3", "float32")])
+def test_param_bytes_is_what_a_conversion_writes(arch, dtype):
+    cfg = tiny_config(arch, dtype=dtype)
+    params = random_params(cfg, 0)
+    assert checkpoint.param_bytes(cfg) == sum(x.nbytes for x in jax.tree_util.tree_leaves(params))

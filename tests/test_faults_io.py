@@ -3,21 +3,32 @@ cache's end, a corrupt or half-written conversion cache, a fetch cut off mid-dow
 fills up during conversion, and bad arguments. Tiny models and fake files only; never the network
 or the real weights in ~/.cache/ssd_jax."""
 import dataclasses
+import errno
+import json
+import os
 import re
+import shutil
+import subprocess
+import sys
+import time
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ssd_jax.models import kv_cache
+from ssd_jax.models import checkpoint, kv_cache
+from ssd_jax.models import load as load_mod
 from ssd_jax.models.config import tiny_config
 from ssd_jax.models.kv_cache import CacheOverflowError, checked, init_cache
+from ssd_jax.models.load import load_model
 from ssd_jax.models.params import random_params
 from ssd_jax.models.transformer import forward, init_branch_kv, tree_step
 
 CFG = dataclasses.replace(tiny_config("llama"), num_layers=1)
 S = 8  # cache slots in the overflow tests
+RECOVERY: dict[str, float] = {}  # fault -> seconds from the fault to a working call (the table)
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +123,177 @@ def test_tree_step_refuses_a_branch_slot_past_its_depth(params):
     with pytest.raises(CacheOverflowError, match="prefix_len"):
         checked(step)(params, CFG, *over, jnp.int32(0), valid)
     checked(step)(params, CFG, *over, jnp.int32(0), jnp.zeros((B, MQ), bool))  # invalid: unread
+
+
+# ------------------------------------------------- (b, d) the conversion cache: corrupt, full disk
+
+
+@pytest.fixture
+def hf_model(tmp_path, monkeypatch):
+    """A tiny HF folder to convert, and an empty conversion cache under tmp_path."""
+    from safetensors.numpy import save_file
+
+    from ssd_jax.models.params import random_hf_tensors
+    cfg = tiny_config("qwen2")
+    folder = tmp_path / "model"
+    folder.mkdir()
+    save_file(random_hf_tensors(cfg, 0), str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(cfg.to_hf()))
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("SSD_JAX_HOME", str(cache))
+    return folder, cache
+
+
+def _load(folder, cache):
+    return load_model(folder, "float32", cache_dir=cache, with_tokenizer=False)
+
+
+def _ckpt(folder, cache):
+    return checkpoint.checkpoint_dir(folder, "float32", cache)
+
+
+def _same(a, b):
+    for x, y in zip(jax.tree_util.tree_leaves(a.params), jax.tree_util.tree_leaves(b.params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _biggest(path):
+    return max((f for f in path.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+
+
+def _count_conversions(monkeypatch):
+    calls = []
+    real = load_mod._read
+    monkeypatch.setattr(load_mod, "_read", lambda p: calls.append(p) or real(p))
+    return calls
+
+
+@pytest.mark.parametrize("fault", ["truncated", "flipped byte", "no manifest", "file missing"])
+def test_a_corrupt_or_half_written_cache_is_rebuilt_not_loaded(hf_model, monkeypatch, fault):
+    folder, cache = hf_model
+    fresh = _load(folder, cache)
+    ckpt = _ckpt(folder, cache)
+    assert checkpoint.problem(ckpt) is None
+    big = _biggest(ckpt / "params")
+    if fault == "truncated":
+        big.write_bytes(big.read_bytes()[: big.stat().st_size // 2])
+    elif fault == "flipped byte":
+        data = bytearray(big.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        big.write_bytes(bytes(data))
+    elif fault == "no manifest":
+        (ckpt / checkpoint.MANIFEST).unlink()
+    else:
+        big.unlink()
+    why = {"truncated": "bytes,", "flipped byte": "corrupt", "no manifest": "did not finish",
+           "file missing": "missing"}[fault]
+    assert why in checkpoint.problem(ckpt)
+    conversions = _count_conversions(monkeypatch)
+    t0 = time.perf_counter()
+    with pytest.warns(UserWarning, match=f"conversion cache at .* is not usable .*{why}"):
+        again = _load(folder, cache)
+    RECOVERY[f"cache {fault}"] = time.perf_counter() - t0
+    assert conversions == [folder]  # converted from the source, not loaded from the bad cache
+    _same(again, fresh)
+    assert checkpoint.problem(ckpt) is None  # rebuilt: the next load restores it
+    assert [p.name for p in ckpt.parent.iterdir()] == [ckpt.name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _same(_load(folder, cache), fresh)
+    assert len(conversions) == 1
+
+
+@pytest.mark.parametrize("where", ["orbax", "config.json", "manifest", "kill"])
+def test_a_save_cut_short_leaves_nothing_that_loads(hf_model, monkeypatch, where):
+    folder, cache = hf_model
+    ckpt = _ckpt(folder, cache)
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt if where == "kill" else OSError(errno.EIO, "I/O error")
+
+    if where in ("orbax", "kill"):
+        real = checkpoint.ocp.StandardCheckpointer.save
+
+        def half(self, directory, tree, *a, **k):  # write part of it, then die
+            real(self, directory, tree, *a, **k)
+            boom()
+        monkeypatch.setattr(checkpoint.ocp.StandardCheckpointer, "save", half)
+    elif where == "config.json":
+        monkeypatch.setattr(checkpoint, "_write_config", boom)
+    else:
+        monkeypatch.setattr(checkpoint, "_write_manifest", boom)
+    with pytest.raises(KeyboardInterrupt if where == "kill" else OSError):
+        _load(folder, cache)
+    assert not ckpt.exists() and list(ckpt.parent.iterdir()) == []
+    monkeypatch.undo()
+    monkeypatch.setenv("SSD_JAX_HOME", str(cache))
+    _load(folder, cache)  # the next load converts and saves
+    assert checkpoint.problem(ckpt) is None
+
+
+def test_a_temporary_left_by_a_dead_process_is_cleared(hf_model):
+    folder, cache = hf_model
+    ckpt = _ckpt(folder, cache)
+    ckpt.parent.mkdir(parents=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    stale = ckpt.with_name(f"{ckpt.name}.tmp-{int(dead.stdout)}-abcd")
+    live = ckpt.with_name(f"{ckpt.name}.tmp-{os.getpid()}-abcd")  # a saver still running
+    for d in (stale, live):
+        (d / "params").mkdir(parents=True)
+    _load(folder, cache)
+    assert not stale.exists() and live.exists() and checkpoint.problem(ckpt) is None
+    with pytest.warns(UserWarning, match="did not finish"):  # a temporary is never loaded
+        assert checkpoint.restore(live) is None
+
+
+@pytest.mark.parametrize("how", ["OSError", "tensorstore"])
+def test_a_disk_filling_up_during_conversion_is_one_clear_error(hf_model, monkeypatch, how):
+    folder, cache = hf_model
+    ckpt = _ckpt(folder, cache)
+    real = checkpoint.ocp.StandardCheckpointer.save
+
+    def fill_up(self, directory, tree, *a, **k):
+        real(self, directory, tree, *a, **k)  # some bytes landed, then the disk is full
+        if how == "OSError":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        raise ValueError("DATA_LOSS: Error writing local file: [OS error 28] No space left on device")
+
+    monkeypatch.setattr(checkpoint.ocp.StandardCheckpointer, "save", fill_up)
+    t0 = time.perf_counter()
+    with pytest.raises(checkpoint.CacheSpaceError) as info:
+        _load(folder, cache)
+    msg = str(info.value)
+    assert info.value.errno == errno.ENOSPC and "\n" not in msg
+    assert f"no space for the conversion cache at {ckpt}: it needs about " in msg
+    need = (checkpoint.param_bytes(tiny_config("qwen2")) * 1.05 + (16 << 20)) / 2**20
+    assert f"{need:.1f} MiB" in msg and "use_cache=False" in msg
+    assert list(ckpt.parent.iterdir()) == []  # no partial cache, no temporary
+    monkeypatch.undo()
+    model = load_model(folder, "float32", cache_dir=cache, with_tokenizer=False, use_cache=False)
+    RECOVERY["disk full"] = time.perf_counter() - t0
+    assert model.cfg.vocab_size == 64 and not ckpt.exists()  # the way out the message names
+
+
+def test_too_little_free_space_is_said_before_converting(hf_model, monkeypatch):
+    folder, cache = hf_model
+    conversions = _count_conversions(monkeypatch)
+    usage = shutil.disk_usage(folder)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage",
+                        lambda p: usage._replace(free=1 << 20))
+    with pytest.raises(checkpoint.CacheSpaceError, match=r"needs about 16\.\d MiB, 1\.0 MiB free"):
+        _load(folder, cache)
+    assert conversions == []
+    assert not cache.exists() or [p for p in cache.rglob("*") if p.is_file()] == []
+
+
+def test_the_cli_prints_a_full_disk_as_one_line(hf_model, monkeypatch, capsys):
+    from ssd_jax.tools import cli
+    folder, cache = hf_model
+    usage = shutil.disk_usage(folder)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: usage._replace(free=0))
+    rc = cli.main(["generate", "--target", str(folder), "--mode", "ar", "--prompt", "hi",
+                   "--cache-dir", str(cache), "--backend", "xla", "--dtype", "fp32"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1
+    assert err[0].startswith("ssd-jax: error: no space for the conversion cache at ")
