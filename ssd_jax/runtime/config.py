@@ -5,12 +5,25 @@ model."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+
+import numpy as np
 
 from ssd_jax.algorithm import fanout as fo
 from ssd_jax.algorithm.sampling import SamplingParams
 
 MODES = ("ar", "sd", "ssd")
 BACKUPS = ("neural", "random", "ngram", "auto")
+ROW_DTYPES = ("float32", "bfloat16", "float16")  # what the proposal rows may be stored in
+_INT32 = (-(2 ** 31), 2 ** 31 - 1)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,12 +42,17 @@ class SSDConfig:
     def lists(self, k: int, vocab: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(F after a hit, F after a backup) for lookahead k, each K+1 entries with equal sums
         and, given the vocabulary size, within `fanout.caps` (V - 1 candidates at j < K, V at K);
-        or a ValueError naming the bad knob (fan-out lists, saguaro_c, backup)."""
+        or a ValueError naming the bad knob (fan-out lists, saguaro_c, backup, row_dtype,
+        cache_budget_bytes)."""
         if isinstance(self.fanout, str):
             raise ValueError(f"fanout {self.fanout!r}: give F_0..F_K, None, or 'plan' (which the "
                              f"engine resolves from its measurements)")
-        hit = tuple(self.fanout) if self.fanout is not None else fo.uniform(k, 1)
-        backup = tuple(self.fanout_backup) if self.fanout_backup is not None else hit
+        for name, f in (("fanout", self.fanout), ("fanout_backup", self.fanout_backup)):
+            if f is not None and (isinstance(f, (str, bytes)) or not hasattr(f, "__iter__")
+                                  or not all(_is_int(x) for x in f)):
+                raise ValueError(f"{name} must be a sequence of ints F_0..F_K, got {f!r}")
+        hit = tuple(int(x) for x in self.fanout) if self.fanout is not None else fo.uniform(k, 1)
+        backup = tuple(int(x) for x in self.fanout_backup) if self.fanout_backup is not None else hit
         if len(hit) != k + 1 or len(backup) != k + 1:
             raise ValueError(f"fan-out lists need K+1 = {k + 1} entries: got {hit} and {backup}")
         if sum(hit) != sum(backup) or sum(hit) < 1 or min(hit + backup) < 0:
@@ -47,36 +65,78 @@ class SSDConfig:
                     raise ValueError(f"fan-out {f} asks for more candidates than a vocabulary of "
                                      f"{vocab} has: at most {cap} (the drafted token is masked "
                                      f"out at j < K)")
-        if not 0.0 < self.saguaro_c <= 1.0:
-            raise ValueError(f"saguaro_c must be in (0, 1], got {self.saguaro_c}")
-        if self.backup not in BACKUPS:
+        if not _is_real(self.saguaro_c) or not 0.0 < self.saguaro_c <= 1.0:
+            raise ValueError(f"saguaro_c must be in (0, 1], got {self.saguaro_c!r}")
+        if not isinstance(self.backup, str) or self.backup not in BACKUPS:
             raise ValueError(f"unknown backup {self.backup!r}: use neural, random, ngram or auto")
+        try:
+            row = np.dtype(self.row_dtype).name
+        except TypeError:
+            row = None
+        if row not in ROW_DTYPES:
+            raise ValueError(f"row_dtype {self.row_dtype!r}: use one of {', '.join(ROW_DTYPES)}")
+        b = self.cache_budget_bytes
+        if b is not None and (not _is_int(b) or b < 1):
+            raise ValueError(f"cache_budget_bytes must be None or an int >= 1, got {b!r}")
         return hit, backup
 
 
 def check_request(mode: str, max_new_tokens: int, k: int, sampling=SamplingParams(),
-                  draft_sampling=None, ssd: SSDConfig | None = None,
-                  vocab: int | None = None) -> None:
-    """A ValueError naming the first bad argument of a generate call (mode, max_new_tokens, K,
-    the sampling parameters, and for SSD the fan-out lists, Saguaro C and backup); None if all
-    are good. Needs no model (`vocab`, the vocabulary size, only adds the fan-out caps):
+                  draft_sampling=None, ssd: SSDConfig | None = SSDConfig(),
+                  vocab: int | None = None, *, seed=0, stop=(), eos_ids=None,
+                  on_tokens: Callable | None = None, verifier: Callable | None = None,
+                  chat: bool = False, max_len: int | None = None) -> None:
+    """A ValueError naming the first bad argument of a generate call, or None if all are good:
+    mode, max_new_tokens, K (any mode: an int >= 1; plain decoding ignores it but takes none
+    below 1 unless it is the engine's 0), the sampling parameters, for SSD the `SSDConfig` (fan-out
+    lists, Saguaro C, backup, row dtype, budget), seed (an int32), stop (a list of strings, not
+    one string), eos_ids (ints in [0, vocab)), on_tokens / verifier (callables), chat (a bool) and,
+    given max_len, whether even a one-token prompt fits it (prompt + max_new_tokens + K + 2).
+
+    Needs no model (`vocab`, the vocabulary size, only adds the fan-out caps and the EOS range):
     `Engine.generate` and the CLI call it before any work."""
-    if mode not in MODES:
+    if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
-    if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if mode != "ar" and (isinstance(k, bool) or int(k) != k or k < 1):
+    if not _is_int(k) or (k < 1 and not (mode == "ar" and k == 0)):
         raise ValueError(f"lookahead K must be an int >= 1, got {k!r}")
     for name, s in (("sampling", sampling), ("draft_sampling", draft_sampling)):
         if s is not None and not isinstance(s, SamplingParams):
             raise ValueError(f"{name} must be a ssd_jax.SamplingParams, got {type(s).__name__}")
-    if mode == "ssd" and ssd is not None:
+    if sampling is None:
+        raise ValueError("sampling must be a ssd_jax.SamplingParams, got None")
+    if mode == "ssd":
         if not isinstance(ssd, SSDConfig):
             raise ValueError(f"ssd must be a ssd_jax.SSDConfig, got {type(ssd).__name__}")
         # "plan" is resolved from the engine's own measurements: check the rest of the knobs
         plan = ssd.fanout == "plan"
         (dataclasses.replace(ssd, fanout=None, fanout_backup=None) if plan else ssd).lists(
             int(k), vocab)
+    if isinstance(seed, bool) or np.ndim(seed) != 0 or \
+            not np.issubdtype(np.asarray(seed).dtype, np.integer) or \
+            not _INT32[0] <= int(seed) <= _INT32[1]:
+        raise ValueError(f"seed must be an int in [{_INT32[0]}, {_INT32[1]}], got {seed!r}")
+    if isinstance(stop, str) or not hasattr(stop, "__iter__") or \
+            not all(isinstance(s, str) for s in stop):
+        raise ValueError(f"stop must be a list of strings (e.g. stop=[{stop!r}]), got {stop!r}"
+                         if isinstance(stop, str) else f"stop must be a list of strings, got {stop!r}")
+    if eos_ids is not None:
+        if isinstance(eos_ids, (str, bytes)) or not hasattr(eos_ids, "__iter__") or \
+                not all(_is_int(t) and t >= 0 and (vocab is None or t < vocab) for t in eos_ids):
+            top = f", {vocab})" if vocab is not None else ", V)"
+            raise ValueError(f"eos_ids must be token ids in [0{top}, got {eos_ids!r}")
+    for name, fn in (("on_tokens", on_tokens), ("verifier", verifier)):
+        if fn is not None and not callable(fn):
+            raise ValueError(f"{name} must be a function or None, got {type(fn).__name__}")
+    if not isinstance(chat, (bool, np.bool_)):
+        raise ValueError(f"chat must be True or False, got {chat!r}")
+    if max_len is not None:
+        need = 1 + int(max_new_tokens) + int(k) + 2
+        if need > max_len:
+            raise ValueError(f"max_new_tokens ({max_new_tokens}) + K ({k}) + 2 + a one-token "
+                             f"prompt = {need} exceeds the cache length max_len={max_len}: "
+                             f"lower max_new_tokens or raise max_len")
 
 
 def check_pair(target, draft) -> None:

@@ -149,7 +149,9 @@ class Engine:
         (tokens/s, tokens per round, acceptance, hit rate, the per-round timeline, the backend).
         Raises ValueError, before any work, for an argument it cannot serve.
         """
-        check_request(mode, max_new_tokens, k, sampling, draft_sampling, ssd, self.vocab_size)
+        check_request(mode, max_new_tokens, k, sampling, draft_sampling, ssd, self.vocab_size,
+                      seed=seed, stop=stop, eos_ids=eos_ids, on_tokens=on_tokens,
+                      verifier=verifier, chat=chat)
         if mode != "ar" and self.draft is None:
             raise ValueError(f"mode {mode!r} needs a draft model: Engine(target, draft)")
         if mode == "ssd" and isinstance(self.worker, Proposer) and not hasattr(self.worker, "resolve"):
