@@ -291,6 +291,21 @@ def test_generate_bad_flags(pair, capsys, extra, needle):
     (["--top-k", "-3"], "top_k"),
     (["--max-new-tokens", "0"], "max_new_tokens"),
     (["--backend", "bogus"], "--backend"),
+    (["--k", "0", "--mode", "ar"], "K must be an int >= 1"),
+    (["--k", "-2", "--mode", "sd"], "K must be an int >= 1"),
+    (["--saguaro-c", "2", "--mode", "sd"], "saguaro_c"),  # SSD knobs: checked in every mode
+    (["--fanout", "1,-1", "--mode", "ar"], ">= 0"),
+    (["--fanout", "1,1,1", "--k", "1"], "K+1 = 2 entries"),
+    (["--max-new-tokens", "5000"], "exceeds the cache length max_len=4096"),
+    (["--max-len", "8", "--max-new-tokens", "8"], "exceeds the cache length max_len=8"),
+    (["--seed", str(2 ** 31)], "seed must be an int"),
+    (["--stop", ""], "--stop needs a non-empty string"),
+    (["--prompt", ""], "the prompt is empty"),
+    (["--top-p", "nan"], "top_p"),
+    (["--temperature", "inf"], "temperature"),
+    (["--draft-vocab", "0"], "draft head's vocabulary"),
+    (["--placement", "two-process", "--mode", "ar"], "--mode sd or ssd"),
+    (["--dtype", "fp8"], "dtype"),
 ])
 def test_generate_checks_arguments_before_any_load(capsys, monkeypatch, tmp_path, extra, needle):
     """A bad argument is the error even with a missing --target: nothing loads, nothing starts,
@@ -308,6 +323,33 @@ def test_generate_checks_arguments_before_any_load(capsys, monkeypatch, tmp_path
     assert time.perf_counter() - t0 < 5
     assert_one_line_error(rc, err, needle)
     assert str(tmp_path) not in err  # not the missing model
+
+
+def test_generate_checks_files_before_any_load(capsys, monkeypatch, tmp_path):
+    """An empty --prompt-file and a --cache-dir that is a file: one line, nothing loaded."""
+    import ssd_jax.models.load as load
+
+    def never(*a, **k):
+        raise AssertionError("loaded before the arguments were checked")
+    monkeypatch.setattr(load, "load_model", never)
+    empty, a_file = tmp_path / "empty.txt", tmp_path / "not_a_dir"
+    empty.write_text("")
+    a_file.write_text("x")
+    base = ["generate", "--target", str(tmp_path / "bogus"), "--mode", "ar"]
+    rc, _, err = run_cli([*base, "--prompt-file", str(empty)], capsys)
+    assert_one_line_error(rc, err, "the prompt is empty")
+    rc, _, err = run_cli([*base, "--prompt", "x", "--cache-dir", str(a_file)], capsys)
+    assert_one_line_error(rc, err, "--cache-dir", "is a file, not a folder")
+
+
+def test_only_ssd_lets_a_fanout_set_k():
+    """`--fanout 1,1` alone is SSD at K=1 (it once failed after both models loaded); with
+    --mode sd the fan-out is checked but K stays SD's default."""
+    for mode, k in (("ssd", 1), ("sd", cli.DEFAULT_K["sd"])):
+        args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--mode", mode,
+                                              "--fanout", "1,1"])
+        cli._validate_generate(args)
+        assert args.k == k and args.fanout_used == (1, 1)
 
 
 def test_console_script_checks_k_before_the_target(tmp_path):

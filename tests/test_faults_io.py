@@ -29,6 +29,7 @@ from ssd_jax.models.kv_cache import CacheOverflowError, checked, init_cache
 from ssd_jax.models.load import load_model
 from ssd_jax.models.params import random_params
 from ssd_jax.models.transformer import forward, init_branch_kv, tree_step
+from ssd_jax.runtime.config import SSDConfig
 
 CFG = dataclasses.replace(tiny_config("llama"), num_layers=1)
 S = 8  # cache slots in the overflow tests
@@ -438,3 +439,40 @@ def test_an_interrupt_removes_the_work_folder(index, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         registry.fetch("fake-model", index["cache"], progress=False)
     _nothing_passes_for_complete(index["cache"])
+
+
+# ----------------------------------------------------- (e) Engine.generate: checked before any work
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from ssd_jax.models.model import Model
+    from ssd_jax.runtime.engine import Engine
+    cfg = tiny_config("llama", vocab_size=40)
+    m = Model(cfg, random_params(cfg, 0), None)
+    return Engine(m, m, compilation_cache=False)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(seed=2 ** 40), "seed must be an int"),
+    (dict(seed="0"), "seed must be an int"),
+    (dict(stop="ab"), r"stop must be a list of strings \(e.g. stop=\['ab'\]\)"),
+    (dict(eos_ids=[40]), r"eos_ids must be token ids in \[0, 40\)"),
+    (dict(on_tokens="print"), "on_tokens must be a function"),
+    (dict(verifier=object()), "verifier must be a function"),
+    (dict(chat=1), "chat must be True or False"),
+    (dict(k=None), "lookahead K must be an int"),
+    (dict(max_new_tokens=None), "max_new_tokens must be an int"),
+    (dict(ssd=None), "ssd must be a ssd_jax.SSDConfig"),
+    (dict(ssd=SSDConfig(row_dtype="int8")), "row_dtype 'int8'"),
+    (dict(ssd=SSDConfig(fanout=(1, 1))), r"K\+1 = 5 entries"),
+    (dict(ssd=SSDConfig(saguaro_c=2.0)), "saguaro_c"),
+])
+def test_engine_generate_checks_every_argument_before_any_work(engine, monkeypatch, kw, match):
+    from ssd_jax.algorithm import steps
+
+    def never(*a, **k):
+        raise AssertionError("the prefill ran before the arguments were checked")
+    monkeypatch.setattr(steps, "prefill", never)
+    with pytest.raises(ValueError, match=match):
+        engine.generate([[1, 2, 3]], **(dict(mode="ssd", max_new_tokens=4) | kw))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from ssd_jax.models import registry
@@ -156,8 +157,10 @@ def _fetch(args) -> int:
 def _validate_generate(args) -> None:
     """Every generate argument, checked before any model loads (a ValueError naming the bad one):
     the request's rules are the engine's own (`ssd_jax.runtime.config.check_request`:
-    mode, max-new-tokens, K, sampling, fan-out, Saguaro C, backup), then the backend, dtype,
-    placement, max-len and draft-vocab."""
+    mode, max-new-tokens, K, sampling, fan-out, Saguaro C, backup, seed, stop, and whether
+    max-new-tokens + K fit --max-len), then the backend, dtype, placement, max-len, draft-vocab
+    and cache-dir. The SSD knobs' values are checked in every mode (a bad value is an error even
+    where the mode ignores it), but only --mode ssd lets --fanout set K."""
     from ssd_jax.algorithm.sampling import SamplingParams
     from ssd_jax.models import backends
     from ssd_jax.runtime.config import SSDConfig, check_request
@@ -165,26 +168,37 @@ def _validate_generate(args) -> None:
     if args.fanout == "plan":  # one generate call has no earlier AR and SD runs to plan from
         raise ValueError("--fanout plan needs AR and SD runs to plan from: use it with "
                          "`ssd-jax bench`, or give F_0..F_K")
+    if args.k is not None and args.k < 1:
+        raise ValueError(f"lookahead K must be an int >= 1 (--k), got {args.k}")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.k is None:
-        args.k = DEFAULT_K[args.mode] if args.fanout is None else len(args.fanout) - 1
-    check_request(args.mode, args.max_new_tokens, args.k, sampling)
+        ssd_sets_k = args.mode == "ssd" and args.fanout is not None
+        args.k = len(args.fanout) - 1 if ssd_sets_k else DEFAULT_K[args.mode]
+    if args.max_len < 2:
+        raise ValueError(f"--max-len must be >= 2 (prompt plus new tokens), got {args.max_len}")
+    if any(not s for s in args.stop):
+        raise ValueError("--stop needs a non-empty string")
     args.fanout_used = args.fanout if args.fanout is not None else default_fanout(args.k)
-    if args.mode == "ssd":
-        SSDConfig(fanout=args.fanout_used, saguaro_c=args.saguaro_c, backup=args.backup).lists(args.k)
+    ssd = SSDConfig(fanout=args.fanout_used, saguaro_c=args.saguaro_c, backup=args.backup)
+    check_request(args.mode, args.max_new_tokens, args.k, sampling, ssd=ssd, seed=args.seed,
+                  stop=args.stop, max_len=args.max_len)
+    if args.mode != "ssd":  # ignored here, but a bad value is still an error
+        SSDConfig(fanout=args.fanout, saguaro_c=args.saguaro_c, backup=args.backup).lists(
+            len(args.fanout) - 1 if args.fanout is not None else 1)
     if args.backend not in backends.backend_names():
         raise ValueError(f"unknown --backend {args.backend!r}: choose one of "
                          f"{', '.join(backends.backend_names())}")
     if args.dtype != "auto":
         args.dtype = canonical_dtype(args.dtype)
-    if args.max_len < 2:
-        raise ValueError(f"--max-len must be >= 2 (prompt plus new tokens), got {args.max_len}")
     if args.draft_vocab is not None and args.draft_vocab < 1:
         raise ValueError(f"the draft head's vocabulary (--draft-vocab) must be >= 1, got "
                          f"{args.draft_vocab}")
     if args.placement == "two-process" and args.mode == "ar":
         raise ValueError("--placement two-process runs a draft in its own process: use it with "
                          "--mode sd or ssd")
+    if args.cache_dir is not None and os.path.exists(args.cache_dir) \
+            and not os.path.isdir(args.cache_dir):
+        raise ValueError(f"--cache-dir {args.cache_dir} is a file, not a folder")
     args.sampling = sampling
 
 
@@ -247,6 +261,9 @@ def _generate(args) -> int:
     if args.prompt_file is not None:
         with open(args.prompt_file, encoding="utf-8") as fh:
             prompt = fh.read()
+    if not prompt and not args.chat:
+        raise ValueError("the prompt is empty (--prompt / --prompt-file): give at least one "
+                         "character, or --chat for the template alone")
     registry.resolve(args.target, args.cache_dir)  # a missing / unfetched model: one line, now
     if args.mode != "ar":
         registry.resolve(args.draft, args.cache_dir)
