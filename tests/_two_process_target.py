@@ -1,9 +1,11 @@
-"""Target side of the two-process transport test (runs in its own process: jax.distributed).
+"""Target side of the two-process transport test (its own process, pinned to core 0 as the CLI
+pins it; the draft process on core 1, connected over the authenticated socket).
 
 argv: draft HF folder, target HF folder, signal file (or "-"), optionally the draft's quantization
 ("int8") and the width of its cut head (models/draft_head.py). Prints one JSON line: tokens of SSD
-(two backups) and SD, hit counts, and — with a signal file — whether every verify saw the draft's
-tree run while it was executing (the overlap proof)."""
+(two backups) and SD, hit counts, the T = 1 runs of `T1` (a batch of 16 with its own seed and
+request ids), and — with a signal file — whether every verify saw the draft's tree run while it
+was executing (the overlap proof)."""
 import json
 import os
 import sys
@@ -15,6 +17,10 @@ from ssd_jax.runtime.transport import start_two_process
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17]]
+# the T = 1 batch (reported in the JSON; tests/test_transport.py runs it in-process): 16 prompts of
+# 2..8 tokens, 16 tokens each
+T1 = dict(prompts=[[(7 * b + 3 * i) % 60 + 1 for i in range(2 + b % 7)] for b in range(16)],
+          max_new_tokens=16, k=3, seed=11, request_ids=list(range(100, 116)))
 draft_dir, target_dir, signal = sys.argv[1], sys.argv[2], sys.argv[3]
 quant = sys.argv[4] if len(sys.argv) > 4 else "none"
 draft_vocab = int(sys.argv[5]) if len(sys.argv) > 5 else None
@@ -33,8 +39,11 @@ saw_tree = []
 
 
 def rendezvous(x):
-    """Runs inside verify (after the target forward): announce "verify running" (file V) and wait
-    for a tree step to answer (file T) while this verify is still executing."""
+    """Runs inside verify (after the target forward), once the test is armed: announce "verify
+    running" (file V) and wait for a tree step to answer (file T) while this verify is still
+    executing."""
+    if not os.path.exists(signal + ".armed"):
+        return np.float32(0)
     v, t = signal + ".V", signal + ".T"
     if os.path.exists(t):
         os.remove(t)
@@ -58,8 +67,11 @@ target = load_model(target_dir, with_tokenizer=False, use_cache=False)
 eng = Engine(target, remote_draft=remote, compilation_cache=False)
 out = {}
 verifier = signalled_verifier if signal != "-" else None
-# compile both sides first, so the overlap proof below sees steady-state rounds, not compile time
-eng.generate(PROMPTS, mode="ssd", max_new_tokens=8, k=3, ssd=SSDConfig(fanout=(2, 2, 1, 1)))
+# compile both sides first (with the verifier the proof uses), so the overlap proof below sees
+# steady-state rounds, not compile time
+for backup in ("neural", "random"):
+    eng.generate(PROMPTS, mode="ssd", max_new_tokens=8, k=3, verifier=verifier,
+                 ssd=SSDConfig(fanout=(2, 2, 1, 1), backup=backup))
 if signal != "-":
     open(signal + ".armed", "w").close()
 for backup in ("neural", "random"):
@@ -70,5 +82,15 @@ for backup in ("neural", "random"):
 r = eng.generate(PROMPTS, mode="sd", max_new_tokens=20, k=3)
 out["sd"] = dict(tokens=r.token_ids, accept_hist=list(r.metrics.accept_hist))
 out["saw_tree"] = saw_tree
+if signal != "-":
+    os.remove(signal + ".armed")
+from ssd_jax.algorithm.sampling import SamplingParams  # noqa: E402
+
+t1 = dict(T1, sampling=SamplingParams(temperature=1.0))
+for mode in (("ssd", "sd") if signal != "-" else ()):
+    r = eng.generate(mode=mode, ssd=SSDConfig(fanout=(2, 2, 1, 1)), **t1)
+    out[f"t1_{mode}"] = dict(tokens=r.token_ids, hits=r.metrics.hits,
+                             accept_hist=list(r.metrics.accept_hist))
+    out["t1_batch"] = T1
 print(json.dumps(out))
 remote.close()

@@ -1,17 +1,29 @@
 """The draft process of the two-process transport (`python -m ssd_jax.runtime.draft_process`).
 
-Serves the target process's messages with a `DraftWorker` on its own device. After every
-speculation it sends (round 1's backup, or a resolve), it dispatches the tree for that speculation
-at once, so the tree runs while the target verifies it.
+Connects to the target (`--connect host:port`), proves the shared secret (SSD_JAX_DRAFT_SECRET,
+SSD_JAX_DRAFT_SECRET_FILE or `--secret-file`), loads the draft and serves the target's requests
+with a `DraftWorker` on its own device, one reply per request. After every speculation it sends
+(round 1's backup, or a resolve), it dispatches the tree for that speculation at once, so the tree
+runs while the target verifies it. An error in its own computation is reported to the target (the
+target falls back to plain decoding for that call) and serving goes on; the process ends when the
+target says "shutdown" or goes away.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import socket
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
 
-from ssd_jax.runtime.transport import DRAFT, Channel, _init
+from ssd_jax.runtime.wire import (MAX_STR, REQUESTS, ROWS, Channel, Message, TransportError,
+                                  handshake_draft, parse_address, read_secret)
+
+BACKUPS = ("neural", "random", "ngram")
+MAX_K = 256
 
 
 def _load(spec: str, dtype: str, cache_dir: str | None, quant: str = "none",
@@ -21,8 +33,8 @@ def _load(spec: str, dtype: str, cache_dir: str | None, quant: str = "none",
     path = Path(spec)
     # An HF folder without tokenizer files (how tests ship tiny random drafts) loads without one.
     with_tok = not (path.is_dir() and not (path / "tokenizer.json").exists())
-    # No orbax cache here: orbax coordinates across all processes of the jax.distributed runtime,
-    # and only this one is loading.
+    # No orbax cache here: the target's process may be converting the same model into the same
+    # cache folder at the same time.
     model = load_draft(spec, dtype, quant, draft_vocab, cache_dir=cache_dir, use_cache=False,
                        with_tokenizer=with_tok)
     if model.tokenizer is None:
@@ -30,78 +42,190 @@ def _load(spec: str, dtype: str, cache_dir: str | None, quant: str = "none",
     return model, model.tokenizer.vocab_size, model.tokenizer.fingerprint()
 
 
-def serve(channel: Channel, model) -> None:
-    """Answer the target's messages (start, ready, propose, first, resolve, finish) with a
-    `DraftWorker` for `model` on this process's devices until "shutdown"; after each speculation
-    sent, dispatch its tree and wait for it."""
-    import jax
+def decode_state(a: dict):
+    """The `RoundState` of a request's arrays; ValueError if they do not fit together."""
+    from ssd_jax.runtime.draft_worker import RoundState
 
-    from ssd_jax.runtime.draft_worker import DraftWorker
-    from ssd_jax.runtime.placement import make_placement
+    B = len(a["n"])
+    if any(len(a[k]) != B for k in ("prev", "bonus", "active", "history_lens")):
+        raise ValueError("the round state's arrays differ in batch size")
+    lens = a["history_lens"]
+    if lens.size and (lens.min() < 0 or int(lens.sum()) != len(a["history"])):
+        raise ValueError("history lengths do not add up to the history")
+    cuts = np.cumsum(lens)[:-1] if B else []
+    history = [h.tolist() for h in np.split(a["history"], cuts)] if B else []
+    return RoundState(a["n"], a["prev"], a["bonus"], a["active"], history)
 
-    worker = None
-    while True:
-        msg = channel.recv()
-        kind = msg[0]
-        if kind == "shutdown":
-            jax.distributed.shutdown()
-            return
+
+def decode_run(f: dict, batch: int):
+    """The `DraftRun` of a request's fields; ValueError for a value the draft cannot serve."""
+    from ssd_jax.algorithm.sampling import SamplingParams
+    from ssd_jax.runtime.draft_worker import DraftRun
+
+    if len(f["request_ids"]) != batch:
+        raise ValueError(f"{len(f['request_ids'])} request ids for a batch of {batch}")
+    if not 1 <= f["k"] <= MAX_K:
+        raise ValueError(f"K = {f['k']} outside [1, {MAX_K}]")
+    if f["backup"] not in BACKUPS or f["row_dtype"] not in ROWS:
+        raise ValueError(f"backup {f['backup']!r} / row dtype {f['row_dtype']!r} not served")
+    return DraftRun(seed=f["seed"], request_ids=tuple(f["request_ids"]),
+                    sampling=SamplingParams(f["temperature"], f["top_k"], f["top_p"]), k=f["k"],
+                    fanout_hit=tuple(f["fanout_hit"]), fanout_backup=tuple(f["fanout_backup"]),
+                    saguaro_c=f["saguaro_c"], backup=f["backup"], row_dtype=f["row_dtype"])
+
+
+class DraftServer:
+    """The draft process's side of the exchange: `handle` answers one request (and says what to
+    do after the reply is sent: dispatch the next tree); `serve` loops over requests."""
+
+    def __init__(self, channel: Channel, model):
+        self.channel, self.model = channel, model
+        self.worker = None
+        self.pending: Exception | None = None  # raised after the last reply (a tree): told next
+
+    def _spec(self, spec, rows) -> Message:
+        return Message("spec", {}, {"spec": np.asarray(spec), "rows": np.asarray(rows)})
+
+    def handle(self, msg: Message):
+        """(reply Message, a function to run after sending it, or None)."""
+        import jax
+
+        from ssd_jax.runtime.draft_worker import DraftWorker
+        from ssd_jax.runtime.placement import make_placement
+
+        kind, a, f, w = msg.kind, msg.arrays, msg.fields, self.worker
         if kind == "start":
-            _, tokens, lens, cache_len, row_vocab = msg
-            if worker is None or worker.row_vocab != row_vocab:
+            if a["tokens"].shape[0] != len(a["lens"]) or f["cache_len"] < a["tokens"].shape[1]:
+                raise ValueError("prompt tokens, lengths and cache length do not fit together")
+            if w is None or w.row_vocab != f["row_vocab"]:
                 placement = make_placement("colocated", jax.local_devices())
-                worker = DraftWorker(model, placement.draft, row_vocab)
-            worker.start(tokens, lens, cache_len)
-        elif kind == "ready":
-            worker.ready()
-            channel.send(True)
-        elif kind == "propose":
-            _, s, run = msg
-            spec, rows = worker.propose(s, run)
-            channel.send((np.asarray(spec), np.asarray(rows)))
-        elif kind == "first":
-            _, s, run = msg
-            spec, rows = worker.backup(s, run)
-            channel.send((np.asarray(spec), np.asarray(rows)))
-            worker.dispatch_tree(s, spec, np.ones(len(s.n), bool), run, wait=True)
-        elif kind == "resolve":
-            _, k_acc, bonus, s, run = msg
-            spec, rows, hit, times = worker.resolve(k_acc, bonus, s, run)
-            channel.send((np.asarray(spec), np.asarray(rows), hit, times))
-            if s.active.any():
-                worker.dispatch_tree(s, spec, ~hit & s.active, run, wait=True)
-        elif kind == "finish":
-            worker._tree = None
-        else:
-            raise RuntimeError(f"draft process: unknown message {kind!r}")
+                self.worker = w = DraftWorker(self.model, placement.draft, f["row_vocab"])
+            w.start(a["tokens"], a["lens"], f["cache_len"])
+            return Message("ok"), None
+        if w is None:
+            raise ValueError(f"{kind!r} before 'start'")
+        if kind == "ready":
+            w.ready()
+            return Message("ok"), None
+        if kind == "finish":
+            w._tree = None
+            return Message("ok"), None
+        s = decode_state(a)
+        run = decode_run(f, len(s.n))
+        if kind == "propose":
+            return self._spec(*w.propose(s, run)), None
+        if kind == "first":
+            spec, rows = w.backup(s, run)
+            return self._spec(spec, rows), lambda: w.dispatch_tree(
+                s, spec, np.ones(len(s.n), bool), run, wait=True)
+        # resolve
+        if len(a["num_accepted"]) != len(s.n) or len(a["outcome_bonus"]) != len(s.n):
+            raise ValueError("the outcome's arrays differ in batch size from the round state")
+        spec, rows, hit, times = w.resolve(a["num_accepted"], a["outcome_bonus"], s, run)
+        reply = Message("resolved", {"times": {k: float(v) for k, v in times.items()}},
+                        {"spec": np.asarray(spec), "rows": np.asarray(rows),
+                         "hit": np.asarray(hit, bool)})
+        if not s.active.any():
+            return reply, None
+        return reply, lambda: w.dispatch_tree(s, spec, ~hit & s.active, run, wait=True)
+
+    def serve(self) -> None:
+        """Answer requests until "shutdown" or until the target goes away."""
+        while True:
+            try:
+                msg = self.channel.recv(REQUESTS)
+            except TransportError as e:
+                if e.kind == "closed":
+                    return  # the target is gone: nothing left to serve
+                raise
+            t0 = time.perf_counter()
+            if msg.kind == "shutdown":
+                self.channel.send(Message("ok"))
+                return
+            if msg.kind in ("start", "finish"):
+                self.pending = None
+            after = None
+            try:
+                if self.pending is not None:
+                    err, self.pending = self.pending, None
+                    raise err
+                reply, after = self.handle(msg)
+            except Exception as e:  # noqa: BLE001 - the draft's own failure: tell the target
+                reply = Message("error", {"message": f"{type(e).__name__}: {e}"[:MAX_STR],
+                                          "during": msg.kind})
+                if self.worker is not None:
+                    self.worker._tree = None
+            if reply.kind == "resolved":
+                reply.fields["times"]["handle_s"] = time.perf_counter() - t0
+            self.channel.send(reply)
+            if after is not None:
+                try:
+                    after()
+                except Exception as e:  # noqa: BLE001 - answered at the next request
+                    self.pending = e
+
+
+def connect(address: str, key: bytes, timeout: float) -> Channel:
+    """Connect to the target at `address` (retrying while it does not listen yet, up to `timeout`
+    seconds) and prove the secret; TransportError if refused."""
+    host, port = parse_address(address)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock = socket.create_connection((host, port), timeout=10)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TransportError("timeout", f"no target listening at {address} in {timeout:g} s")
+            time.sleep(0.2)
+    handshake_draft(sock, key)
+    return Channel(sock)
 
 
 def main(argv=None) -> None:
-    """Command line: join the coordinator as the draft process, load the draft (or send the target
-    the error), send its vocabulary and tokenizer fingerprint, then `serve`."""
-    p = argparse.ArgumentParser()
-    p.add_argument("--coordinator", required=True)
+    """Command line: connect to the target, load the draft (or send the target the error), send
+    its vocabulary and tokenizer fingerprint, then serve."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--connect", required=True, help="the target's host:port")
     p.add_argument("--draft", required=True)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--quant", choices=("none", "int8", "int4"), default="none")
     p.add_argument("--draft-vocab", type=int, default=None)
-    p.add_argument("--cpu", type=int, default=None)
+    p.add_argument("--cpu", type=int, default=None, help="pin this process to one core")
     p.add_argument("--cache-dir", default=None)
+    p.add_argument("--secret-file", default=None,
+                   help="file holding the shared secret (default: $SSD_JAX_DRAFT_SECRET, "
+                        "$SSD_JAX_DRAFT_SECRET_FILE)")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds to keep trying to reach the target")
     a = p.parse_args(argv)
-    _init(a.coordinator, DRAFT, a.cpu)
-    channel = Channel()
+    if a.cpu is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {a.cpu})  # before XLA starts its thread pool
+    try:
+        key = read_secret(secret_file=a.secret_file)
+        if key is None:
+            raise ValueError("no shared secret: set SSD_JAX_DRAFT_SECRET (or "
+                             "SSD_JAX_DRAFT_SECRET_FILE, or pass --secret-file)")
+        channel = connect(a.connect, key, a.timeout)
+    except (ValueError, OSError, TransportError) as e:
+        sys.exit(f"ssd_jax draft process: {e}")
     try:
         model, vocab_size, fingerprint = _load(a.draft, a.dtype, a.cache_dir, a.quant, a.draft_vocab)
-    except Exception as e:  # tell the target instead of leaving it waiting
-        channel.send({"error": f"{type(e).__name__}: {e}"})
-        return
-    import jax
+        import jax
 
-    from ssd_jax.models.backends import select
-    channel.send({"vocab_rows": model.cfg.vocab_size, "vocab_size": vocab_size,
-                  "fingerprint": fingerprint, "name": a.draft,
-                  "backend": select("auto", jax.local_devices()[:1]).name})
-    serve(channel, model)
+        from ssd_jax.models.backends import select
+        backend = select("auto", jax.local_devices()[:1]).name
+    except Exception as e:  # noqa: BLE001 - tell the target instead of leaving it waiting
+        channel.send(Message("error", {"message": f"{type(e).__name__}: {e}"[:MAX_STR],
+                                       "during": "load"}))
+        return
+    channel.send(Message("info", {"vocab_rows": int(model.cfg.vocab_size),
+                                  "vocab_size": int(vocab_size), "fingerprint": fingerprint,
+                                  "name": str(a.draft)[:MAX_STR], "backend": backend}))
+    try:
+        DraftServer(channel, model).serve()
+    except TransportError as e:
+        sys.exit(f"ssd_jax draft process: {e}")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,8 @@ class RoundState:
 
 @dataclasses.dataclass(frozen=True)
 class DraftRun:
-    """What the draft needs to know about one generate call (host values; picklable)."""
+    """What the draft needs to know about one generate call (host values; on the wire as JSON
+    fields, `ssd_jax.runtime.transport.run_fields`)."""
     seed: int
     request_ids: tuple[int, ...]
     sampling: object  # SamplingParams of the draft
@@ -50,6 +51,17 @@ class DraftRun:
     saguaro_c: float = 1.0
     backup: str = "neural"
     row_dtype: str = "float32"
+
+    @classmethod
+    def of_call(cls, rids, run: dict, ssd=None) -> "DraftRun":
+        """The draft's view of the engine's call: request ids [B], the engine's run dict (seed,
+        draft_sampling, k, and for SSD f_hit / f_backup) and the call's SSDConfig (None for SD)."""
+        kw = {}
+        if ssd is not None:
+            kw = dict(fanout_hit=run["f_hit"], fanout_backup=run["f_backup"],
+                      saguaro_c=ssd.saguaro_c, backup=ssd.backup, row_dtype=ssd.row_dtype)
+        return cls(seed=int(run["seed"]), request_ids=tuple(int(r) for r in rids),
+                   sampling=run["draft_sampling"], k=run["k"], **kw)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ops"))

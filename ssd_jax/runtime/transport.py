@@ -1,219 +1,358 @@
-"""The draft in a second process, coordinated through JAX's own multi-process runtime.
+"""The draft in a second process, over an authenticated point-to-point socket.
 
 On a 2-core CPU one JAX process spreads every forward over both cores, so two meshes in one process
-barely overlap. Here the target process is pinned to one core and a draft process to
-another; they exchange only token ids, outcome integers and proposal rows, as pickled host values
-over `jax.experimental.multihost_utils.process_allgather` (gloo collectives on the CPU).
+barely overlap. Here the target process is pinned to one core and a draft process to another;
+they exchange only token ids, outcome integers and proposal rows as typed numpy frames
+(`ssd_jax.runtime.wire`: no pickle, size-checked, HMAC handshake on connect).
 
-    remote = start_two_process("qwen2.5-coder-0.5b")   # before any other JAX use in this process
+    remote = start_two_process("qwen2.5-coder-0.5b")   # best before other JAX use (core pinning)
     engine = Engine(load_model("qwen2.5-coder-1.5b"), remote_draft=remote)
 
 `RemoteDraft` has the methods of `DraftWorker` the engine calls; the draft process runs the same
 `DraftWorker` and, right after sending a speculation, dispatches its tree for it — so the tree runs
 while the target verifies that speculation.
+
+No runtime ties the two processes' lives together (this used to be jax.distributed, whose
+heartbeat aborts the survivor): a draft process that dies, hangs past `reply_timeout` or sends a
+frame that fails its checks is a `TransportError` in the target, which the engine turns into a
+fallback to plain decoding (`ssd_jax.runtime.fallback`); `RemoteDraft.restart` brings it back.
 """
 from __future__ import annotations
 
 import atexit
 import os
-import pickle
 import socket
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 
-TARGET, DRAFT = 0, 1  # jax.distributed process ids of the two processes
+from ssd_jax.runtime.wire import (REPLIES, SECRET_ENV, SECRET_FILE_ENV, Channel, Message,
+                                  TransportError, handshake_target, new_secret, parse_address,
+                                  read_secret)
+
+DEFAULT_REPLY_TIMEOUT = 120.0  # seconds the target waits for one answer (first calls compile)
 
 
-class Channel:
-    """Point-to-point messages between the two processes. Both call `exchange` at the same point:
-    the sender with its object, the receiver with None. Two allgathers: size, then bytes."""
-
-    def __init__(self):
-        import jax
-        self.me = jax.process_index()
-        self.seconds = 0.0  # time spent exchanging
-        self._count = 0  # messages so far (names each one's barrier)
-
-    def _meet(self):
-        """Both processes reach the same message before its collectives start. Why: gloo gives up
-        on a peer after ~30 s, and a peer can be busy far longer between messages (loading and
-        converting its model before the first one); the coordination service's barrier waits up
-        to 10 minutes. Messages are numbered, so both sides must exchange in the same order, as
-        the collectives already require."""
-        from jax._src import distributed
-        client = distributed.global_state.client
-        if client is not None:
-            self._count += 1
-            client.wait_at_barrier(f"ssd_jax_channel_{self._count}", timeout_in_ms=600_000)
-
-    def _allgather(self, x: np.ndarray) -> np.ndarray:
-        from jax.experimental import multihost_utils
-        return np.asarray(multihost_utils.process_allgather(x))
-
-    def exchange(self, sender: int, obj=None):
-        """Move a picklable `obj` from process `sender` to the other one; both return it (the sender
-        its own object, the receiver the unpickled copy). Adds the time taken to `self.seconds`."""
-        t0 = time.perf_counter()
-        self._meet()
-        mine = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.me == sender else b""
-        size = int(self._allgather(np.array([len(mine)], np.int64))[sender, 0])
-        # Buffers come in power-of-2 sizes: each new shape would compile a new allgather, and a
-        # compile per round costs more than the bytes.
-        buf = np.zeros(max(1024, 1 << (size - 1).bit_length()), np.uint8)
-        if self.me == sender:
-            buf[:size] = np.frombuffer(mine, np.uint8)
-        got = self._allgather(buf)[sender, :size]
-        self.seconds += time.perf_counter() - t0
-        return obj if self.me == sender else pickle.loads(got.tobytes())
-
-    def send(self, obj):
-        """`exchange` with this process as the sender; the other process must call `recv`."""
-        return self.exchange(self.me, obj)
-
-    def recv(self):
-        """`exchange` with the other process as the sender: returns the object it `send`s."""
-        return self.exchange(1 - self.me)
+class TransportWarning(UserWarning):
+    """A peer was refused while the target waited for its draft (the wait goes on)."""
 
 
-def _np(x):
-    return None if x is None else np.asarray(x)
+def state_arrays(s) -> dict:
+    """A `RoundState`'s arrays for the wire (the ragged histories flattened, with lengths)."""
+    hist = [np.asarray(h, np.int32).reshape(-1) for h in s.history]
+    return {"n": np.asarray(s.n, np.int32), "prev": np.asarray(s.prev, np.int32),
+            "bonus": np.asarray(s.bonus, np.int32), "active": np.asarray(s.active, bool),
+            "history": np.concatenate(hist) if hist else np.zeros(0, np.int32),
+            "history_lens": np.asarray([len(h) for h in hist], np.int32)}
+
+
+def run_fields(run) -> dict:
+    """A `DraftRun`'s fields for the wire (JSON scalars and lists of ints)."""
+    return dict(seed=int(run.seed), request_ids=[int(r) for r in run.request_ids],
+                temperature=float(run.sampling.temperature), top_k=int(run.sampling.top_k),
+                top_p=float(run.sampling.top_p), k=int(run.k),
+                fanout_hit=[int(f) for f in run.fanout_hit],
+                fanout_backup=[int(f) for f in run.fanout_backup],
+                saguaro_c=float(run.saguaro_c), backup=str(run.backup), row_dtype=str(run.row_dtype))
+
+
+class _Listener:
+    """Where the target waits for its draft: one TCP socket, loopback unless told otherwise."""
+
+    def __init__(self, listen: str):
+        host, port = parse_address(listen)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.create_server((host, port), family=family)
+        self.address = self.sock.getsockname()[:2]
+
+    def accept(self, key: bytes, deadline: float, alive, timeout: float) -> Channel:
+        """The first peer that passes the handshake; every other one is refused (a
+        TransportWarning each) and the wait goes on until `deadline`."""
+        refused = []
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                why = f"; refused {len(refused)} peer(s), last: {refused[-1]}" if refused else ""
+                raise TransportError("timeout", f"no draft joined {self.where} in {timeout:g} s{why}")
+            self.sock.settimeout(min(1.0, left))
+            try:
+                conn, peer = self.sock.accept()
+            except socket.timeout:
+                alive()
+                continue
+            try:
+                handshake_target(conn, key, timeout=min(10.0, max(left, 0.1)))
+            except TransportError as e:
+                conn.close()
+                refused.append(f"{peer[0]}:{peer[1]} ({e})")
+                warnings.warn(TransportWarning(f"ssd_jax: refused a draft peer from {peer[0]}:"
+                                               f"{peer[1]}: {e}; still waiting for the draft"),
+                              stacklevel=4)
+                continue
+            return Channel(conn)
+
+    @property
+    def where(self) -> str:
+        """host:port as a draft would connect to it."""
+        host, port = self.address
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def close(self):
+        """Stop listening."""
+        self.sock.close()
 
 
 class RemoteDraft:
-    """Target-side proxy of the draft process (the methods the engine calls on a DraftWorker)."""
+    """Target-side proxy of the draft process (the methods the engine calls on a DraftWorker).
+
+    Every request has one reply, waited for at most `reply_timeout` seconds. A draft that goes
+    away, hangs or sends a malformed frame marks this proxy down (`down` says why; a process this
+    one spawned is killed) and raises TransportError; an error the draft process reports about its
+    own computation raises TransportError("remote") and leaves the connection up (the next
+    generate call starts afresh). `restart()` starts a spawned draft again, or waits for a
+    joining one to connect again."""
 
     remote = True
 
-    def __init__(self, channel: Channel, proc: subprocess.Popen | None, info: dict):
-        self.channel = channel
-        self.proc = proc
-        self.info = info  # the draft's embedding rows, tokenizer size and fingerprint
-        self.row_vocab = info["vocab_rows"]  # set by the engine to the target's rows
-        self._closed = False
+    def __init__(self, cmd: list[str] | None, env: dict | None, listen: str, key: bytes,
+                 timeout: float, reply_timeout: float):
+        self.cmd, self.env, self.listen, self.key = cmd, env, listen, key
+        self.timeout, self.reply_timeout = float(timeout), float(reply_timeout)
+        self.proc: subprocess.Popen | None = None
+        self.channel: Channel | None = None
+        self.down: str | None = "not connected"
+        self.info: dict = {}
+        self._connect()
+        self.row_vocab = self.info["vocab_rows"]  # set by the engine to the target's rows
+        atexit.register(self.close)
 
+    @property
+    def name(self) -> str:
+        """The draft as its process names it (the model it loaded)."""
+        return str(self.info.get("name", "remote draft"))
+
+    def bind(self, target) -> "RemoteDraft":
+        """Check the draft fits `target` (a Model: one tokenizer, by fingerprint) and pad / cut its
+        proposal rows to the target's embedding rows; returns self (the engine's worker)."""
+        fp = self.info.get("fingerprint")
+        if fp is not None and target.tokenizer is not None and fp != target.tokenizer.fingerprint():
+            raise ValueError("draft and target have different tokenizers: speculative decoding "
+                             "needs one shared vocabulary")
+        self.row_vocab = int(target.cfg.vocab_size)
+        return self
+
+    # ------------------------------------------------------------------ connection
+    def _alive(self):
+        if self.proc is not None and self.proc.poll() is not None:
+            raise TransportError("closed", f"the draft process exited with code {self.proc.returncode}")
+
+    def _connect(self):
+        listener = _Listener(self.listen)
+        deadline = time.monotonic() + self.timeout
+        try:
+            if self.cmd is not None:
+                self.proc = subprocess.Popen(self.cmd + ["--connect", listener.where], env=self.env)
+            self.channel = listener.accept(self.key, deadline, self._alive, self.timeout)
+        except BaseException as e:
+            self._kill()
+            if isinstance(e, TransportError):
+                raise RuntimeError(f"the draft process did not join: {e}") from e
+            raise
+        finally:
+            listener.close()
+        try:
+            msg = self.channel.recv({k: REPLIES[k] for k in ("info", "error")},
+                                    timeout=max(deadline - time.monotonic(), 1.0), alive=self._alive)
+        except TransportError as e:
+            self._kill()
+            raise RuntimeError(f"the draft process did not say what it loaded: {e}") from e
+        if msg.kind == "error":
+            self._kill()
+            raise ValueError(f"draft process: {msg.fields['message']}")
+        self.info, self.down = dict(msg.fields), None
+
+    def _kill(self):
+        if self.channel is not None:
+            self.channel.close()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def _fail(self, e: TransportError) -> TransportError:
+        self._kill()
+        why = str(e)
+        if self.proc is not None and self.proc.returncode is not None and "exited" not in why:
+            why += f" (the draft process exited with code {self.proc.returncode})"
+        self.down = why
+        return TransportError(e.kind, why)
+
+    def _ask(self, kind: str, fields: dict, arrays: dict, reply: str,
+             timeout: float | None = None) -> Message:
+        if self.down is not None:
+            raise TransportError("down", f"the draft process is down: {self.down}; "
+                                         f"engine.restart_draft() starts it again")
+        t = self.reply_timeout if timeout is None else timeout
+        try:
+            self.channel.send(Message(kind, fields, arrays), timeout=t)
+            msg = self.channel.recv({reply: REPLIES[reply], "error": REPLIES["error"]},
+                                    timeout=t, alive=self._alive)
+        except TransportError as e:
+            raise self._fail(e) from e
+        if msg.kind == "error":
+            raise TransportError("remote", f"the draft process raised during {kind!r}: "
+                                           f"{msg.fields['message']}")
+        return msg
+
+    def _spec(self, msg: Message, batch: int, k: int, hit: bool = False):
+        a = msg.arrays
+        want = {"spec": (batch, k), "rows": (batch, k, self.row_vocab), "hit": (batch,)}
+        for name, arr in a.items():
+            if arr.shape != want[name]:
+                raise self._fail(TransportError("malformed", f"malformed message refused: {name} "
+                                                f"of shape {arr.shape}, expected {want[name]}"))
+        spec = a["spec"]
+        if spec.size and (spec.min() < 0 or spec.max() >= self.row_vocab):
+            raise self._fail(TransportError("malformed", "malformed message refused: a speculated "
+                                                         f"token outside [0, {self.row_vocab})"))
+        return (spec, a["rows"], a["hit"]) if hit else (spec, a["rows"])
+
+    # ------------------------------------------------------------------ the DraftWorker calls
     def start(self, prompt_tokens, prompt_lens, cache_len):
         """Send prompt_tokens `[B, T]`, prompt_lens `[B]`, cache_len S and the row vocabulary V: the
-        draft process builds its worker if needed and prefills."""
-        self.channel.send(("start", np.asarray(prompt_tokens), np.asarray(prompt_lens), int(cache_len),
-                           int(self.row_vocab)))
+        draft process builds its worker if needed (the first time: up to `timeout` seconds) and
+        dispatches its prefill."""
+        self._ask("start", {"cache_len": int(cache_len), "row_vocab": int(self.row_vocab)},
+                  {"tokens": np.asarray(prompt_tokens, np.int32),
+                   "lens": np.asarray(prompt_lens, np.int32)}, "ok",
+                  timeout=max(self.timeout, self.reply_timeout))
 
     def ready(self):
         """Block until the draft process's prefill is done."""
-        self.channel.send(("ready",))
-        self.channel.recv()
+        self._ask("ready", {}, {}, "ok")
 
     def propose(self, s, run):
         """SD drafting in the draft process: (spec `[B, K]` int32, rows `[B, K, V]`) as numpy."""
-        self.channel.send(("propose", s, run))
-        return self.channel.recv()
+        return self._spec(self._ask("propose", run_fields(run), state_arrays(s), "spec"),
+                          len(s.n), run.k)
 
     def backup(self, s, run):
         """Round 1's speculation (a backup from the real outcome): (spec `[B, K]`, rows `[B, K, V]`)
         as numpy; the draft process then dispatches its tree at once."""
-        self.channel.send(("first", s, run))
-        return self.channel.recv()
+        return self._spec(self._ask("first", run_fields(run), state_arrays(s), "spec"),
+                          len(s.n), run.k)
 
     def dispatch_tree(self, s, spec, from_backup, run):
         """Nothing to do here: the draft process dispatched the tree when it sent `spec`."""
-        pass  # the draft process dispatched it as soon as it sent `spec`
 
     def resolve(self, num_accepted, bonus, s, run):
         """Send the outcome (num_accepted `[B]`, bonus `[B]`); receive (spec `[B, K]`, rows
-        `[B, K, V]`, hit `[B]` bool, times dict) with the exchange's seconds as times["exchange_s"]."""
-        t0 = self.channel.seconds
-        self.channel.send(("resolve", np.asarray(num_accepted), np.asarray(bonus), s, run))
-        spec, rows, hit, times = self.channel.recv()
-        times = dict(times, exchange_s=self.channel.seconds - t0)
+        `[B, K, V]`, hit `[B]` bool, times dict); times["exchange_s"]: the round trip less the
+        draft process's own handling time."""
+        t0 = time.perf_counter()
+        arrays = dict(state_arrays(s), num_accepted=np.asarray(num_accepted, np.int32),
+                      outcome_bonus=np.asarray(bonus, np.int32))
+        msg = self._ask("resolve", run_fields(run), arrays, "resolved")
+        spec, rows, hit = self._spec(msg, len(s.n), run.k, hit=True)
+        times = dict(msg.fields["times"])
+        times["exchange_s"] = max(time.perf_counter() - t0 - times.pop("handle_s", 0.0), 0.0)
         return spec, rows, hit, times
 
     def finish(self):
         """End of a generate call: the draft process drops its pending tree."""
-        self.channel.send(("finish",))
+        self._ask("finish", {}, {}, "ok")
+
+    # ------------------------------------------------------------------ life cycle
+    def restart(self) -> None:
+        """Start the draft again: a spawned process is killed (if still there) and spawned anew; a
+        joining one is waited for on the same address (up to `timeout` seconds). The new draft
+        must be the same model as the old (embedding rows and tokenizer)."""
+        old = dict(self.info)
+        self._kill()
+        self.down = "restarting"
+        self._connect()
+        for key in ("vocab_rows", "vocab_size", "fingerprint"):
+            if old.get(key) != self.info.get(key):
+                self.close()
+                self.down = f"the restarted draft differs from the old one in {key}"
+                raise ValueError(self.down)
 
     def close(self):
-        """Stop the draft process. Both processes leave jax.distributed together (its shutdown is
-        a barrier), so this process cannot start another draft process afterwards."""
-        import jax
-        if self._closed or (self.proc is not None and self.proc.poll() is not None):
-            return
-        self._closed = True
-        self.channel.send(("shutdown",))
-        jax.distributed.shutdown()
-        if self.proc is not None:
-            self.proc.wait(timeout=120)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _init(coordinator: str, process_id: int, cpu: int | None, timeout: int = 300):
-    if cpu is not None and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {cpu})  # before XLA starts its thread pool
-    import jax
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=2,
-                               process_id=process_id, initialization_timeout=timeout)
+        """Stop the draft process (asked first, killed if it does not exit within 30 s)."""
+        if self.down is None:
+            try:
+                self._ask("shutdown", {}, {}, "ok", timeout=10.0)
+            except TransportError:
+                pass
+        self.down = self.down or "closed"
+        if self.channel is not None:
+            self.channel.close()
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
 
 
 def start_two_process(draft: str | None, *, dtype: str = "float32", quant: str = "none",
                       draft_vocab: int | None = None,
                       cores: tuple[int, int] | None = (0, 1), cache_dir: str | None = None,
-                      timeout: int = 300, draft_main: str | None = None,
-                      coordinator: str | None = None) -> RemoteDraft:
-    """Launch the draft process and join it. Call before any other JAX use in this process.
+                      timeout: float = 300, reply_timeout: float = DEFAULT_REPLY_TIMEOUT,
+                      draft_main: str | None = None, listen: str | None = None,
+                      secret: str | bytes | None = None,
+                      secret_file: str | None = None) -> RemoteDraft:
+    """Launch the draft process (or wait for one to join) and connect to it.
 
     draft: a default model name, a .gguf file, an HF folder, or a directory written by
-    `ssd_jax.models.checkpoint.save` (how tests ship tiny random drafts). quant: "int8" / "int4" quantizes the
-    draft's weights in its process (models/quant.py); draft_vocab: cut its head to token ids
-    [0, draft_vocab) there (models/draft_head.py). cores: (target core, draft core)
-    to pin each process to, or None to leave placement to the OS. draft_main: a script to run
-    instead of `-m ssd_jax.runtime.draft_process` (same arguments; e.g. an instrumented draft in tests).
+    `ssd_jax.models.checkpoint.save` (how tests ship tiny random drafts). quant: "int8" / "int4"
+    quantizes the draft's weights in its process (models/quant.py); draft_vocab: cut its head to
+    token ids [0, draft_vocab) there (models/draft_head.py). cores: (target core, draft core) to pin
+    each process to (this one is pinned here: call before JAX starts its backend for the pin to
+    cover XLA's threads), or None to leave placement to the OS. timeout: seconds for the draft to
+    join and load its model; reply_timeout: seconds the target waits for any later answer before
+    it counts the draft as hung (the first generate calls compile: raise it for a large draft on
+    a slow machine). draft_main: a script to run instead of `-m ssd_jax.runtime.draft_process`
+    (same arguments; e.g. an instrumented draft in tests).
 
-    Multi-host: pass `coordinator="host0:PORT"` (this host's reachable address) and `draft=None` to
-    spawn nothing; start the draft on its own host with
-    `python -m ssd_jax.runtime.draft_process --coordinator host0:PORT --draft NAME [--cpu N]`.
+    The target listens on `listen` ("host:port", default 127.0.0.1 and a free port) and a draft
+    must prove the shared secret (HMAC) before anything else is read. A spawned draft gets a fresh
+    random secret through its environment. Join mode, `draft=None`: spawn nothing, wait on
+    `listen` (give a port; bind a reachable address such as "0.0.0.0:12355" only on a network you
+    trust) for a draft started elsewhere with the same secret, taken from `secret`, `secret_file`,
+    or the environment (SSD_JAX_DRAFT_SECRET, or SSD_JAX_DRAFT_SECRET_FILE naming a file):
+
+        python -m ssd_jax.runtime.draft_process --connect HOST:PORT --draft NAME [--cpu N]
     """
-    import jax
-    if jax._src.distributed.global_state.client is not None:
-        raise RuntimeError("jax.distributed is already initialised in this process")
-    if draft is None:  # the draft process runs elsewhere (another host) and joins `coordinator`
-        if coordinator is None:
-            raise ValueError("draft=None (a draft started elsewhere) needs coordinator='host:port'")
-        _init(coordinator, TARGET, cores[0] if cores is not None else None, timeout)
-        channel = Channel()
-        info = channel.recv()
-        if "error" in info:
-            raise ValueError(f"draft process: {info['error']}")
-        remote = RemoteDraft(channel, None, info)
-        atexit.register(remote.close)
-        return remote
-    coordinator = coordinator or f"127.0.0.1:{_free_port()}"
-    entry = [draft_main] if draft_main is not None else ["-m", "ssd_jax.runtime.draft_process"]
-    cmd = [sys.executable, *entry, "--coordinator", coordinator,
-           "--draft", str(draft), "--dtype", dtype, "--quant", quant]
-    if draft_vocab is not None:
-        cmd += ["--draft-vocab", str(int(draft_vocab))]
-    if cores is not None:
-        cmd += ["--cpu", str(cores[1])]
-    if cache_dir is not None:
-        cmd += ["--cache-dir", str(cache_dir)]
-    proc = subprocess.Popen(cmd)
-    try:
-        _init(coordinator, TARGET, cores[0] if cores is not None else None, timeout)
-    except Exception as e:
-        proc.kill()
-        raise RuntimeError(f"the draft process did not join (exit code {proc.poll()}): {e}") from e
-    channel = Channel()
-    info = channel.recv()
-    if "error" in info:
-        proc.kill()
-        raise ValueError(f"draft process: {info['error']}")
-    remote = RemoteDraft(channel, proc, info)
-    atexit.register(remote.close)
-    return remote
+    if draft is None:
+        if listen is None:
+            raise ValueError("draft=None (a draft started elsewhere) needs listen='host:port'")
+        key = read_secret(secret, secret_file)
+        if key is None:
+            raise ValueError(f"join mode needs a shared secret: pass secret= or secret_file=, or set "
+                             f"{SECRET_ENV} (or {SECRET_FILE_ENV}); the draft process needs the same")
+        cmd = env = None
+    else:
+        key_text = new_secret()
+        key = key_text.encode()
+        entry = [draft_main] if draft_main is not None else ["-m", "ssd_jax.runtime.draft_process"]
+        cmd = [sys.executable, *entry, "--draft", str(draft), "--dtype", dtype, "--quant", quant,
+               "--timeout", str(timeout)]
+        if draft_vocab is not None:
+            cmd += ["--draft-vocab", str(int(draft_vocab))]
+        if cores is not None:
+            cmd += ["--cpu", str(cores[1])]
+        if cache_dir is not None:
+            cmd += ["--cache-dir", str(cache_dir)]
+        env = {k: v for k, v in os.environ.items() if k != SECRET_FILE_ENV}
+        env[SECRET_ENV] = key_text
+    parse_address(listen or "127.0.0.1:0")  # a bad address is an error before anything starts
+    if cores is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {cores[0]})
+    return RemoteDraft(cmd, env, listen or "127.0.0.1:0", key, timeout, reply_timeout)
