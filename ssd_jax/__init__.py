@@ -29,6 +29,9 @@ _EXPORTS = {
     "Proposer": "ssd_jax.runtime.proposer",
     "PromptLookupProposer": "ssd_jax.runtime.proposer",
     "start_two_process": "ssd_jax.runtime.transport",
+    "DraftFailure": "ssd_jax.runtime.fallback",
+    "DraftFallbackWarning": "ssd_jax.runtime.fallback",
+    "TransportError": "ssd_jax.runtime.wire",
     # models
     "load_model": "ssd_jax.models.load",
     "load_draft": "ssd_jax.models.load",

@@ -90,7 +90,7 @@ t1 = dict(T1, sampling=SamplingParams(temperature=1.0))
 for mode in (("ssd", "sd") if signal != "-" else ()):
     r = eng.generate(mode=mode, ssd=SSDConfig(fanout=(2, 2, 1, 1)), **t1)
     out[f"t1_{mode}"] = dict(tokens=r.token_ids, hits=r.metrics.hits,
-                             accept_hist=list(r.metrics.accept_hist))
+                             accept_hist=list(r.metrics.accept_hist), fallback=r.metrics.fallback)
     out["t1_batch"] = T1
 print(json.dumps(out))
 remote.close()

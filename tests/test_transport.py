@@ -92,6 +92,7 @@ def test_two_process_equals_in_process_and_overlaps(pair):
     for mode in ("ssd", "sd"):
         want = eng.generate(mode=mode, ssd=SSDConfig(fanout=(2, 2, 1, 1)), **t1)
         mine = got[f"t1_{mode}"]
+        assert mine["fallback"] is None
         assert mine["tokens"] == want.token_ids, mode
         assert mine["hits"] == want.metrics.hits and mine["accept_hist"] == list(
             want.metrics.accept_hist), mode

@@ -26,6 +26,7 @@ from ssd_jax.runtime.batch import Batch, GenerationResult
 from ssd_jax.runtime.compile_cache import enable_compilation_cache
 from ssd_jax.runtime.config import MODES, SSDConfig, check_pair, check_request
 from ssd_jax.runtime.draft_worker import DraftRun, DraftWorker, RoundState
+from ssd_jax.runtime.fallback import DraftDown, Guarded, fall_back, restart
 from ssd_jax.runtime.metrics import CompileTimer, Metrics, RoundTimes, mean_tokens
 from ssd_jax.algorithm.policy import BackupChooser, plan_from_sd, width_slope_from_times
 from ssd_jax.runtime.proposer import Proposer
@@ -47,7 +48,7 @@ class Engine:
 
     def __init__(self, target, draft=None, *, placement: str | Placement = "split",
                  max_len: int = 4096, compilation_cache: bool | str = True, remote_draft=None,
-                 proposer=None, backend: str = "auto"):
+                 proposer=None, backend: str = "auto", strict: bool = False):
         """target / draft: `ssd_jax.models.model.Model`. placement: "split" | "colocated" | a layout "T+D"
         such as "4+1" (T-way tensor-parallel target, D-way data-parallel draft; ssd_jax.runtime.sharding)
         | a ready Placement. remote_draft: a `ssd_jax.runtime.transport.RemoteDraft` (the draft in its own
@@ -55,7 +56,10 @@ class Engine:
         `ssd_jax.runtime.proposer.Proposer` (SD only) instead of a draft model. backend: the op
         table for each mesh, "auto" (pallas on a GPU, the cpu kernels on a one-device CPU mesh
         where they build, else xla), "xla", "pallas", a plug-in name, or an `Ops`
-        (`ssd_jax.models.backends.select`); `self.backend` reports the choice per model."""
+        (`ssd_jax.models.backends.select`); `self.backend` reports the choice per model.
+        strict: when the draft fails mid-call (ssd_jax.runtime.fallback), False finishes the call
+        with plain decoding on the target (one DraftFallbackWarning, `metrics.fallback`), True
+        raises `ssd_jax.DraftFailure` with the tokens so far; `restart_draft()` brings it back."""
         enable_compilation_cache(compilation_cache)
         if head_width(target.params) < target.cfg.vocab_size:
             raise ValueError(f"the target's head scores only {head_width(target.params)} of "
@@ -71,16 +75,12 @@ class Engine:
         self.target = target
         self.draft = draft if draft is not None else remote_draft
         self.max_len = int(max_len)
+        self.strict, self._backend = bool(strict), backend
         if draft is not None:
             check_pair(target, draft)
             self.worker = DraftWorker(draft, self.placement.draft, target.cfg.vocab_size, backend)
         elif remote_draft is not None:
-            fp = remote_draft.info.get("fingerprint")
-            if fp is not None and target.tokenizer is not None and fp != target.tokenizer.fingerprint():
-                raise ValueError("draft and target have different tokenizers: speculative decoding "
-                                 "needs one shared vocabulary")
-            remote_draft.row_vocab = target.cfg.vocab_size
-            self.worker = remote_draft
+            self.worker = remote_draft.bind(target)
         elif proposer is not None:
             if not isinstance(proposer, Proposer):
                 raise ValueError("proposer must have start, propose and finish methods "
@@ -176,16 +176,20 @@ class Engine:
                    draft_sampling=draft_sampling or sampling, k=int(k),
                    verifier=verifier or _default_verifier())
         self._timer = timer = CompileTimer()
+        draft = Guarded(self.worker) if mode != "ar" else None  # its failures: DraftDown
         with timer.measure():
-            t0 = time.perf_counter()
-            self._prefill(batch, rids, cache_len, run, mode)
-            metrics.prefill_s = time.perf_counter() - t0
-            if mode == "ar":
-                self._run_ar(batch, rids, run, metrics)
-            elif mode == "sd":
-                self._run_sd(batch, rids, run, metrics)
-            else:
-                self._run_ssd(batch, rids, run, metrics, ssd)
+            try:
+                self._prefill(batch, rids, cache_len, run, draft, metrics)
+                if mode == "ar":
+                    self._run_ar(batch, rids, run, metrics)
+                elif mode == "sd":
+                    self._run_sd(batch, rids, run, metrics, draft)
+                else:
+                    self._run_ssd(batch, rids, run, metrics, ssd, draft)
+            except DraftDown as down:  # go on with the target alone from the committed tokens
+                metrics.new_tokens = sum(len(g) for g in batch.generated)
+                fall_back(self, down, batch, metrics, self.strict)
+                self._run_ar(batch, rids, run, metrics, measure=False)
         metrics.compile_s = timer.seconds
         metrics.backend = self.backend  # again: a kernel may have fallen back during the run
         metrics.new_tokens = sum(len(g) for g in batch.generated)
@@ -215,8 +219,8 @@ class Engine:
             out.append(ids)
         return out
 
-    def _prefill(self, batch: Batch, rids, cache_len: int, run: dict, mode: str):
-        B = batch.size
+    def _prefill(self, batch: Batch, rids, cache_len: int, run: dict, draft, m: Metrics):
+        t0, B = time.perf_counter(), batch.size
         T = _prefill_bucket(int(batch.prompt_lens.max()))
         toks = np.zeros((B, T), np.int32)
         for b, h in enumerate(batch.history):
@@ -228,18 +232,21 @@ class Engine:
             self.tparams, cfg, self.tcache, to_mesh(toks, tgt), to_mesh(batch.prompt_lens, tgt),
             run["seed"], to_mesh(rids, tgt), run["sampling"], self.vocab_size, ops=self.tops),
             self._serial)
-        if mode != "ar":
-            self.worker.start(toks, batch.prompt_lens, cache_len)
+        if draft is not None:
+            draft.start(toks, batch.prompt_lens, cache_len)  # a failure raises at the next call
         first, lp = np.asarray(first), np.asarray(lp)
-        if mode != "ar" and hasattr(self.worker, "ready"):
-            # the prefill ends when the draft's KV is there too: left in flight, it would be
-            # billed to the first round's drafting (and so to steady-state tokens/s)
-            self.worker.ready()
         for b in range(B):
             batch.emit(b, [first[b]], [lp[b]])
+        try:
+            if draft is not None and hasattr(self.worker, "ready"):
+                # the prefill ends when the draft's KV is there too: left in flight, it would be
+                # billed to the first round's drafting (and so to steady-state tokens/s)
+                draft.ready()
+        finally:
+            m.prefill_s = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ loops
-    def _run_ar(self, batch: Batch, rids, run, m: Metrics):
+    def _run_ar(self, batch: Batch, rids, run, m: Metrics, measure: bool = True):
         tgt, cfg = self.placement.target, self.tcfg
         rids_t = to_mesh(rids, tgt)
         while batch.active.any():
@@ -253,7 +260,7 @@ class Engine:
                 batch.emit(b, [tok[b]], [lp[b]])
             m.add_round(self._round_end(batch, RoundTimes(active=int(active.sum())), t0, c0, n0))
         steady = [r.round_s for r in m.timeline if not r.compiled]
-        if steady:
+        if steady and measure:  # T_1 for the §6 prediction (not from a fallback's rounds)
             self._t1 = float(np.median(steady))
 
     def _round_start(self, batch: Batch):
@@ -286,22 +293,14 @@ class Engine:
             batch.emit(b, toks[b, : k_acc[b] + 1], lps[b, : k_acc[b] + 1])
         return k_acc
 
-    def _draft_run(self, rids, run, ssd: SSDConfig | None = None) -> DraftRun:
-        kw = {}
-        if ssd is not None:
-            kw = dict(fanout_hit=run["f_hit"], fanout_backup=run["f_backup"],
-                      saguaro_c=ssd.saguaro_c, backup=ssd.backup, row_dtype=ssd.row_dtype)
-        return DraftRun(seed=int(run["seed"]), request_ids=tuple(int(r) for r in rids),
-                        sampling=run["draft_sampling"], k=run["k"], **kw)
-
-    def _run_sd(self, batch: Batch, rids, run, m: Metrics):
+    def _run_sd(self, batch: Batch, rids, run, m: Metrics, draft):
         m.init_hist(run["k"])
         rids_t = to_mesh(rids, self.placement.target)
-        drun = self._draft_run(rids, run)
+        drun = DraftRun.of_call(rids, run)
         while batch.active.any():
             t0, c0, n0 = self._round_start(batch)
             active = int(batch.active.sum())
-            spec, rows = self.worker.propose(RoundState.of(batch), drun)
+            spec, rows = draft.propose(RoundState.of(batch), drun)
             if tuple(rows.shape) != (batch.size, run["k"], self.target.cfg.vocab_size):
                 raise ValueError(f"proposer returned rows of shape {tuple(rows.shape)}; the verifier "
                                  f"needs [B, K, V] = {(batch.size, run['k'], self.target.cfg.vocab_size)}")
@@ -314,14 +313,14 @@ class Engine:
             m.verify_s += t2 - t1
             m.add_round(self._round_end(batch, RoundTimes(verify_s=t2 - t1, draft_s=t1 - t0,
                                                           active=active), t0, c0, n0))
-        self.worker.finish()
+        draft.finish()
         steady = [r for r in m.timeline if not r.compiled]
         if steady:
             self._sd = dict(tv=float(np.median([r.verify_s for r in steady])),
                             draft_s=float(np.median([r.draft_s for r in steady])),
                             accept_hist=list(m.accept_hist))
 
-    def _run_ssd(self, batch: Batch, rids, run, m: Metrics, ssd: SSDConfig):
+    def _run_ssd(self, batch: Batch, rids, run, m: Metrics, ssd: SSDConfig, draft):
         k = run["k"]
         m.init_hist(k)
         if ssd.fanout == "plan":
@@ -334,8 +333,7 @@ class Engine:
         run = dict(run, f_hit=f_hit, f_backup=f_backup)
         chooser = BackupChooser(batch.size) if ssd.backup == "auto" else None
         kind = "neural" if chooser else ssd.backup
-        drun = dataclasses.replace(self._draft_run(rids, run, ssd), backup=kind)
-        draft = self.worker
+        drun = dataclasses.replace(DraftRun.of_call(rids, run, ssd), backup=kind)
         # Round 1 has no cache: its speculation comes from the backup.
         spec, rows = draft.backup(RoundState.of(batch), drun)
         from_backup = np.ones(batch.size, bool)
@@ -377,6 +375,11 @@ class Engine:
                 active=int(before.active.sum())), t0, c0, n0))
         draft.finish()
         m.predicted_speedup = m.ssd_prediction(self._t1)
+
+    def restart_draft(self) -> float:
+        """Bring the draft back after a failure (`ssd_jax.runtime.fallback.restart`); returns the
+        seconds it took. The next SD / SSD call uses it."""
+        return restart(self)
 
     def plan_fanout(self, k: int, batch: int = 1) -> tuple[int, ...]:
         """The fan-out `policy.plan_from_sd` picks for SSD at lookahead k from this engine's last

@@ -50,7 +50,9 @@ class Metrics:
     sequence-rounds (SSD, from round 2); backups: misses served per backup speculator; timeline:
     one `RoundTimes` per round; predicted_speedup: the docs/ALGORITHM.md §6 formula's speedup over
     AR from this run's quantities (None when it cannot be computed); fanout: SSD's F_0..F_K after a
-    hit; backend: the op table chosen per model; extra: anything else a caller attaches.
+    hit; backend: the op table chosen per model; fallback: None, or when the draft failed and the
+    call finished with plain decoding on the target (`ssd_jax.runtime.fallback`), what failed:
+    {draft, during, error, round, tokens_before, committed (per prompt)}; extra: anything else a caller attaches.
     """
 
     mode: str
@@ -75,6 +77,7 @@ class Metrics:
     predicted_speedup: float | None = None
     fanout: tuple[int, ...] | None = None  # SSD: the F_0..F_K used after a hit
     backend: dict[str, str] = dataclasses.field(default_factory=dict)  # op table per model
+    fallback: dict[str, Any] | None = None  # the draft's failure, when the call fell back
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def init_hist(self, k: int) -> None:
