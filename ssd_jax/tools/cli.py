@@ -63,9 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="ssd-jax", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    f = sub.add_parser("fetch", help="download, verify and cache default models")
+    from ssd_jax.tools.datasets import DATASETS
+    f = sub.add_parser("fetch", help="download, verify and cache default models and datasets")
     f.add_argument("names", nargs="*", default=[registry.DEFAULT_TARGET, registry.DEFAULT_DRAFT],
-                   help=f"default models: {', '.join(registry.MODELS)} (default: the Qwen pair)")
+                   help=f"default models: {', '.join(registry.MODELS)} (default: the Qwen pair); "
+                        f"datasets of `bench --suite paper`: {', '.join(DATASETS)}")
     f.add_argument("--cache-dir", default=None,
                    help="where models are cached (default $SSD_JAX_HOME or ~/.cache/ssd_jax)")
 
@@ -148,8 +150,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _fetch(args) -> int:
+    from ssd_jax.tools import datasets
+    bad = [n for n in args.names if n not in registry.MODELS and n not in datasets.DATASETS]
+    if bad:  # said before anything downloads
+        raise ValueError(f"unknown name {bad[0]!r}: default models are "
+                         f"{', '.join(registry.MODELS)}; datasets are {', '.join(datasets.DATASETS)}")
     for name in args.names:
-        path = registry.fetch(name, cache_dir=args.cache_dir)
+        if name in datasets.DATASETS:  # a prompt set (ssd_jax.tools.datasets), else a model
+            path = datasets.fetch(name, cache_dir=args.cache_dir)
+        else:
+            path = registry.fetch(name, cache_dir=args.cache_dir)
         print(f"{name}: {path}")
     return 0
 
