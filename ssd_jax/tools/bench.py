@@ -93,16 +93,19 @@ def add_arguments(b: argparse.ArgumentParser, fanout_type) -> None:
     b.add_argument("--top-k", type=int, default=0, help=">= 0; 0 = off (default)")
     b.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off (default)")
     b.add_argument("--seed", type=int, default=0, help="random seed for sampling")
-    b.add_argument("--dtype", default="float32", help="float32/fp32 or bfloat16/bf16")
-    b.add_argument("--draft-quant", choices=("none", "int8", "int4"), default="none",
-                   help="the draft's matmul weights as int8, or its layers as int4 (models/quant.py)")
+    b.add_argument("--dtype", default=None,
+                   help="float32/fp32, bfloat16/bf16 or auto (ssd_jax.runtime.defaults.choose); "
+                        "default float32, auto with --suite paper")
+    b.add_argument("--draft-quant", choices=("auto", "none", "int8", "int4"), default=None,
+                   help="the draft's matmul weights as int8, or its layers as int4 (models/quant.py), "
+                        "or auto; default none, auto with --suite paper")
     b.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="cut the draft's head to token ids [0, N) (models/draft_head.py)")
-    b.add_argument("--layouts", type=_csv(LAYOUTS, "--layouts"), default=("colocated", "two-process"),
+    b.add_argument("--layouts", type=_csv(LAYOUTS, "--layouts"), default=None,
                    help="comma-separated subset of colocated,split,two-process "
                         "(default colocated,two-process)")
-    b.add_argument("--modes", type=_csv(MODES, "--modes"), default=MODES,
-                   help="comma-separated subset of ar,sd,ssd (always run in that order)")
+    b.add_argument("--modes", type=_csv(MODES, "--modes"), default=None,
+                   help="comma-separated subset of ar,sd,ssd (always run in that order; default all)")
     b.add_argument("--cores", type=_cores, default=None,
                    help="CPU ids A,B: target (and colocated) on A, draft on B "
                         "(default: the first two CPUs this process may use)")
@@ -118,6 +121,8 @@ def add_arguments(b: argparse.ArgumentParser, fanout_type) -> None:
     b.add_argument("--out", default=None, help="output folder (default benchmarks/results/<timestamp>/)")
     b.add_argument("--cache-dir", default=None,
                    help="where models are cached (default $SSD_JAX_HOME or ~/.cache/ssd_jax)")
+    from ssd_jax.tools.bench_paper import add_suite_arguments
+    add_suite_arguments(b)
 
 
 # ------------------------------------------------------------------------------------------ prompts
@@ -205,10 +210,26 @@ def _hf_available() -> bool:
 
 
 # ------------------------------------------------------------------------------------------ parent
+def resolve_formats(args, default_dtype: str, default_quant: str) -> None:
+    """--dtype / --draft-quant: None takes the defaults given, "auto" what
+    ssd_jax.runtime.defaults.choose picks for a CPU process (without starting JAX)."""
+    from ssd_jax.models.config import canonical_dtype
+    from ssd_jax.runtime.defaults import choose
+
+    dtype = args.dtype or default_dtype
+    quant = args.draft_quant or default_quant
+    if "auto" in (dtype, quant):
+        c = choose("auto", dtype, quant, platform="cpu")
+        dtype, quant = c["dtype"], c["draft_quant"]
+    args.dtype, args.draft_quant = canonical_dtype(dtype), quant
+
+
 def _validate(args) -> None:
     from ssd_jax.runtime.engine import SSDConfig
     from ssd_jax.algorithm.sampling import SamplingParams
 
+    args.layouts = args.layouts or ("colocated", "two-process")
+    args.modes = args.modes or MODES
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.limit < 0:
@@ -222,8 +243,7 @@ def _validate(args) -> None:
                              "and SD runs of the same layout")
     else:
         SSDConfig(fanout=args.fanout, saguaro_c=args.saguaro_c, backup=args.backup).lists(args.k)
-    from ssd_jax.models.config import canonical_dtype
-    args.dtype = canonical_dtype(args.dtype)
+    resolve_formats(args, "float32", "none")
     usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     if args.cores and usable is not None and not set(args.cores) <= set(usable):
         raise ValueError(f"--cores {args.cores[0]},{args.cores[1]}: this process may only use CPUs "
@@ -294,7 +314,10 @@ def _last_line(path: Path) -> str:
 
 
 def run(args) -> int:
-    """The `ssd-jax bench` command."""
+    """The `ssd-jax bench` command (`--suite paper`: ssd_jax.tools.bench_paper)."""
+    if args.suite == "paper":
+        from ssd_jax.tools import bench_paper
+        return bench_paper.run(args)
     _validate(args)
     _check_models(args)
     prompts, source = _prompts(args)

@@ -21,6 +21,15 @@ EVENT = "@@ssd-jax-bench "  # prefix of the worker's progress lines on stdout
 
 
 # ------------------------------------------------------------------------------------------ workers
+def encode_prompt(tok, p: dict) -> list[int]:
+    """A prompt's token ids: its text, or with "chat" set, its text as one user turn in the
+    tokenizer's chat template (as `Engine.generate(..., chat=True)` does)."""
+    text = p["text"]
+    if p.get("chat"):
+        text = tok.apply_chat_template([{"role": "user", "content": text}])
+    return tok.encode(text)
+
+
 def _event(desc: str, n: int = 1) -> None:
     print(EVENT + json.dumps(dict(desc=desc, n=n)), flush=True)
 
@@ -106,15 +115,15 @@ def worker_layout(layout: str, job: dict) -> dict:
     tok = target.tokenizer
     if tok is None:
         raise ValueError(f"{job['target']}: the benchmark needs a tokenizer for text prompts")
-    ids = [tok.encode(p["text"]) for p in job["prompts"]]
-    k = job["k"]
+    ids = [encode_prompt(tok, p) for p in job["prompts"]]
     sampling = SamplingParams(temperature=job["temperature"], top_k=job["top_k"], top_p=job["top_p"])
     fan = job["fanout"]
     ssd = SSDConfig(fanout=fan if fan == "plan" else tuple(fan) if fan else None,
                     saguaro_c=job["saguaro_c"], backup=job["backup"])
-    kw = dict(sampling=sampling, k=k, ssd=ssd, seed=job["seed"])
     modes, t1 = {}, None
     for mode in [m for m in MODES if m in job["modes"]]:
+        k = job.get("k_modes", {}).get(mode, job["k"])  # --suite paper: SD's K and SSD's differ
+        kw = dict(sampling=sampling, k=k, ssd=ssd, seed=job["seed"])
         if job["warmup"]:
             engine.generate([ids[0]], mode=mode, max_new_tokens=min(8, job["max_new_tokens"]), **kw)
             _event(f"{mode} warm-up")
@@ -122,7 +131,8 @@ def worker_layout(layout: str, job: dict) -> dict:
         for p, x in zip(job["prompts"], ids):
             r = engine.generate([x], mode=mode, max_new_tokens=job["max_new_tokens"], **kw)
             m = r.metrics
-            rec = dict(id=p["id"], prompt_tokens=len(x), new_tokens=m.new_tokens,
+            rec = dict(id=p["id"], dataset=p.get("dataset"), prompt_tokens=len(x),
+                       new_tokens=m.new_tokens,
                        finish_reason=r.finish_reasons[0], tokens_per_s=m.tokens_per_s,
                        timed_tokens=m.timed_tokens, decode_s=m.decode_s, compile_s=m.compile_s,
                        prefill_s=m.prefill_s, rounds=m.rounds,
@@ -130,9 +140,14 @@ def worker_layout(layout: str, job: dict) -> dict:
             if mode == "ar":
                 rec["step_s"] = [r_.round_s for r_ in _steady(m.timeline)]
             else:
+                steady = _steady(m.timeline)
                 rec.update(accept_hist=list(m.accept_hist), tokens_per_round=m.tokens_per_round,
                            per_token_acceptance=m.per_token_acceptance,
-                           verify_s=m.verify_s, draft_s=m.draft_s)
+                           verify_s=m.verify_s, draft_s=m.draft_s,
+                           # the steady rounds' times, for the §6 prediction over many prompts
+                           steady=dict(verify_s=[r_.verify_s for r_ in steady],
+                                       draft_s=[r_.draft_s for r_ in steady],
+                                       backup_s=[r_.backup_s for r_ in steady]))
             if mode == "sd":
                 rec["predicted_speedup"] = _sd_prediction(m, t1, k)
             if mode == "ssd":
@@ -194,7 +209,7 @@ def worker_hf(job: dict, threads: int = 1) -> dict:
 
     torch.set_num_threads(threads)
     tok = _tokenizer(registry.resolve(job["target"], job["cache_dir"]))
-    ids = [tok.encode(p["text"]) for p in job["prompts"]]
+    ids = [encode_prompt(tok, p) for p in job["prompts"]]
     eos = list(tok.eos_ids)
     target = hf_model_on_our_weights(job["target"], job["hf_dtype"], job["cache_dir"])
     draft = hf_model_on_our_weights(job["draft"], job["hf_dtype"], job["cache_dir"])

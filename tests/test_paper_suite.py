@@ -1,0 +1,246 @@
+"""`ssd-jax bench --suite paper` (ssd_jax.tools.bench_paper): the bootstrap interval on cases
+computed by hand, a dataset's row and its §6 prediction from records made up here, the table, the
+flag checks, and the whole suite end to end on tiny random models (the workers, both layouts, the
+JSON, markdown and plot) with prompts made up here in place of the pinned sets."""
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from ssd_jax.models.config import tiny_config
+from ssd_jax.models.params import perturb_hf_tensors, random_hf_tensors
+from ssd_jax.models.tokenizer import _byte_alphabet
+from ssd_jax.tools import bench_paper, cli, datasets
+from ssd_jax.tools.bench_paper import ratio_interval, summarize
+
+
+# ------------------------------------------------------------------------------------------ interval
+def test_interval_of_two_prompts_by_hand():
+    # prompt 0: 10 tokens/s against 5; prompt 1: 30 against 10 (one second each). The resamples
+    # are {0,0} -> 10/5 = 2, {1,1} -> 30/10 = 3, {0,1} -> (40/2)/(15/2) = 8/3, with
+    # probabilities 1/4, 1/4, 1/2: the 2.5% and 97.5% quantiles are 2 and 3 exactly.
+    point, lo, hi = ratio_interval([10, 30], [1, 1], [5, 10], [1, 1])
+    assert point == pytest.approx(8 / 3)
+    assert (lo, hi) == (2.0, 3.0)
+
+
+def test_interval_is_the_ratio_of_summed_figures_not_the_mean_ratio():
+    # prompt 0: 100 tokens in 10 s against 100 in 20 s (2x); prompt 1: 10 in 1 s against 10 in
+    # 1 s (1x). Summed: (110 / 11) / (110 / 21) = 21 / 11, not the mean ratio 1.5.
+    point, lo, hi = ratio_interval([100, 10], [10, 1], [100, 10], [20, 1])
+    assert point == pytest.approx(21 / 11)
+    assert lo == pytest.approx(1.0) and hi == pytest.approx(2.0)
+
+
+def test_interval_collapses_when_every_prompt_agrees():
+    assert ratio_interval([7], [2], [3], [1]) == pytest.approx((7 / 6,) * 3)
+    got = ratio_interval([10, 20, 40], [1, 2, 4], [5, 10, 20], [1, 2, 4])
+    assert got == pytest.approx((2.0, 2.0, 2.0))
+
+
+def test_interval_is_seeded_and_its_width_shrinks_with_more_prompts():
+    rng = np.random.default_rng(1)
+    def draw(n):
+        sec = rng.uniform(1, 2, n)
+        return [rng.uniform(8, 12, n) * sec, sec, rng.uniform(4, 6, n) * sec, sec]
+    few, many = draw(8), draw(512)
+    assert ratio_interval(*few) == ratio_interval(*few)
+    w = [ratio_interval(*x)[2] - ratio_interval(*x)[1] for x in (few, many)]
+    assert w[1] < w[0] / 3  # ~ 1 / sqrt(n): 8x for 64x the prompts
+    p, lo, hi = ratio_interval(*many)
+    assert lo < 2.0 < hi  # the true ratio (10 / 5) lies inside
+
+
+def test_interval_errors():
+    with pytest.raises(ValueError, match="same number"):
+        ratio_interval([1, 2], [1], [1, 2], [1, 2])
+    with pytest.raises(ValueError, match="same number"):
+        ratio_interval([], [], [], [])
+    with pytest.raises(ValueError, match="> 0"):
+        ratio_interval([0], [1], [1], [1])
+
+
+# ------------------------------------------------------------------------------------------ one row
+def _rec(pid, tokens, secs, **kw):
+    return dict(id=pid, dataset="toy", timed_tokens=tokens, decode_s=secs, token_ids=[1, 2, 3], **kw)
+
+
+def _records():
+    ar = [_rec("a", 10, 1.0, step_s=[0.1] * 10), _rec("b", 10, 1.0, step_s=[0.1] * 10)]
+    # SD at K = 2: 4 rounds a prompt, hist [1, 1, 2] -> tokens/round (1 + 2 + 6) / 4 = 2.25,
+    # acceptance (0 + 1 + 4) / (5 + 2) = 5/7; verify 0.12 s, drafting 0.04 s (0.02 a step)
+    sd = [_rec(p, 9, 0.64, accept_hist=[1, 1, 2],
+               steady=dict(verify_s=[0.12] * 4, draft_s=[0.04] * 4, backup_s=[0.0] * 4))
+          for p in ("a", "b")]
+    # SSD at K = 2: 3 hits of 4 lookups a prompt; after a hit 3 tokens a round, after a miss 2;
+    # verify 0.12 s, tree 0.1 s, backup 0.05 s when it ran
+    ssd = [_rec(p, 9, 0.45, accept_hist=[0, 1, 3], hits=3, lookups=4,
+                accept_hist_after_hit=[0, 0, 3], accept_hist_after_miss=[0, 1, 0],
+                steady=dict(verify_s=[0.12] * 4, draft_s=[0.1] * 4,
+                            backup_s=[0.0, 0.05, 0.0, 0.0]))
+           for p in ("a", "b")]
+    return ar, sd, ssd
+
+
+def test_a_datasets_row_and_its_prediction_by_hand():
+    row = summarize(*_records(), k_sd=2, k_ssd=2)
+    assert row["prompts"] == 2 and row["ids"] == ["a", "b"]
+    assert row["ar_tokens_per_s"] == pytest.approx(10.0)
+    assert row["sd_tokens_per_s"] == pytest.approx(18 / 1.28)
+    assert row["ssd_tokens_per_s"] == pytest.approx(20.0)
+    assert row["ssd_over_sd"]["point"] == pytest.approx(20 / (18 / 1.28))
+    assert row["ssd_over_sd"]["low"] == pytest.approx(row["ssd_over_sd"]["point"])  # equal prompts
+    assert row["sd_tokens_per_round"] == pytest.approx(2.25)
+    assert row["ssd_tokens_per_round"] == pytest.approx((2 + 9) / 4)
+    assert row["hit_rate"] == pytest.approx(0.75) and row["lookups"] == 8
+    assert row["agree_with_ar"] == {"sd": 2, "ssd": 2}
+    p = row["predicted"]
+    a = 5 / 7
+    e_sd = (1 - a ** 3) / (1 - a)  # E = (1 - a^(K+1)) / (1 - a)
+    assert p["sd_over_ar"] == pytest.approx(0.1 * e_sd / (0.12 + 2 * 0.02))
+    # S = T_1 [p E_hit + (1 - p) E_miss] / (max(T_v, T_p) + (1 - p) T_b)
+    ssd = 0.1 * (0.75 * 3 + 0.25 * 2) / (0.12 + 0.25 * 0.05)
+    assert p["ssd_over_ar"] == pytest.approx(ssd)
+    assert p["ssd_over_sd"] == pytest.approx(ssd / p["sd_over_ar"])
+
+
+def test_rows_must_pair_by_prompt():
+    ar, sd, ssd = _records()
+    with pytest.raises(ValueError, match="the ssd run's prompts differ"):
+        summarize(ar, sd, ssd[::-1], 2, 2)
+
+
+def test_the_table_and_the_papers_beside_it():
+    row = summarize(*_records(), k_sd=2, k_ssd=2)
+    rep = dict(command="ssd-jax bench --suite paper", date="d", machine={}, note="",
+               config=dict(target="t", draft="d", dtype="bfloat16", draft_quant="int4", k_sd=2,
+                           k_ssd=2, fanout=[0, 0, 1], backup="neural", saguaro_c=1.0,
+                           temperature=0.0, max_new_tokens=8, cores=[0, 1]),
+               datasets={n: datasets.describe(n) for n in ("humaneval", "asdiv")},
+               results={"humaneval": row, "asdiv": row},
+               average=bench_paper.average_row([row, row]), errors={},
+               interval=dict(resamples=bench_paper.N_BOOT))
+    md = bench_paper.render_markdown(rep)
+    assert "| humaneval (HumanEval) | 2 | 10.00 | 14.06 | 20.00 | 1.42x (1.42-1.42) |" in md
+    assert "| asdiv (GSM8K) |" in md and "| average | 4 | 10.00 |" in md
+    assert "| GSM8K | 54.7 | 188 | 301 | 1.60x | 5.50x |" in md  # the paper's row
+    assert "| average | 88.8 | 136.8 | 203.8 | 1.49x | — |" in md  # Qwen3: no SSD/AR given
+    assert "Stand-ins: asdiv for GSM8K" in md
+    assert "SSD with the target on core 0 and the draft in its own process on core 1" in md
+
+
+def test_plan_from_the_ar_and_sd_records():
+    ar, sd, _ = _records()
+    res = {"modes": {"ar": {"prompts": ar}, "sd": {"prompts": sd}}}
+    fan = bench_paper._plan(res, 2)
+    assert len(fan) == 3 and sum(fan) >= 1 and all(f >= 0 for f in fan)
+
+
+# ------------------------------------------------------------------------------------------ flags
+@pytest.mark.parametrize("extra, needle", [
+    (["--prompts-file", "x.txt"], "--datasets and --per-dataset"),
+    (["--limit", "3"], "--datasets and --per-dataset"),
+    (["--layouts", "colocated"], "drop --layouts / --modes"),
+    (["--modes", "ar,sd"], "drop --layouts / --modes"),
+    (["--hf", "yes"], "drop --hf yes"),
+    (["--per-dataset", "0"], "--per-dataset must be >= 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--fanout", "0,0,0"], "fan"),
+    (["--datasets", "gsm9k"], "--datasets must be a comma-separated subset"),
+])
+def test_suite_flags_are_checked_before_any_model(extra, needle, capsys, tmp_path):
+    try:
+        rc = cli.main(["bench", "--suite", "paper", "--target", str(tmp_path / "none"),
+                       "--out", str(tmp_path / "o"), *extra])
+    except SystemExit as e:  # argparse
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and err.startswith("ssd-jax: error:"), err
+    assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------------------------------ end to end
+CHAT = "{% for m in messages %}User: {{ m['content'] }}\n{% endfor %}Assistant:"
+
+
+def _tiny_pair(root):
+    alpha = _byte_alphabet()
+    chars = [alpha[b] for b in range(32, 127)] + [alpha[10]]
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[], fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True, normalized=False)])
+    cfg = tiny_config("qwen2", vocab_size=tok.get_vocab_size(with_added_tokens=True))
+    t = random_hf_tensors(cfg, 0, scale=1.0)
+    out = {}
+    for name, tensors in (("target", t), ("draft", perturb_hf_tensors(t, 0.05, seed=1))):
+        folder = root / name
+        folder.mkdir()
+        save_file(tensors, str(folder / "model.safetensors"))
+        (folder / "config.json").write_text(json.dumps(cfg.to_hf()))
+        tok.save(str(folder / "tokenizer.json"))
+        (folder / "tokenizer_config.json").write_text(json.dumps(
+            {"eos_token": "<|endoftext|>", "bos_token": None, "chat_template": CHAT}))
+        out[name] = str(folder)
+    return out
+
+
+def test_the_suite_end_to_end_on_tiny_models(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SSD_JAX_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("SSD_JAX_COMPILE_CACHE", "0")
+    texts = {"humaneval": ["def add(a, b):", "import os\n", "class A:"],
+             "asdiv": ["Tom has 3 apples. How many?", "2 plus 2?", "Half of 8?"]}
+    asked = []
+
+    def fake_prompts(name, n=None, cache_dir=None, download=True):  # no pinned files needed
+        asked.append((name, n))
+        ds = datasets.get(name)
+        return [dict(id=f"{name}/{i}", kind=ds.kind, text=t, chat=ds.chat, dataset=name)
+                for i, t in enumerate(texts[name][:n])]
+    monkeypatch.setattr(datasets, "prompts", fake_prompts)
+    pair = _tiny_pair(tmp_path)
+    out = tmp_path / "paper"
+    rc = cli.main(["bench", "--suite", "paper", "--target", pair["target"], "--draft",
+                   pair["draft"], "--datasets", "humaneval,asdiv", "--per-dataset", "2",
+                   "--max-new-tokens", "10", "--k", "3", "--fanout", "1,0,1", "--max-len", "256",
+                   "--out", str(out)])
+    stdout, err = capsys.readouterr()
+    assert rc == 0, err
+    assert asked == [("humaneval", 2), ("asdiv", 2)]
+    rep = json.loads((out / "paper.json").read_text())
+    assert list(rep["results"]) == ["humaneval", "asdiv"] and not rep["errors"]
+    assert rep["config"]["k_sd"] == 3 and rep["config"]["k_ssd"] == 2
+    assert rep["config"]["fanout"] == [1, 0, 1] and rep["config"]["cores"]
+    lay = rep["layouts"]
+    assert list(lay["colocated"]["modes"]) == ["ar", "sd"] and lay["colocated"]["cores"] == \
+        rep["config"]["cores"][:1]
+    assert list(lay["two-process"]["modes"]) == ["ssd"]
+    assert lay["two-process"]["cores"] == sorted(set(rep["config"]["cores"]))
+    ar = lay["colocated"]["modes"]["ar"]["prompts"]
+    assert [r["dataset"] for r in ar] == ["humaneval"] * 2 + ["asdiv"] * 2
+    assert all(len(r["accept_hist"]) == 4 for r in lay["colocated"]["modes"]["sd"]["prompts"])
+    assert all(len(r["accept_hist"]) == 3 for r in lay["two-process"]["modes"]["ssd"]["prompts"])
+    for name, row in rep["results"].items():
+        assert row["prompts"] == 2
+        for key in ("ar_tokens_per_s", "sd_tokens_per_s", "ssd_tokens_per_s", "hit_rate"):
+            assert row[key] is not None and row[key] > 0, (name, key)
+        r = row["ssd_over_sd"]
+        assert r["low"] <= r["point"] <= r["high"]
+        assert row["agree_with_ar"] == {"sd": 2, "ssd": 2}  # greedy: the target's own tokens
+        assert row["predicted"]["ssd_over_ar"] is not None
+    # the chat set was wrapped in the template, the code set was not
+    md = (out / "paper.md").read_text()
+    assert md in stdout and "| asdiv (GSM8K) | 2 |" in md and "| average | 4 |" in md
+    assert rep["datasets"]["asdiv"]["member_sha256"] == datasets.get("asdiv").member_sha256
+    assert (out / "job-colocated.json").exists() and (out / "raw" / "two-process.json").exists()
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "paper_ratios.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # prompt tokens: the chat prompts are longer than their text by the template's words
+    lens = {r["id"]: r["prompt_tokens"] for r in ar}
+    assert lens["asdiv/1"] == len("User: 2 plus 2?\nAssistant:")  # one id a byte here
+    assert lens["humaneval/1"] == len("import os\n")
+    assert os.path.getsize(out / "paper.json") > 0
