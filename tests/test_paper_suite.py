@@ -244,3 +244,93 @@ def test_the_suite_end_to_end_on_tiny_models(tmp_path, monkeypatch, capsys):
     assert lens["asdiv/1"] == len("User: 2 plus 2?\nAssistant:")  # one id a byte here
     assert lens["humaneval/1"] == len("import os\n")
     assert os.path.getsize(out / "paper.json") > 0
+
+
+# ------------------------------------------------------------------------------------------ projection
+def _projection():
+    """benchmarks/paper_projection.py (a script, not in the package), imported once."""
+    import importlib.util as iu
+    import sys
+    if "paper_projection" not in sys.modules:
+        spec = iu.spec_from_file_location("paper_projection", os.path.join(
+            os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+            "paper_projection.py"))
+        mod = iu.module_from_spec(spec)
+        sys.modules["paper_projection"] = mod  # its dataclasses look their module up
+        spec.loader.exec_module(mod)
+    return sys.modules["paper_projection"]
+
+
+def test_roofline_arithmetic_by_hand():
+    pp = _projection()
+    # one layer, hidden 2, one head of 2 (q = k = v = 2 wide), MLP 4, vocabulary 8, tied:
+    # q 2x2 + k, v 2x2 each + o 2x2 + gate, up, down 3 x 2x4 = 40 matrix weights a layer,
+    # + 2 norms of 2 = 44; LM head 8x2 = 16; final norm 2 -> 62 streamed, 56 in matrix products
+    toy = pp.Shape("toy", layers=1, hidden=2, heads=1, kv_heads=1, head_dim=2, intermediate=4,
+                   vocab=8, tied=True)
+    assert (toy.layer_matrix_params(), toy.layer_params()) == (40, 44)
+    assert (toy.streamed_params(), toy.matrix_params(), toy.params()) == (62, 56, 62)
+    assert pp.Shape(**{**toy.__dict__, "tied": False}).params() == 62 + 16
+    assert toy.kv_bytes(3) == 2 * 1 * 1 * 2 * 3 * 2  # K and V, bf16
+    m = pp.Machine("toy", hbm_bytes_per_s=124.0, flops_per_s=224.0, link_bytes_per_s=8.0)
+    # 124 bytes at 124 B/s = 1 s; 2 x 56 = 112 FLOPs at 224/s = 0.5 s: memory-bound, 1 s
+    assert pp.forward_time(toy, m, tokens=1, context=0) == pytest.approx(1.0)
+    # 4 tokens: 448 FLOPs = 2 s > 1 s: compute-bound
+    assert pp.forward_time(toy, m, tokens=4, context=0) == pytest.approx(2.0)
+    # 3 cached positions: + 24 bytes of K/V; + 4 x 1 x 1 x 2 x 3 = 24 attention FLOPs
+    assert pp.forward_time(toy, m, tokens=1, context=3) == pytest.approx(148 / 124)
+    assert pp.forward_time(toy, m, tokens=4, context=3) == pytest.approx((448 + 96) / 224)
+    # 2 rows of 1 token share the prefix: bytes once (148 / 124 = 1.19 s), FLOPs twice
+    # (2 x (112 + 24) = 272 FLOPs = 1.21 s): compute-bound
+    assert pp.forward_time(toy, m, rows=2, context=3) == pytest.approx(272 / 224)
+    # TP 2: half the bytes (0.5 s) + 2 all-reduces of 1 x 2 values x 2 bytes = 4 bytes, a ring
+    # moving 2 (2 - 1) / 2 x 4 = 4 bytes over 8 B/s: 0.5 s each
+    assert pp.forward_time(toy, m, tokens=1, context=0, tp=2) == pytest.approx(0.5 + 2 * 0.5)
+    assert pp.forward_time(toy, m, context=0, overhead_s=0.1) == pytest.approx(1.1)
+
+
+def test_the_published_shapes_parameter_counts():
+    pp = _projection()
+    for shape, published in ((pp.LLAMA_70B, 70.6e9), (pp.LLAMA_1B, 1.24e9),
+                             (pp.QWEN3_32B, 32.8e9), (pp.QWEN3_06B, 0.6e9)):
+        assert shape.params() == pytest.approx(published, rel=0.01), shape.name
+    # Qwen3-0.6B: "0.44B non-embedding" (its model card)
+    q = pp.QWEN3_06B
+    assert q.params() - q.vocab * q.hidden == pytest.approx(0.44e9, rel=0.01)
+
+
+def test_the_projection_uses_the_planners_formulas():
+    pp = _projection()
+    got = pp.project(pp.Measured(acceptance=0.8, hit_rate=0.7, k_sd=4, k_ssd=4,
+                                 fanout=(1, 1, 1, 1, 2), sd_tokens_per_round=3.0),
+                     pp.LLAMA_70B, pp.LLAMA_1B)
+    ours = got["ours"]
+    t1, tv, td, tree = (ours[k] / 1e3 for k in ("t1_ms", "tv_ms", "td_ms", "tree_ms"))
+    assert ours["ar"] == pytest.approx(1 / t1)
+    assert ours["sd"] == pytest.approx(3.0 / (tv + 4 * td))  # E_SD / (T_v + K T_d)
+    e = (1 - 0.8 ** 5) / (1 - 0.8)
+    # S = T_1 [p E + (1 - p) E] / (max(T_v, T_p) + (1 - p) K T_d)
+    assert ours["ssd_over_ar"] == pytest.approx(t1 * e / (max(tv, tree) + 0.3 * 4 * td))
+    assert ours["ssd_over_sd"] == pytest.approx(ours["ssd"] / ours["sd"])
+    assert got["paper's K"]["k_sd"] == 6 and got["paper's K"]["fanout"] == [3] * 8
+    assert 0 < got["paper's K"]["p_hit"] <= 1 and got["planner"]["ssd_over_ar"] > 1
+    c = pp.costs(pp.LLAMA_70B, pp.LLAMA_1B, pp.H100, 6, 24)
+    a = pp.implied_acceptance(c, 6, 162 / 54.7)
+    from ssd_jax.algorithm import policy
+    assert policy.sd_speedup(c.t1, c.tv, c.td, 6, a) == pytest.approx(162 / 54.7, rel=1e-6)
+    assert pp.implied_acceptance(c, 6, 1e3) is None
+
+
+def test_the_projection_reads_a_suite_result(tmp_path, capsys):
+    pp = _projection()
+    row = summarize(*_records(), k_sd=2, k_ssd=2)
+    rep = dict(config=dict(k_sd=2, k_ssd=2, fanout=[0, 0, 1]), results={"asdiv": row},
+               datasets={"asdiv": datasets.describe("asdiv")})
+    path = tmp_path / "paper.json"
+    path.write_text(json.dumps(rep))
+    assert pp.main(["--results", str(path), "--json", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert "A PROJECTION" in out and "| asdiv → GSM8K | 0.714 |" in out
+    assert "54.7 / 188 / 301" in out  # the paper's GSM8K row beside
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert data["projection"] is True and set(data["pairs"]) == {"llama", "qwen"}
