@@ -186,10 +186,14 @@ class RemoteDraft:
                 pass
 
     def _fail(self, e: TransportError) -> TransportError:
+        time.sleep(0.05)  # a process that just died: let its exit code arrive
+        dead = self.proc is not None and self.proc.poll() is not None
         self._kill()
         why = str(e)
-        if self.proc is not None and self.proc.returncode is not None and "exited" not in why:
+        if dead and "exited" not in why:
             why += f" (the draft process exited with code {self.proc.returncode})"
+        elif self.proc is not None:
+            why += " (the draft process was stopped)"
         self.down = why
         return TransportError(e.kind, why)
 
@@ -205,6 +209,9 @@ class RemoteDraft:
                                     timeout=t, alive=self._alive)
         except TransportError as e:
             raise self._fail(e) from e
+        except BaseException:  # e.g. KeyboardInterrupt: a reply may be half read or still due
+            self._fail(TransportError("closed", f"interrupted during {kind!r}"))
+            raise
         if msg.kind == "error":
             raise TransportError("remote", f"the draft process raised during {kind!r}: "
                                            f"{msg.fields['message']}")
