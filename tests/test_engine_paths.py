@@ -1,0 +1,352 @@
+"""Distribution exactness of the real engine on the decoding paths tests/test_engine_exactness.py
+does not cover (issue #21). Each case runs independent requests (distinct request ids) through a
+real `Engine` on the tiny V = 4 pair of tests/_engine_stats.py and tests their first `window`
+generated tokens against the exact window distribution enumerated from the target, with the
+calibrated chi-square test of `ssd_jax.testing` (false alarm 1e-3), and asserts that the path it
+is about really ran.
+
+Power is `ssd_jax.testing.detection_power` at total-variation distance 0.01 / 0.02 on each
+case's own exact distribution and n. Time is CPU seconds of the case measured in module order
+(later cases reuse compiles of earlier ones with the same static shapes) on the shared 2-core
+machine, where the wall time was 1.3-3x that under a load of ~10; 545 s in all.
+
+Each case: what it proves [n; power at TV 0.01 / 0.02; CPU s]. Unless it says otherwise a case
+runs SSD at T = 1, K = 2, window 4 (256 possible windows), fan-out (2, 1, 1), neural backup.
+
+- ar_sampling_at_temperature: AR at T = 0.8, the prefill's sampled token and 3 decode steps
+  [100,000; 0.88 / 1.00; 33].
+- ssd_top_k_and_top_p[topk3-t0.9]: target and draft top-k 3 at T = 0.9 (81 possible windows)
+  [50,000; 0.78 / 1.00; 46].
+- ssd_top_k_and_top_p[topp0.9-t1.5]: top-p 0.9 at T = 1.5 (51 possible windows)
+  [50,000; 0.77 / 1.00; 49].
+- ssd_draft_sampling_differs_from_the_target: draft_sampling T = 0.5, top-k 2; every verified
+  proposal row has the draft's support of 2 [50,000; 0.75 / 0.99; 43].
+- ssd_fanout_backup_differs_from_fanout: fan-out (3, 0, 1) after a hit, fanout_backup (0, 3, 1),
+  Saguaro C = 0.5 on each list's own top F_j + 1; round 1's hits are exactly the ones the backup
+  list allows [50,000; 0.75 / 0.99; 35].
+- ssd_auto_backup_switching_both_ways: backup="auto" switching neural -> random -> neural within
+  every call (its policy replaced by one that alternates: the measured-time policy cannot be
+  steered), K = 1, window 6, T = 1 top-k 2 (64 possible windows) [50,000; 0.77 / 0.99; 46].
+- ssd_bfloat16_proposal_rows: row_dtype="bfloat16"; every verified row is bf16
+  [50,000; 0.75 / 0.99; 37].
+- ssd_quantized_draft_at_temperature[int8 / int4]: an int8 / int4 draft (models.quant)
+  [50,000 each; 0.75 / 0.99; 47 / 34].
+- ssd_mixed_prompt_lengths_stopping_at_eos: prompts of lengths 1, 3 and 5 in one batch, EOS ending
+  rows at the prefill and in rounds 1, 2 and 3; each length against its own exact window
+  distribution truncated at EOS (121 possible) [24,000 per length; 0.66 / 1.00, 0.52 / 0.91,
+  0.53 / 0.87; 46].
+- ssd_pallas_kernels_interpret_mode: backend="pallas", tree_attention and cache_gather in the
+  Pallas interpreter (none falling back), window 5, T = 1 top-k 2 (32 possible windows)
+  [16,000; 0.62 / 0.84; 62].
+- ssd_tensor_parallel_target_data_parallel_draft: a 2-way tensor-parallel target and a 2-way
+  data-parallel draft (colocated on the 2 devices) [50,000; 0.75 / 0.99; 38].
+- ssd_long_horizon_crosses_three_round_boundaries: K = 1, window 6, T = 1 top-k 2; every window
+  spans the prefill and >= 3 rounds [100,000; 0.90 / 1.00; 16 after the auto case's compile, 63
+  alone].
+
+test_truncated_at_eos_maps_windows checks the EOS truncation map on hand-made windows.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ssd_jax.runtime.engine as engine_module
+from ssd_jax.algorithm.policy import BackupChooser
+from ssd_jax.algorithm.sampling import SamplingParams
+from ssd_jax.models.quant import Int4Weight, Int8Weight, quantize_model
+from ssd_jax.runtime.engine import Engine, SSDConfig
+from ssd_jax.runtime.placement import make_placement
+from ssd_jax.testing import distribution_test, window_counts
+
+from _engine_stats import K, PROMPT, T10, V, WINDOW, exact, make_pair, verdict
+
+pytestmark = pytest.mark.slow
+
+T08 = SamplingParams(temperature=0.8)
+TOP_K3 = SamplingParams(temperature=0.9, top_k=3)
+TOP_P = SamplingParams(temperature=1.5, top_p=0.9)
+TOP_K2 = SamplingParams(temperature=1.0, top_k=2)  # support 2 per step: long windows keep few cells
+F211 = SSDConfig(fanout=(2, 1, 1))
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return make_pair()
+
+
+# ---------------------------------------------------------------------------------- helpers
+@dataclasses.dataclass
+class Run:
+    """What `_sample` collected: per request (in request-id order) its generated ids, finish
+    reason, prompt index, and the number of tokens each `on_tokens` call kept (call 0 is the
+    prefill's token, call r the tokens committed in round r); and each chunk's Metrics."""
+    tokens: list[list[int]]
+    finish: list[str]
+    prompt_index: np.ndarray
+    calls: list[list[int]]
+    metrics: list
+
+    def windows(self, window: int) -> np.ndarray:
+        """[n, window] ids; every request must have generated `window` tokens."""
+        assert all(len(t) == window for t in self.tokens)
+        return np.asarray(self.tokens, np.int64)
+
+
+def _engine(pair, **kw) -> Engine:
+    return Engine(*pair, max_len=16, compilation_cache=False, **kw)
+
+
+def _sample(eng: Engine, mode: str, sampling, *, n: int, chunk: int, window: int, k: int = K,
+            prompts=(tuple(PROMPT),), **kw) -> Run:
+    """n requests through `eng` in generate calls of `chunk` rows; row i of a call gets
+    prompts[i % len(prompts)] and request id (call * chunk + i); max_new_tokens = window."""
+    tokens, finish, pidx, calls, metrics = [], [], [], [], []
+    rows = [list(prompts[i % len(prompts)]) for i in range(chunk)]
+    for c in range(n // chunk):
+        log = [[] for _ in range(chunk)]
+        out = eng.generate(rows, mode=mode, max_new_tokens=window, k=k, sampling=sampling,
+                           request_ids=range(c * chunk, (c + 1) * chunk), seed=11,
+                           on_tokens=lambda row, ids: log[row].append(len(ids)), **kw)
+        tokens += out.token_ids
+        finish += out.finish_reasons
+        pidx += [i % len(prompts) for i in range(chunk)]
+        calls += log
+        metrics.append(out.metrics)
+    return Run(tokens, finish, np.asarray(pidx), calls, metrics)
+
+
+def _check(toks: np.ndarray, sampling, window: int, prompt=tuple(PROMPT)):
+    res = distribution_test(window_counts(toks, V), exact(sampling, window, tuple(prompt)))
+    assert res.passed, str(res)
+    return res
+
+
+def _assert_ssd_ran(metrics, k: int = K):
+    """Hits and misses both happened and every accept length 0..K occurred."""
+    hist = np.sum([m.accept_hist for m in metrics], axis=0)
+    assert len(hist) == k + 1 and np.all(hist > 0), f"every accept length 0..K must occur: {hist}"
+    hits, lookups = sum(m.hits for m in metrics), sum(m.lookups for m in metrics)
+    assert 0 < hits < lookups, (hits, lookups)
+
+
+@pytest.fixture
+def verified_rows(monkeypatch):
+    """Spy on every verify: the dtype and the largest support (non-zero entries) of the proposal
+    rows the engine hands the target, per round."""
+    seen = {"dtypes": set(), "support": 0}
+    original = Engine._verify
+
+    def spy(self, batch, spec, rows, rids_t, run):
+        seen["dtypes"].add(jnp.dtype(rows.dtype).name)
+        live = np.asarray(rows, np.float32)[np.asarray(batch.active)]
+        if live.size:
+            seen["support"] = max(seen["support"], int((live > 0).sum(-1).max()))
+        return original(self, batch, spec, rows, rids_t, run)
+
+    monkeypatch.setattr(Engine, "_verify", spy)
+    return seen
+
+
+# ---------------------------------------------------------------------------------- AR
+def test_ar_sampling_at_temperature(pair):
+    # prefill's first token and every decode step are sampled at T = 0.8
+    res, metrics = verdict(pair, "ar", T08, n=100_000)
+    assert res.passed, str(res)
+    for m in metrics:
+        assert m.mode == "ar" and m.rounds == WINDOW - 1 and m.accept_hist == []
+
+
+# ---------------------------------------------------------------------------------- SSD sampling
+@pytest.mark.parametrize("sampling", [TOP_K3, TOP_P], ids=["topk3-t0.9", "topp0.9-t1.5"])
+def test_ssd_top_k_and_top_p(pair, sampling):
+    ex = exact(sampling)
+    assert np.any(ex == 0), "the cut must remove windows, or it tests nothing"
+    res, metrics = verdict(pair, "ssd", sampling, n=50_000, ssd=F211)
+    assert res.passed, str(res)
+    _assert_ssd_ran(metrics)
+
+
+def test_ssd_draft_sampling_differs_from_the_target(pair, verified_rows):
+    draft = SamplingParams(temperature=0.5, top_k=2)
+    res, metrics = verdict(pair, "ssd", T10, n=50_000, ssd=F211, draft_sampling=draft)
+    assert res.passed, str(res)
+    _assert_ssd_ran(metrics)
+    # every proposal row verified (tree and neural backup) is the draft's top-2 row, not a T=1 row
+    assert verified_rows["support"] == 2, verified_rows
+
+
+def test_ssd_fanout_backup_differs_from_fanout(pair):
+    # After a hit the fork caches 3 bonus candidates at j = 0 and none at j = 1; after a backup
+    # none at j = 0 and 3 at j = 1, and Saguaro (C = 0.5) scales the top F_j + 1 of each list's
+    # own. Round 1 runs on the backup's speculation, and with V = 4 three candidates at j are all
+    # tokens but the rejected s_{j+1}, so round 1's lookup hits exactly the rows that accepted
+    # one token (under the after-hit list it would hit those that accepted none).
+    ssd = SSDConfig(fanout=(3, 0, 1), fanout_backup=(0, 3, 1), saguaro_c=0.5)
+    eng = _engine(pair)
+    run = _sample(eng, "ssd", T10, n=50_000, chunk=25_000, window=WINDOW, ssd=ssd)
+    _check(run.windows(WINDOW), T10, WINDOW)
+    _assert_ssd_ran(run.metrics)
+    chunk = 25_000
+    for c, m in enumerate(run.metrics):
+        calls = run.calls[c * chunk:(c + 1) * chunk]
+        one = sum(1 for log in calls if len(log) > 2 and log[1] == 2)  # accepted 1, went on
+        none = sum(1 for log in calls if len(log) > 2 and log[1] == 1)
+        assert m.timeline[0].hit == one != none, (m.timeline[0].hit, one, none)
+
+
+class _Alternating(BackupChooser):
+    """backup="auto" forced to switch: every decision alternates random, neural, random, ...
+    (the engine uses neural until the first lookup). `served` logs the kind of every backup that
+    really ran after a miss, as the engine reports it to `record`."""
+    served: list[str] = []
+
+    def __init__(self, batch):
+        super().__init__(batch)
+        self.calls = 0
+
+    def choose(self, p_hit, tv, tp, e_hit):
+        self.calls += 1
+        return "random" if self.calls % 2 else "neural"
+
+    def record(self, kind, backup_s=None, tokens=()):
+        if backup_s is not None:
+            _Alternating.served.append(kind)
+        super().record(kind, backup_s, tokens)
+
+
+def test_ssd_auto_backup_switching_both_ways(pair, monkeypatch):
+    # K = 1, window 6: every window spans >= 3 rounds (a round emits <= 2 tokens) and all but
+    # the all-accept ones reach round 4, so the speculation after the neural -> random switch
+    # (round 3's, from round 2's backup) and after the random -> neural one (round 4's) is in it.
+    # BackupChooser decides from measured times, which a test cannot steer: the engine's policy
+    # object is replaced by one that alternates, everything else is the engine's.
+    monkeypatch.setattr(engine_module, "BackupChooser", _Alternating)
+    _Alternating.served = []
+    eng = _engine(pair)
+    window, k, chunk = 6, 1, 25_000
+    run = _sample(eng, "ssd", TOP_K2, n=50_000, chunk=chunk, window=window, k=k,
+                  ssd=SSDConfig(fanout=(1, 2), backup="auto"))
+    _check(run.windows(window), TOP_K2, window)
+    _assert_ssd_ran(run.metrics, k)
+    for m in run.metrics:
+        assert m.backups.get("neural", 0) > 0 and m.backups.get("random", 0) > 0, m.backups
+    served = _Alternating.served
+    switches = [(a, b) for a, b in zip(served, served[1:]) if a != b]
+    assert ("neural", "random") in switches and ("random", "neural") in switches, served
+    assert served[:3] == ["neural", "random", "neural"], served
+
+
+def test_ssd_bfloat16_proposal_rows(pair, verified_rows):
+    res, metrics = verdict(pair, "ssd", T10, n=50_000,
+                           ssd=SSDConfig(fanout=(2, 1, 1), row_dtype="bfloat16"))
+    assert res.passed, str(res)
+    _assert_ssd_ran(metrics)
+    assert verified_rows["dtypes"] == {"bfloat16"}, verified_rows
+
+
+@pytest.mark.parametrize("mode,weight", [("int8", Int8Weight), ("int4", Int4Weight)])
+def test_ssd_quantized_draft_at_temperature(pair, mode, weight):
+    target, draft = pair
+    qdraft = quantize_model(draft, mode)
+    assert isinstance(qdraft.params.layers[0].wqkv, weight), type(qdraft.params.layers[0].wqkv)
+    res, metrics = verdict((target, qdraft), "ssd", T10, n=50_000, ssd=F211)
+    assert res.passed, str(res)
+    _assert_ssd_ran(metrics)
+
+
+# ---------------------------------------------------------------------------------- EOS
+EOS = 2
+PAD = V  # the symbol of every position after the first EOS
+EOS_PROMPTS = ((2,), (1, 3, 0), (0, 2, 1, 3, 1))  # lengths 1, 3, 5 (EOS in a prompt stops nothing)
+
+
+def truncated_at_eos(probs: np.ndarray, window: int, eos: int = EOS) -> np.ndarray:
+    """The exact [V ** window] window distribution pushed through "everything after the first
+    EOS becomes PAD": [(V + 1) ** window] over base-(V + 1) cells (first token most significant).
+    Sums exactly: the tokens after EOS are summed out of the plain-sampling distribution."""
+    cells = np.arange(V ** window)
+    digits = np.stack([(cells // V ** (window - 1 - j)) % V for j in range(window)], 1)
+    done = np.zeros(len(cells), bool)
+    idx = np.zeros(len(cells), np.int64)
+    for j in range(window):
+        idx = idx * (V + 1) + np.where(done, PAD, digits[:, j])
+        done |= digits[:, j] == eos
+    return np.bincount(idx, weights=probs, minlength=(V + 1) ** window)
+
+
+def test_truncated_at_eos_maps_windows():
+    probs = np.zeros(V ** 3)
+    probs[[0 * 16 + 2 * 4 + 1, 2 * 16 + 1 * 4 + 3, 1 * 16 + 3 * 4 + 0]] = [0.5, 0.3, 0.2]
+    t = truncated_at_eos(probs, 3)
+    base = V + 1
+    assert t[0 * base ** 2 + 2 * base + PAD] == 0.5  # 0 2 1 -> 0 2 PAD
+    assert t[2 * base ** 2 + PAD * base + PAD] == 0.3  # 2 1 3 -> 2 PAD PAD
+    assert t[1 * base ** 2 + 3 * base + 0] == 0.2  # no EOS: unchanged
+    assert t.sum() == 1.0 and np.count_nonzero(t) == 3
+
+
+def test_ssd_mixed_prompt_lengths_stopping_at_eos(pair):
+    window, chunk = WINDOW, 24_000
+    eng = _engine(pair)
+    run = _sample(eng, "ssd", T10, n=72_000, chunk=chunk, window=window, prompts=EOS_PROMPTS,
+                  ssd=F211, eos_ids=(EOS,))
+    _assert_ssd_ran(run.metrics)
+    padded = np.full((len(run.tokens), window), PAD, np.int64)
+    for i, t in enumerate(run.tokens):
+        assert len(t) == window or (run.finish[i] == "eos" and t[-1] == EOS), (t, run.finish[i])
+        assert EOS not in t[:-1]
+        padded[i, :len(t)] = t
+    for g, prompt in enumerate(EOS_PROMPTS):
+        rows = run.prompt_index == g
+        res = distribution_test(window_counts(padded[rows], V + 1),
+                                truncated_at_eos(exact(T10, window, prompt), window))
+        assert res.passed, f"prompt {prompt}: {res}"
+        # rows of this prompt length stopped at EOS at the prefill and in rounds 1, 2 and 3
+        stop_rounds = {len(run.calls[i]) - 1 for i in np.flatnonzero(rows) if run.finish[i] == "eos"}
+        assert stop_rounds == {0, 1, 2, 3}, (prompt, stop_rounds)
+
+
+# ---------------------------------------------------------------------------------- kernels, layouts
+def test_ssd_pallas_kernels_interpret_mode(pair):
+    # K = 2, window 5: every window holds a round-2 token, whose speculation is the Pallas
+    # cache_gather's lookup in the tree the Pallas tree_attention drafted (or a backup). The
+    # interpreter is slow and superlinear in the batch (64 rows per call is the fastest per row).
+    window = 5
+    eng = _engine(pair, backend="pallas")
+    run = _sample(eng, "ssd", TOP_K2, n=16_000, chunk=64, window=window, ssd=F211)
+    _check(run.windows(window), TOP_K2, window)
+    _assert_ssd_ran(run.metrics)
+    assert all(m.backend == {"target": "pallas", "draft": "pallas"} for m in run.metrics), \
+        run.metrics[0].backend  # no kernel fell back to its XLA reference
+
+
+def test_ssd_tensor_parallel_target_data_parallel_draft(pair):
+    # the 2 virtual devices carry a 2-way tensor-parallel target and a 2-way data-parallel draft
+    # (colocated; a split 2+2 layout needs 4 devices)
+    placement = make_placement("colocated", target_devices=2, draft_devices=2)
+    eng = _engine(pair, placement=placement)
+    assert eng.placement.tp == 2 and eng.placement.dp == 2
+    run = _sample(eng, "ssd", T10, n=50_000, chunk=25_000, window=WINDOW, ssd=F211)
+    _check(run.windows(WINDOW), T10, WINDOW)
+    _assert_ssd_ran(run.metrics)
+    assert str(eng.tcache.k[0].sharding.spec) == "P(None, None, 'model')"
+    assert str(eng.tparams.layers[0].wqkv.sharding.spec) == "P(None, 'model')"
+    assert str(eng.worker.cache.k[0].sharding.spec) == "P('data',)"
+    assert run.metrics[0].backend == {"target": "xla", "draft": "xla"}
+
+
+# ---------------------------------------------------------------------------------- horizon
+def test_ssd_long_horizon_crosses_three_round_boundaries(pair):
+    # K = 1: a round emits at most 2 tokens, so token 6 comes from round 3 or later: every window
+    # spans the prefill and >= 3 rounds (>= 3 round boundaries)
+    window, k = 6, 1
+    eng = _engine(pair)
+    run = _sample(eng, "ssd", TOP_K2, n=100_000, chunk=25_000, window=window, k=k,
+                  ssd=SSDConfig(fanout=(1, 2)))
+    _check(run.windows(window), TOP_K2, window)
+    _assert_ssd_ran(run.metrics, k)
+    assert min(len(log) for log in run.calls) >= 4  # prefill + >= 3 rounds per request
