@@ -1,5 +1,5 @@
 """SSD in the paper's shape on this 2-core CPU: AR and SD colocated on one core; SSD with the target
-on that core and the draft on the other (two processes, jax.distributed). Also AR and SD given both
+on that core and the draft on the other (two processes, ssd_jax.runtime.transport). Also AR and SD given both
 cores, for the equal-hardware comparison. Greedy, the Qwen2.5-Coder pair, the benchmark set; fp32
 unless --dtype bfloat16, the draft's weights int8 or int4 with --draft-quant int8|int4 (models/quant.py).
 

@@ -225,7 +225,14 @@ def save(path: Path, params: Params, cfg: ModelConfig) -> None:
             ckpt.save(tmp / "params", _to_tree(params))
         _write_config(tmp, cfg)
         _write_manifest(tmp)
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except OSError as e:
+            # another process converted the same model at the same time and renamed first: its
+            # cache is as good as ours (same source, dtype and FORMAT), keep it
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not (path / MANIFEST).exists():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if _is_enospc(e):

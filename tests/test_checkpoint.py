@@ -47,3 +47,25 @@ def test_param_bytes_is_what_a_conversion_writes(arch, dtype):
     cfg = tiny_config(arch, dtype=dtype)
     params = random_params(cfg, 0)
     assert checkpoint.param_bytes(cfg) == sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+
+
+def test_two_processes_converting_the_same_model_both_succeed(tmp_path, monkeypatch):
+    # The draft's process and the target's may convert one model into one cache folder at the
+    # same time; whichever renames second finds the first's complete cache and keeps it.
+    cfg = tiny_config("llama")
+    params = random_params(cfg, 0)
+    path = tmp_path / "ckpt"
+    real_replace = checkpoint.os.replace
+
+    def other_process_wins(src, dst):
+        monkeypatch.setattr(checkpoint.os, "replace", real_replace)
+        checkpoint.save(path, params, cfg)  # the other process, finishing first
+        real_replace(src, dst)  # ours now meets a non-empty folder: OSError ENOTEMPTY
+
+    monkeypatch.setattr(checkpoint.os, "replace", other_process_wins)
+    checkpoint.save(path, params, cfg)
+    assert checkpoint.problem(path) is None
+    assert list(tmp_path.iterdir()) == [path]  # our temporary is gone
+    got, _ = checkpoint.restore(path)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -33,10 +33,9 @@ def _load(spec: str, dtype: str, cache_dir: str | None, quant: str = "none",
     path = Path(spec)
     # An HF folder without tokenizer files (how tests ship tiny random drafts) loads without one.
     with_tok = not (path.is_dir() and not (path / "tokenizer.json").exists())
-    # No orbax cache here: the target's process may be converting the same model into the same
-    # cache folder at the same time.
-    model = load_draft(spec, dtype, quant, draft_vocab, cache_dir=cache_dir, use_cache=False,
-                       with_tokenizer=with_tok)
+    # The conversion cache is safe to share with the target's process, even for one model converted
+    # by both at once (models/checkpoint.py: temporary, manifest, rename; the second keeps the first's).
+    model = load_draft(spec, dtype, quant, draft_vocab, cache_dir=cache_dir, with_tokenizer=with_tok)
     if model.tokenizer is None:
         return model, model.cfg.vocab_size, None
     return model, model.tokenizer.vocab_size, model.tokenizer.fingerprint()

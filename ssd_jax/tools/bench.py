@@ -11,8 +11,8 @@ Layouts (each measured in its own subprocess, pinned with `taskset -c` to the co
 * `split`: one process on cores A,B with two JAX CPU devices, target on the first, draft on the
   second (two meshes in one process, overlap by async dispatch);
 * `two-process`: the target's process on core A, the draft in its own process on core B
-  (`ssd_jax.runtime.transport.start_two_process`; jax.distributed has to start before any other JAX use,
-  hence the subprocess per layout).
+  (`ssd_jax.runtime.transport.start_two_process`; each layout runs in its own subprocess, pinned to
+  its cores before JAX starts).
 
 Each layout's worker runs AR first (the engine needs a plain-decoding step time T_1 for
 `metrics.predicted_speedup`), then SD, then SSD, each over every prompt after one short warm-up

@@ -100,10 +100,7 @@ def worker_layout(layout: str, job: dict) -> dict:
     from ssd_jax.runtime.engine import Engine, SSDConfig
     from ssd_jax.algorithm.sampling import SamplingParams
 
-    # Under jax.distributed orbax coordinates every process, and only this one loads: no orbax
-    # cache for the target of the two-process layout (as in ssd_jax.runtime.draft_process).
-    target = load_model(job["target"], job["dtype"], cache_dir=job["cache_dir"],
-                        use_cache=remote is None)
+    target = load_model(job["target"], job["dtype"], cache_dir=job["cache_dir"])
     if remote is not None:
         engine = Engine(target, remote_draft=remote, max_len=job["max_len"])
     else:

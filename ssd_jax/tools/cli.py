@@ -255,9 +255,9 @@ def _choose(args, platform=None) -> dict:
 
 
 def _native_stdout_to_stderr() -> None:
-    """gloo (the two-process transport's collectives) prints to file descriptor 1, in this
-    process and the draft's: from here on fd 1 is stderr, and `sys.stdout` (the text, the JSON) a
-    copy of the real stdout."""
+    """Native libraries (XLA, the draft process's runtime) may print to file descriptor 1: from
+    here on fd 1 is stderr, and `sys.stdout` (the text, the JSON) a copy of the real stdout, so
+    `--json` output stays parseable."""
     import os
     sys.stdout.flush()
     real = os.dup(1)
@@ -281,7 +281,8 @@ def _generate(args) -> int:
     remote = None
     if placement == "two-process":
         _native_stdout_to_stderr()
-        # jax.distributed first: the backend and formats are chosen without starting JAX
+        # the draft process first, so this process's core pinning covers XLA's threads: the
+        # backend and formats are chosen without starting JAX
         choice = _choose(args, platform="cpu")
         from ssd_jax.runtime.transport import start_two_process
         try:
