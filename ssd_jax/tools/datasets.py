@@ -193,6 +193,7 @@ def benchmarks_dir(cache_dir: str | os.PathLike | None = None) -> Path:
 
 
 def sha256_of(path: Path) -> str:
+    """The hex SHA-256 of the file at `path`, read in 1 MiB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
