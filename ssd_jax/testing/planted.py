@@ -2,14 +2,22 @@
 
 `PLANTED_BUG_VERIFIERS` are drop-in replacements for ssd_jax.algorithm.verify.rejection_sample, one
 wrong rule each; `PLANTED_PROPOSER_BUGS` holds the proposer's bug (verifying against q instead of
-the q' it sampled from). A harness that cannot tell them from `rejection_sample` is too weak to trust.
+the q' it sampled from); `PLANTED_SSD_BUGS` names four bugs of the speculation cache and the draft's
+tree, planted in the running process by `plant_ssd_bug(name)`. A harness that cannot tell them from
+the real thing is too weak to trust; which test catches which, and why some cannot be caught by a
+distribution test at all: tests/test_engine_exactness.py.
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
+import types
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 
+from ssd_jax.algorithm import sampling as _sampling
 from ssd_jax.algorithm.sampling import _as_keys, sample_from_probs
 from ssd_jax.algorithm.verify import (
     VerifyResult,
@@ -26,6 +34,8 @@ from ssd_jax.algorithm.verify import (
 __all__ = [
     "PLANTED_BUG_VERIFIERS",
     "PLANTED_PROPOSER_BUGS",
+    "PLANTED_SSD_BUGS",
+    "plant_ssd_bug",
     "ALL_PLANTED_BUGS",
     "correct_proposal_rows",
     "wrong_proposal_rows",
@@ -98,4 +108,93 @@ def wrong_proposal_rows(q, q_prime):
 
 
 PLANTED_PROPOSER_BUGS: dict[str, Callable] = {"verify_q_not_q_prime": wrong_proposal_rows}
-ALL_PLANTED_BUGS: tuple[str, ...] = tuple(PLANTED_BUG_VERIFIERS) + tuple(PLANTED_PROPOSER_BUGS)
+
+
+# ----------------------------------------------------------------------------------------------
+# Planted SSD bugs: one wrong rule each in the speculation cache's lookup or the draft's tree,
+# planted in the running process by `plant_ssd_bug` (the engine has no hook for these)
+# ----------------------------------------------------------------------------------------------
+@jax.jit
+def _gather_next_branch(keys, valid, tokens, rows, outcome):
+    """cache_gather_reference with an off-by-one: the hit is decided correctly, but the tokens and
+    rows returned are those of the branch after the matching one (MQ wraps to branch 0)."""
+    match = valid.astype(bool) & jnp.all(keys == outcome[:, None, :], axis=-1)
+    hit = jnp.any(match, axis=-1)
+    index = jnp.where(hit, (jnp.argmax(match, axis=-1) + 1) % keys.shape[1], -1).astype(jnp.int32)
+    pick = jax.vmap(lambda x, i: x[i])
+    safe = jnp.maximum(index, 0)
+    return (hit, index, jnp.where(hit[:, None], pick(tokens, safe), 0).astype(tokens.dtype),
+            jnp.where(hit[:, None, None], pick(rows, safe), 0).astype(rows.dtype))
+
+
+def _sampling_with(**overrides):
+    """The sampling module's public names with some replaced: what the tree sees as `smp`."""
+    ns = {name: getattr(_sampling, name) for name in dir(_sampling) if not name.startswith("__")}
+    ns.update(overrides)
+    return types.SimpleNamespace(**ns)
+
+
+def _keys_by_row(seed, request_ids, positions, stream):
+    """position_keys with the batch row in place of the request id."""
+    rows = jnp.arange(jnp.shape(request_ids)[0], dtype=jnp.int32)
+    return _sampling.position_keys(seed, rows, positions, stream)
+
+
+def _propose_drawn_before_rounding(logits, sampling, keys, *, vocab_size=None, saguaro_top_n=0,
+                                   saguaro_c=1.0, row_dtype=jnp.float32):
+    """saguaro.propose with the rounding moved after the draw: the token comes from the float32
+    q', the rows returned (and stored in the cache) are q' rounded to `row_dtype`."""
+    from ssd_jax.algorithm import saguaro
+    q = _sampling.probs_from_logits(logits, sampling, vocab_size)
+    q = saguaro.saguaro_scale(q, logits, saguaro_top_n, saguaro_c)
+    rows = q.astype(row_dtype)
+    if sampling.greedy:
+        return saguaro.argmax(q), rows
+    return sample_from_probs(q, keys), rows
+
+
+# name -> (the rule it breaks, [(module, attribute, replacement factory)])
+_SSD_BUGS: dict[str, tuple[str, list]] = {
+    "lookup_next_branch": (
+        "the lookup returns the hit branch's tokens and rows (ALGORITHM.md §2 step 4): here the "
+        "next branch's (off by one; 'hit' itself is right)",
+        [("ssd_jax.pallas_kernels.cache_gather", "cache_gather_reference",
+          lambda: _gather_next_branch)]),
+    "tree_keys_accept_stream": (
+        "tree draws use STREAM_DRAFT (§3): here the accept stream, so a drafted token and its own "
+        "accept coin come from one key",
+        [("ssd_jax.algorithm.tree", "smp",
+          lambda: _sampling_with(STREAM_DRAFT=_sampling.STREAM_ACCEPT))]),
+    "tree_keys_by_row": (
+        "draws are keyed by request id, not batch row (§3): here the tree keys its draws by row",
+        [("ssd_jax.algorithm.tree", "smp", lambda: _sampling_with(position_keys=_keys_by_row))]),
+    "tree_rows_rounded_after_draw": (
+        "rows are rounded to the cache's row dtype before the draw (§3): here the tree draws from "
+        "the float32 rows and stores the rounded ones (a no-op unless row_dtype is not float32)",
+        [("ssd_jax.algorithm.tree", "propose", lambda: _propose_drawn_before_rounding)]),
+}
+PLANTED_SSD_BUGS: dict[str, str] = {name: rule for name, (rule, _) in _SSD_BUGS.items()}
+
+
+@contextlib.contextmanager
+def plant_ssd_bug(name: str):
+    """Plant SSD bug `name` (a key of `PLANTED_SSD_BUGS`, whose value says which rule it breaks)
+    in this process for the duration of the `with` block: the module attributes it replaces are
+    swapped and JAX's caches cleared on entry and on exit, so every jitted step is traced again
+    with the bug and, afterwards, without it. Not thread-safe; an unknown name is a KeyError."""
+    _, patches = _SSD_BUGS[name]
+    targets = [(importlib.import_module(mod), attr, make()) for mod, attr, make in patches]
+    saved = [(module, attr, getattr(module, attr)) for module, attr, _ in targets]
+    jax.clear_caches()
+    try:
+        for module, attr, new in targets:
+            setattr(module, attr, new)
+        yield
+    finally:
+        for module, attr, old in saved:
+            setattr(module, attr, old)
+        jax.clear_caches()
+
+
+ALL_PLANTED_BUGS: tuple[str, ...] = (tuple(PLANTED_BUG_VERIFIERS) + tuple(PLANTED_PROPOSER_BUGS)
+                                     + tuple(PLANTED_SSD_BUGS))

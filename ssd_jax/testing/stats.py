@@ -1,12 +1,13 @@
 """The test statistic, its calibration by simulation, and its power.
 
-Statistic: Pearson chi-square over cells pooled so that every pooled cell has expected count >= 5
-(the smallest cells are merged together, in order of probability), plus a hard check that no sample
-falls in a cell of exact probability 0. The rejection threshold is the (1 - false_alarm) quantile of
-the same statistic over Monte-Carlo multinomial draws from the exact distribution (fixed numpy
-seed). `detection_power` / `detection_power_by_alternative` simulate the rejection rate against
-alternatives at a given total-variation distance. Why chi-square and the suite's chosen sizes: the
-ssd_jax.testing package docstring.
+Statistic: Pearson chi-square over cells pooled so that every pooled cell has expected count
+>= `min_expected` (default 5; the smallest cells are merged together, in order of probability),
+plus a hard check that no sample falls in a cell of exact probability 0. The rejection threshold
+is the (1 - false_alarm) quantile of the same statistic over Monte-Carlo multinomial draws from the
+exact distribution (fixed numpy seed). `detection_power` / `detection_power_by_alternative`
+simulate the rejection rate against alternatives at a given total-variation distance. Why
+chi-square, what pooling trades, and the suite's chosen sizes: the ssd_jax.testing package
+docstring.
 """
 from __future__ import annotations
 
@@ -238,13 +239,15 @@ def detection_power_by_alternative(exact_probs, n: int, tv: float = 0.02, trials
 
 
 def detection_power(exact_probs, n: int, tv: float = 0.02, trials: int = 400,
-                    false_alarm: float = 1e-3, seed: int = 0) -> float:
+                    false_alarm: float = 1e-3, seed: int = 0, min_expected: float = 5.0) -> float:
     """Fraction of trials (split evenly over the alternatives) in which samples of size n from an
     alternative at total-variation distance `tv` from exact_probs `[C]` are rejected (the mean of
-    `detection_power_by_alternative`). Deterministic for a fixed seed."""
+    `detection_power_by_alternative`; min_expected: the test's pooling bar, as in
+    `distribution_test`). Deterministic for a fixed seed."""
     alts = _alternatives(_normalised(exact_probs), tv, seed)
     per = max(1, trials // len(alts))
     rates = detection_power_by_alternative(exact_probs, n, tv=tv, trials=per,
-                                           false_alarm=false_alarm, seed=seed)
+                                           false_alarm=false_alarm, seed=seed,
+                                           min_expected=min_expected)
     return float(np.mean(list(rates.values())))
 
