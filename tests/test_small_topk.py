@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ssd_jax.algorithm.small_topk import SMALL_K, argmax, kth_largest, top_k_indices
+from ssd_jax.algorithm.small_topk import SMALL_K, argmax, kth_largest, kth_largest_per_row, top_k_indices
 
 
 def rows(seed, shape=(3, 5, 40)):
@@ -77,3 +77,41 @@ def test_argmax_rejects_an_empty_row():
         argmax(jnp.zeros((2, 0)))
     with pytest.raises(ValueError, match="non-empty last axis"):
         argmax(jnp.float32(1.0))
+
+
+def _want_kth(x, k):
+    """Per-row k-th largest by lax.top_k over the whole row (k 0 -> -inf)."""
+    vals = jax.lax.top_k(x, x.shape[-1])[0]
+    got = jnp.take_along_axis(vals, jnp.maximum(k, 1) - 1, axis=-1)
+    return jnp.where(k > 0, got, -jnp.inf)
+
+
+@pytest.mark.parametrize("kmax", [0, 1, 2, 3, 5, 8, 9, SMALL_K, SMALL_K + 1, 40])
+def test_kth_largest_per_row_matches_top_k(kmax):
+    """Per-row k (0 = no threshold), traced (one compile for all k) and host values, through the
+    max passes (<= SMALL_K) and the counting bisection (above); ties, -inf, -0.0, huge values."""
+    f = jax.jit(kth_largest_per_row)
+    for seed in range(3):
+        x = np.asarray(rows(seed)).copy()
+        x[1, 2, :5] = -0.0
+        x[2, 3, :3] = [3e38, -3e38, 1e-45]
+        x = jnp.asarray(x)
+        k = jnp.asarray(np.random.default_rng(seed).integers(0, kmax + 1, x.shape[:-1] + (1,)),
+                        jnp.int32)
+        want = _want_kth(x, k)
+        np.testing.assert_array_equal(f(x, k), want)
+        np.testing.assert_array_equal(kth_largest_per_row(x, np.asarray(k)), want)
+    assert f._cache_size() == 1
+
+
+def test_bisection_equals_passes_for_every_k():
+    from ssd_jax.algorithm.small_topk import _kth_by_bisection, _kth_by_passes
+
+    x = rows(7, (4, 3, 40))
+    for k in range(0, 41):
+        kk = jnp.full(x.shape[:-1] + (1,), k, jnp.int32)
+        want = _want_kth(x, kk)
+        np.testing.assert_array_equal(_kth_by_bisection(x, kk), want)
+        if k <= SMALL_K:
+            np.testing.assert_array_equal(_kth_by_passes(x, kk, SMALL_K), want)  # extra passes: no-ops
+            np.testing.assert_array_equal(_kth_by_passes(x, kk, k), want)
