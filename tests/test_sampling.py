@@ -212,3 +212,95 @@ def test_sample_returns_probs_and_raw_keys():
     assert np.all(np.asarray(p1)[np.arange(3), np.asarray(t1)] > 0)
     with pytest.raises(ValueError):
         sample(logits, params, jax.random.split(jax.random.key(1), 4))
+
+
+# ----------------------------------------------------------------------------------------------
+# Traced values: one compile for every sampled value, the same numbers as host values
+# ----------------------------------------------------------------------------------------------
+_traced_probs = jax.jit(probs_from_logits, static_argnums=2)
+
+
+@pytest.mark.parametrize("params", PARAMS + [SamplingParams(0.9, top_k=19), SamplingParams(1.0, top_k=40)],
+                         ids=str)
+def test_traced_values_give_the_host_values_rows(params):
+    """SamplingParams as a traced argument (a pytree) gives the rows the static path gives, and
+    the float64 reference's support."""
+    rng = np.random.default_rng(0)
+    logits = (2.0 * rng.normal(size=(64, 20))).astype(np.float32)
+    logits[::7, 3] = -np.inf
+    logits[::5, :4] = 1.5  # ties
+    for vocab_size in (None, 17):
+        got = np.asarray(_traced_probs(logits, params, vocab_size))
+        host = np.asarray(probs_from_logits(logits, params, vocab_size))
+        np.testing.assert_allclose(got, host, atol=1e-7, rtol=1e-6)
+        assert np.all((got > 0) == (host > 0))
+        want = np.stack([ref_probs(row, params, vocab_size) for row in logits])
+        assert np.all((got > 0) == (want > 0))
+
+
+def test_one_compile_for_every_sampled_value():
+    f = jax.jit(lambda x, p: probs_from_logits(x, p))  # its own cache (jits of one function share one)
+    logits = jnp.asarray(np.random.default_rng(3).normal(size=(4, 30)), jnp.float32)
+    outs = [np.asarray(f(logits, p)) for p in PARAMS]
+    assert f._cache_size() == 1
+    assert len({o.tobytes() for o in outs}) == len(PARAMS)  # each value took effect
+    f(logits, SamplingParams(0.0))  # greedy: its own (argmax-only) compile
+    f(logits, SamplingParams(0.0, top_k=3, top_p=0.5))
+    assert f._cache_size() == 2
+    # Python floats, numpy scalars and ints all flatten to one signature
+    f(logits, SamplingParams(np.float32(0.5), top_k=np.int64(2), top_p=1))
+    assert f._cache_size() == 2
+
+
+def test_per_request_rows_equal_each_request_alone():
+    """[B] values: row b follows params b exactly (traced or host values); greedy rows of a
+    sampled batch are one-hot at the argmax."""
+    rng = np.random.default_rng(5)
+    batch = [SamplingParams(1.0), SamplingParams(0.0), SamplingParams(0.6, top_k=3),
+             SamplingParams(1.3, top_p=0.7), SamplingParams(0.9, top_k=25, top_p=0.9),
+             SamplingParams(0.0, top_k=2)]
+    per = SamplingParams.per_request(batch, len(batch))
+    assert per.temperature.dtype == np.float32 and per.top_k.dtype == np.int32
+    assert not per.greedy and SamplingParams.per_request(SamplingParams(0.0), 3).greedy
+    for shape in ((len(batch), 30), (len(batch), 3, 30)):
+        logits = jnp.asarray(2 * rng.normal(size=shape), jnp.float32)
+        traced = np.asarray(_traced_probs(logits, per, 28))
+        host = np.asarray(probs_from_logits(logits, per, 28))
+        for b, p in enumerate(batch):
+            alone = np.asarray(probs_from_logits(logits[b], p, 28))
+            np.testing.assert_allclose(traced[b], alone, atol=1e-7, rtol=1e-6)
+            np.testing.assert_allclose(host[b], alone, atol=1e-7, rtol=1e-6)
+            assert np.all((traced[b] > 0) == (alone > 0))
+    with pytest.raises(ValueError, match="one value per leading row"):
+        probs_from_logits(jnp.zeros((4, 30)), per)
+
+
+def test_per_request_construction_and_checks():
+    one = SamplingParams.per_request(SamplingParams(0.7, top_k=2), 3)
+    np.testing.assert_array_equal(one.temperature, np.float32([0.7] * 3))
+    np.testing.assert_array_equal(one.top_k, [2, 2, 2])
+    again = SamplingParams.per_request(one, 3)
+    np.testing.assert_array_equal(again.top_p, [1, 1, 1])
+    arr = SamplingParams(temperature=[0.5, 1.0], top_k=[0, 3], top_p=[1.0, 0.9])
+    assert arr.temperature.dtype == np.float32 and arr.top_k.dtype == np.int32
+    with pytest.raises(ValueError, match="one SamplingParams per request"):
+        SamplingParams.per_request([SamplingParams(1.0)], 2)
+    with pytest.raises(ValueError, match="values per field"):
+        SamplingParams.per_request(arr, 3)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=[0.5, -1.0])
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=[1.5, 2.0])
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=[0.5, 0.0])
+    with pytest.raises(ValueError, match="differ in length"):
+        SamplingParams(temperature=[0.5, 1.0], top_k=[1, 2, 3])
+
+
+def test_sample_with_traced_params_draws_like_host_params():
+    logits = jnp.asarray(np.random.default_rng(6).normal(size=(8, 12)), jnp.float32)
+    keys = position_keys(2, jnp.arange(8, dtype=jnp.int32), jnp.zeros((8,), jnp.int32), STREAM_SAMPLE)
+    for p in (SamplingParams(0.8, top_k=4, top_p=0.9), SamplingParams(0.0)):
+        t_host, _ = sample(logits, p, keys)
+        t_traced, _ = jax.jit(sample)(logits, p, keys)
+        np.testing.assert_array_equal(np.asarray(t_host), np.asarray(t_traced))

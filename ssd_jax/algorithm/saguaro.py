@@ -13,30 +13,39 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from ssd_jax.algorithm import sampling as smp
 from ssd_jax.algorithm.sampling import SamplingParams, probs_from_logits, sample_from_probs
 from ssd_jax.algorithm.small_topk import argmax, kth_largest
 
 
-def saguaro_scale(q: jax.Array, raw_logits: jax.Array, top_n: int, c: float) -> jax.Array:
+def saguaro_scale(q: jax.Array, raw_logits: jax.Array, top_n: int, c) -> jax.Array:
     """Saguaro's proposal (docs/ALGORITHM.md §4): q `[..., V]` -> q' `[..., V]`.
 
     The probabilities in q of the top `top_n` tokens of `raw_logits` `[..., V]` (ties at the
     boundary included) are multiplied by `c`, and each row is renormalised to sum to 1 (an
-    all-zero row stays zero). `top_n` (int) and `c` (float) are static; `c == 1.0` or
-    `top_n <= 0` returns q itself, unchanged.
+    all-zero row stays zero). `top_n` (an int, static: it comes from the fan-out, a shape) <= 0
+    returns q itself. `c` is a number or an array (a scalar, or `[N]`: one per leading row of q),
+    host value or traced: rows with c == 1 get q itself, unchanged, and when no row has c < 1 the
+    scaling does not run (`ssd_jax.algorithm.sampling.run_if`), so sweeping C compiles nothing.
     """
-    if c == 1.0 or top_n <= 0:
+    if top_n <= 0:
         return q
+    c = smp._row_values(c, np.float32, q)
     V = raw_logits.shape[-1]
-    kth = kth_largest(raw_logits, min(top_n, V))
-    scaled = jnp.where(raw_logits >= kth, q * jnp.float32(c), q)
-    total = jnp.sum(scaled, axis=-1, keepdims=True)
-    return scaled / jnp.where(total > 0, total, 1.0)
+
+    def scale(q):
+        kth = kth_largest(raw_logits, min(top_n, V))
+        scaled = jnp.where(raw_logits >= kth, q * c, q)
+        total = jnp.sum(scaled, axis=-1, keepdims=True)
+        return jnp.where(c < 1, scaled / jnp.where(total > 0, total, 1.0), q)
+
+    return smp.run_if((np if isinstance(c, np.ndarray) else jnp).any(c < 1), scale, q)
 
 
 def propose(logits: jax.Array, sampling: SamplingParams, keys: jax.Array, *,
-            vocab_size: int | None = None, saguaro_top_n: int = 0, saguaro_c: float = 1.0,
+            vocab_size: int | None = None, saguaro_top_n: int = 0, saguaro_c=1.0,
             row_dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
     """Draft one token per row from its proposal q' (docs/ALGORITHM.md §4).
 
@@ -44,9 +53,10 @@ def propose(logits: jax.Array, sampling: SamplingParams, keys: jax.Array, *,
     (tokens `[...]` int32, rows `[..., V]` in `row_dtype`: the exact numbers the token was drawn
     from; normalise them (`normalise_rows`) before verifying).
 
-    Static arguments: `sampling`, the draft's sampling parameters (greedy draws the argmax of the
-    rows and uses no key); `vocab_size`, real rows of V (the rest get probability 0);
-    `saguaro_top_n` / `saguaro_c`, Saguaro's top-n and scale C (`saguaro_scale`; 0 / 1.0 = off);
+    `sampling`: the draft's sampling parameters, values traced or not (`sampling.greedy`, static,
+    draws the argmax of the rows and uses no key); `saguaro_c`: Saguaro's scale C, a number or a
+    (traced) array, scalar or one per leading row (1.0 = off). Static: `vocab_size`, real rows of
+    V (the rest get probability 0); `saguaro_top_n`, Saguaro's top-n (`saguaro_scale`; 0 = off);
     `row_dtype`, the speculation cache's row dtype, to which q' is rounded before the draw.
     """
     q = probs_from_logits(logits, sampling, vocab_size)

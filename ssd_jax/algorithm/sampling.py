@@ -1,8 +1,13 @@
 """Sampling for ssd_jax: the user's distribution, position-indexed keys, and the exponential race.
 
-Everything here is a pure function of arrays and is jit-friendly: shapes are static and the only
-Python-level branching is on `SamplingParams`, which is hashable and passed to `jit` as a static
-argument.
+Everything here is a pure function of arrays and is jit-friendly. `SamplingParams` is a pytree:
+passed to a jitted function as an ordinary argument, its temperature, top-k and top-p are traced
+values (scalars, or `[B]` arrays: one value per request, `SamplingParams.per_request`), so a new
+value compiles nothing; the one static part of it is `greedy` (every row at temperature 0), which
+drops every sampling op from the compiled step. Top-k, top-p and Saguaro's scaling, whose work
+does not vanish at their "off" values, run under a `lax.cond` that skips them when no row uses
+them. (A `SamplingParams` of Python values can still be a static argument: it is hashable, and then
+its values are constants of the compiled function.)
 
 Exactness depends on two things defined here (see docs/ALGORITHM.md §3):
 - `probs_from_logits` is THE distribution the user asked for. The target's `p` and every proposal's
@@ -15,12 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ssd_jax.algorithm.small_topk import argmax, kth_largest
+from ssd_jax.algorithm.small_topk import argmax, kth_largest, kth_largest_per_row
 
 # Streams separate the independent random draws made at one (request, position): drafting a token,
 # the accept coin for it, the residual/bonus draw, plain sampling, and a backup speculator's draws.
@@ -119,12 +126,22 @@ def position_keys(seed, request_ids, positions, stream: int):
 # ----------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """What the user asked for. Hashable: it is a static `jit` argument.
+    """What the user asked for.
 
     temperature: 0 means greedy (one-hot at the argmax); > 0 divides the logits.
     top_k: keep the k largest logits (ties with the k-th are kept too); 0 = off.
     top_p: nucleus; keep the smallest set of most likely tokens whose mass reaches top_p
       (at least one token; ties with the last kept probability are kept too); 1.0 = off.
+
+    Each field is a number, or a `[B]` array with one value per request (`per_request`); the
+    values are checked on construction.
+
+    A pytree: a jitted step takes it as an ordinary argument, its three values traced (float32,
+    int32, float32), so changing them recompiles nothing. Its static structure is `greedy` alone:
+    a call at temperature 0 compiles a step without any sampling op, so going from greedy to
+    sampled (or back) compiles once each way. Everything else is chosen at run time
+    (`probs_from_logits`). With Python values it is also hashable, so it still works as a static
+    argument (its values then compile in as constants).
     """
 
     temperature: float = 0.0
@@ -136,27 +153,95 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError unless temperature is finite and >= 0, top_k an int >= 0 and top_p in
-        (0, 1]. Called on construction."""
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)):
-            raise ValueError(f"temperature must be a real number, got {t!r}")
-        if math.isnan(t) or t < 0 or math.isinf(t):
-            raise ValueError(f"temperature must be finite and >= 0, got {t!r}")
-        k = self.top_k
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
-            raise ValueError(f"top_k must be an int, got {k!r}")
-        if k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {k!r}")
-        p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float, np.integer, np.floating)):
-            raise ValueError(f"top_p must be a real number, got {p!r}")
-        if not (0.0 < p <= 1.0):  # also rejects NaN
-            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        (0, 1] (each entry of an array field; array fields are 1-D, of one length, and are
+        stored as numpy float32 / int32 / float32). Called on construction."""
+        n = set()
+        for name, dtype in _FIELDS:
+            v = getattr(self, name)
+            if isinstance(v, (np.ndarray, list, tuple)):
+                a = np.asarray(v)
+                if a.ndim != 1:
+                    raise ValueError(f"{name} must be a number or a 1-D array (one per request), "
+                                     f"got shape {a.shape}")
+                if name == "top_k" and a.size and not np.issubdtype(a.dtype, np.integer):
+                    raise ValueError(f"top_k must be ints, got {v!r}")
+                for x in a.tolist():
+                    _check_value(name, x)
+                n.add(len(a))
+                object.__setattr__(self, name, a.astype(dtype))
+            else:
+                _check_value(name, v)
+        if len(n) > 1:
+            raise ValueError(f"per-request sampling fields differ in length: {sorted(n)}")
 
     @property
     def greedy(self) -> bool:
-        """Whether temperature is 0: the distribution is one-hot at the argmax."""
-        return self.temperature == 0
+        """Whether every temperature is 0: the distribution is one-hot at the argmax. Static: a
+        jitted step compiles one version for greedy and one for sampled parameters."""
+        g = self.__dict__.get("_greedy")
+        return bool(np.all(np.asarray(self.temperature) == 0)) if g is None else g
+
+    @classmethod
+    def per_request(cls, params: "SamplingParams | Sequence[SamplingParams]",
+                    batch: int) -> "SamplingParams":
+        """`batch` requests' parameters as one SamplingParams of `[batch]` numpy arrays (float32,
+        int32, float32): `params` is one SamplingParams (for every request; its fields numbers or
+        `[batch]` arrays) or a sequence of `batch` SamplingParams of numbers."""
+        if isinstance(params, SamplingParams):
+            cols = [np.asarray(getattr(params, f), d) for f, d in _FIELDS]
+            if any(c.ndim and c.shape != (batch,) for c in cols):
+                raise ValueError(f"per-request sampling needs {batch} values per field, got "
+                                 f"shapes {[c.shape for c in cols]}")
+            return cls(*(np.broadcast_to(c, (batch,)).copy() for c in cols))
+        rows = list(params)
+        if not all(isinstance(p, SamplingParams) and np.ndim(p.temperature) == 0 for p in rows):
+            raise ValueError("per-request sampling must be one SamplingParams of numbers per request")
+        if len(rows) != batch:
+            raise ValueError(f"per-request sampling needs one SamplingParams per request ({batch}), "
+                             f"got {len(rows)}")
+        return cls(*(np.asarray([getattr(p, f) for p in rows], d) for f, d in _FIELDS))
+
+
+_FIELDS = (("temperature", np.float32), ("top_k", np.int32), ("top_p", np.float32))
+
+
+def _check_value(name: str, v) -> None:
+    if name == "top_k":
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise ValueError(f"top_k must be an int, got {v!r}")
+        if v < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {v!r}")
+        return
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name} must be a real number, got {v!r}")
+    if name == "temperature" and (math.isnan(v) or v < 0 or math.isinf(v)):
+        raise ValueError(f"temperature must be finite and >= 0, got {v!r}")
+    if name == "top_p" and not (0.0 < v <= 1.0):  # also rejects NaN
+        raise ValueError(f"top_p must be in (0, 1], got {v!r}")
+
+
+def _host_leaf(v, dtype):
+    """A host value as a numpy array of the field's dtype (one jit signature whatever Python or numpy
+    type it came as); anything else (a jax array, a tracer, a placeholder of a tree operation)
+    unchanged."""
+    return np.asarray(v, dtype) if isinstance(v, (numbers.Number, np.ndarray, np.generic)) else v
+
+
+def _flatten(sp: SamplingParams):
+    leaves = tuple(_host_leaf(getattr(sp, f), d) for f, d in _FIELDS)
+    return leaves, sp.greedy
+
+
+def _unflatten(greedy: bool, leaves) -> SamplingParams:
+    # no __init__: the leaves may be tracers or jax arrays, which are not validated again
+    sp = object.__new__(SamplingParams)
+    for (f, _), v in zip(_FIELDS, leaves):
+        object.__setattr__(sp, f, v)
+    object.__setattr__(sp, "_greedy", greedy)
+    return sp
+
+
+jax.tree_util.register_pytree_node(SamplingParams, _flatten, _unflatten)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -171,13 +256,37 @@ def _valid_rows(V: int, vocab_size: int | None):
     return jnp.arange(V) < vocab_size
 
 
+def _row_values(v, dtype, logits):
+    """A sampling field as an array that broadcasts against logits `[N, ..., V]`: a scalar, or an
+    `[N]` array (one value per leading row) shaped `[N, 1, ..., 1]`. numpy when the value is known
+    on the host (then the choices below are made in Python), else a jax array."""
+    xp = np if isinstance(v, (numbers.Number, np.ndarray, np.generic)) else jnp
+    v = xp.asarray(v, dtype)
+    if v.ndim == 0:
+        return v
+    if v.ndim != 1 or logits.ndim < 2 or v.shape[0] != logits.shape[0]:
+        raise ValueError(f"per-request sampling values of shape {v.shape} do not match logits of "
+                         f"shape {logits.shape}: give one value per leading row")
+    return v.reshape(v.shape + (1,) * (logits.ndim - 1))
+
+
+def run_if(pred, fn, x):
+    """fn(x) where `pred` holds, else x unchanged: decided in Python when pred is a host bool,
+    else by `lax.cond`, so a processor no row uses costs nothing at run time and changing
+    whether it is used compiles nothing."""
+    if isinstance(pred, (bool, np.bool_)):
+        return fn(x) if pred else x
+    return jax.lax.cond(pred, fn, lambda v: v, x)
+
+
 def probs_from_logits(logits, params: SamplingParams, vocab_size: int | None = None):
     """The distribution the user asked for.
 
     Args:
       logits: `[..., V]` (any float dtype; computed in float32). -inf entries are fine; +inf/NaN
         logits are not supported.
-      params: temperature / top-k / top-p (static: the Python branches depend on it).
+      params: temperature / top-k / top-p: numbers, or `[N]` arrays with one value per leading
+        row of `logits`; host values or traced. Only `params.greedy` is static.
       vocab_size: static; entries `>= vocab_size` of the last axis are padded embedding rows and
         always get probability 0. None: every entry is a real token.
     Returns:
@@ -185,8 +294,15 @@ def probs_from_logits(logits, params: SamplingParams, vocab_size: int | None = N
 
     Order: mask padded rows, temperature, top-k, top-p (on the top-k-renormalised distribution, as
     HF applies its warpers in sequence), renormalise. Temperature 0 -> one-hot at the `argmax` of the
-    masked logits (first maximum, as plain greedy decoding breaks ties). A row with no finite logit
-    also falls back to that one-hot (instead of 0/0 = NaN).
+    masked logits (first maximum, as plain greedy decoding breaks ties), also for one row of a
+    sampled batch. A row with no finite logit also falls back to that one-hot (instead of 0/0 =
+    NaN). Per row, top_k 0 or >= V and top_p 1 leave the row exactly as without them.
+
+    What compiles: one function for greedy params (nothing but the argmax) and one for sampled
+    params, whatever their values. Top-k and top-p run under `run_if` (a `lax.cond` on traced
+    values) only when some row uses them; top-k up to `small_topk.SMALL_K` by max passes, above
+    by counting passes (`small_topk.kth_largest_per_row`), top-p by a sort (the one path that is
+    slow on XLA:CPU, as before).
     """
     logits = jnp.asarray(logits, jnp.float32)
     V = logits.shape[-1]
@@ -197,38 +313,49 @@ def probs_from_logits(logits, params: SamplingParams, vocab_size: int | None = N
     argmax_onehot = jax.nn.one_hot(argmax(logits), V, dtype=jnp.float32)
     if params.greedy:
         return argmax_onehot
+    temperature = _row_values(params.temperature, np.float32, logits)
+    top_k = _row_values(params.top_k, np.int32, logits)
+    top_p = _row_values(params.top_p, np.float32, logits)
+    xp_k = np if isinstance(top_k, np.ndarray) else jnp
 
     # Subtract the row max before dividing by a small temperature so nothing overflows to +inf.
+    # A row at temperature 0 is divided by 1 and replaced by its one-hot below.
     m = jnp.max(logits, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
-    x = (logits - m) / jnp.float32(params.temperature)
+    x = (logits - m) / jnp.where(temperature > 0, temperature, jnp.float32(1))
 
-    if 0 < params.top_k < V:
-        # Threshold semantics (keep everything >= the k-th largest): ties at the boundary are all
-        # kept, which makes the result independent of sort stability. If fewer than k logits are
-        # finite, the threshold is -inf and -inf entries still get probability exp(-inf) = 0.
-        kth = kth_largest(x, params.top_k)
-        x = jnp.where(x >= kth, x, -jnp.inf)
+    # Threshold semantics (keep everything >= the k-th largest): ties at the boundary are all
+    # kept, which makes the result independent of sort stability. If fewer than k logits are
+    # finite, the threshold is -inf and -inf entries still get probability exp(-inf) = 0.
+    k = xp_k.where((top_k > 0) & (top_k < V), top_k, 0)  # 0: this row keeps everything
+    if isinstance(k, np.ndarray) and k.size and np.all(k == k.flat[0]):
+        kk = int(k.flat[0])  # one host value for every row: the static path
+        x = run_if(kk > 0, lambda x: jnp.where(x >= kth_largest(x, kk), x, -jnp.inf), x)
+    else:
+        x = run_if(xp_k.any(k > 0), lambda x: jnp.where(x >= kth_largest_per_row(x, k), x, -jnp.inf), x)
 
     e = jnp.exp(x)  # max entry is exp(0) = 1 whenever the row has a finite logit
     total = jnp.sum(e, axis=-1, keepdims=True)
     probs = e / jnp.where(total > 0, total, 1.0)
 
-    if params.top_p < 1.0:
+    def nucleus(probs):
         # Sort descending, keep a token if the mass strictly before it is < top_p: the smallest
-        # prefix whose cumulative mass reaches top_p (the first token is always kept). The kept set
-        # is then expressed as a probability threshold so tied probabilities are kept together.
+        # prefix whose cumulative mass reaches top_p (the first token is always kept). The kept
+        # set is then expressed as a probability threshold so tied probabilities are kept
+        # together. Rows with top_p = 1 are left as they were.
         sorted_p = -jnp.sort(-probs, axis=-1)
         cum = jnp.cumsum(sorted_p, axis=-1)
         before = jnp.concatenate([jnp.zeros_like(cum[..., :1]), cum[..., :-1]], axis=-1)
-        n_keep = jnp.sum(before < jnp.float32(params.top_p), axis=-1, keepdims=True)
+        n_keep = jnp.sum(before < top_p, axis=-1, keepdims=True)
         n_keep = jnp.maximum(n_keep, 1)
         cutoff = jnp.take_along_axis(sorted_p, n_keep - 1, axis=-1)
-        probs = jnp.where(probs >= cutoff, probs, 0.0)
-        total = jnp.sum(probs, axis=-1, keepdims=True)
-        probs = probs / jnp.where(total > 0, total, 1.0)
+        kept = jnp.where(probs >= cutoff, probs, 0.0)
+        total = jnp.sum(kept, axis=-1, keepdims=True)
+        return jnp.where(top_p < 1, kept / jnp.where(total > 0, total, 1.0), probs)
 
-    ok = jnp.sum(probs, axis=-1, keepdims=True) > 0
+    probs = run_if((np if isinstance(top_p, np.ndarray) else jnp).any(top_p < 1), nucleus, probs)
+
+    ok = (jnp.sum(probs, axis=-1, keepdims=True) > 0) & (temperature > 0)
     probs = jnp.where(ok, probs, argmax_onehot)
     if valid is not None:  # belt and braces: padded rows are already exactly 0 (exp(-inf))
         probs = jnp.where(valid, probs, 0.0)
@@ -267,8 +394,8 @@ def sample(logits, params: SamplingParams, keys, vocab_size: int | None = None):
 
     Args:
       logits: `[..., V]` raw logits.
-      params: static sampling parameters; when greedy no random draw is made (the keys' shape is
-        still checked).
+      params: sampling parameters (values traced or not; `params.greedy` static): when greedy no
+        random draw is made (the keys' shape is still checked).
       keys: `[...]` typed keys (or raw uint32 `[..., 2]`), one per row.
       vocab_size: static, see `probs_from_logits`.
     Returns:
