@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     def step(name):
         cpu.use_helper_thread(name != "no-helper")
         t0 = time.perf_counter()
-        tok, _, c = runs[name](params, caches[name], bonus, active, seed, rids)
+        tok, _, c = runs[name](params, caches[name], bonus, active, seed, rids, sp)  # sp: traced
         jax.block_until_ready(tok)
         caches[name] = c.with_lengths(lengths)
         return time.perf_counter() - t0

@@ -2,9 +2,15 @@
 
 Each step runs where its inputs live: target params and cache on the target mesh, draft ones on the
 draft mesh; only token ids, outcome integers and proposal rows cross between them. Caches are
-donated so XLA updates KV in place. Static arguments (model config, sampling, K, fan-out, the
-verifier function, the op table `ops`) are hashable, so one compile serves every round. `ops` is a
+donated so XLA updates KV in place. Static arguments (model config, K, fan-out, the verifier
+function, the op table `ops`) are hashable, so one compile serves every round. `ops` is a
 `ssd_jax.models.ops.Ops` backend table (default the plain-XLA reference), passed to `forward`.
+
+Sampling is not static: `sampling` (a `SamplingParams` pytree, scalars or `[B]` per request) and
+Saguaro's C are traced arguments, so a new temperature, top-k, top-p or C compiles nothing. What
+does recompile: greedy vs sampled parameters (`SamplingParams.greedy`: a greedy step holds no
+sampling op at all), a new shape (batch, bucket, K, fan-out, Saguaro's top-n per step), and the
+other static arguments.
 
 Positions and keys: a sequence with `n` committed tokens has its bonus token `b` at position `n`
 (not yet in either KV cache). Every random draw is keyed by (request id, position of the token it
@@ -35,7 +41,7 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     return jnp.where(tokens >= 0, got, 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "vocab_size", "ops"),
+@functools.partial(jax.jit, static_argnames=("cfg", "vocab_size", "ops"),
                    donate_argnames=("cache",))
 def prefill(params: Params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array, lens: jax.Array,
             seed: jax.Array, request_ids: jax.Array, sampling: smp.SamplingParams,
@@ -44,8 +50,9 @@ def prefill(params: Params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array,
     `[B]` (the first bonus, at position lens, keyed (request, lens, STREAM_SAMPLE)), its log-prob
     `[B]`, and the cache (donated) with lengths = lens.
 
-    seed: scalar int or key; request_ids `[B]`. Static: `cfg` (the target's ModelConfig),
-    `sampling` (the user's SamplingParams), `vocab_size` (real rows of V), `ops` (the op table).
+    seed: scalar int or key; request_ids `[B]`; sampling: the user's SamplingParams (traced; one
+    value or `[B]`). Static: `cfg` (the target's ModelConfig), `vocab_size` (real rows of V),
+    `ops` (the op table).
     """
     cache = cache.with_lengths(jnp.zeros_like(lens))
     logits, cache = forward(params, cfg, tokens, cache, lens, last_only=True, ops=ops)
@@ -66,7 +73,7 @@ def prefill_cache(params: Params, cfg: ModelConfig, cache: KVCache, tokens: jax.
     return cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "vocab_size", "ops"),
+@functools.partial(jax.jit, static_argnames=("cfg", "vocab_size", "ops"),
                    donate_argnames=("cache",))
 def decode(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Array, active: jax.Array,
            seed: jax.Array, request_ids: jax.Array, sampling: smp.SamplingParams, vocab_size: int,
@@ -74,9 +81,9 @@ def decode(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Array, a
     """Plain decoding: forward the bonus `[B]` at position n = cache.lengths, sample position n+1.
 
     active `[B]` bool (inactive rows commit no KV: their length stays n), seed a scalar int or key,
-    request_ids `[B]`. Returns (token `[B]` int32, its log-prob `[B]`, cache (donated) with lengths
-    n+1 on active rows). Static: `cfg`, `sampling` (the user's), `vocab_size` (real rows of V),
-    `ops` (the op table).
+    request_ids `[B]`, sampling the user's SamplingParams (traced). Returns (token `[B]` int32, its
+    log-prob `[B]`, cache (donated) with lengths n+1 on active rows). Static: `cfg`, `vocab_size`
+    (real rows of V), `ops` (the op table).
     """
     n = cache.lengths
     logits, cache = forward(params, cfg, bonus[:, None], cache, active.astype(jnp.int32), ops=ops)
@@ -85,7 +92,7 @@ def decode(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Array, a
     return tok, token_logprobs(logits[:, 0], tok), cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "vocab_size", "verifier", "ops"),
+@functools.partial(jax.jit, static_argnames=("cfg", "vocab_size", "verifier", "ops"),
                    donate_argnames=("cache",))
 def verify(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Array, spec: jax.Array,
            rows: jax.Array, active: jax.Array, seed: jax.Array, request_ids: jax.Array,
@@ -97,8 +104,8 @@ def verify(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Array, s
     key, request_ids `[B]`. Returns (VerifyResult, log-probs `[B, K+1]` of its tokens (0 for -1
     padding), cache (donated) with lengths n + num_accepted + 1 on active rows, n on inactive ones).
 
-    Static: `cfg` (the target's ModelConfig), `sampling` (the user's SamplingParams), `vocab_size`
-    (real rows of V), `verifier`, a function with the signature of
+    sampling: the user's SamplingParams (traced; one value or `[B]`). Static: `cfg` (the target's
+    ModelConfig), `vocab_size` (real rows of V), `verifier`, a function with the signature of
     `ssd_jax.algorithm.verify.rejection_sample` (it, or a planted bug in the exactness tests), and `ops`
     (the op table).
     """
@@ -116,13 +123,13 @@ def verify(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Array, s
     return res, lp, cache.with_lengths(new_len)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "vocab_size", "k", "saguaro_top_n",
-                                             "saguaro_c", "row_dtype", "ops"),
+@functools.partial(jax.jit, static_argnames=("cfg", "vocab_size", "k", "saguaro_top_n",
+                                             "row_dtype", "ops"),
                    donate_argnames=("cache",))
 def draft_chain(params: Params, cfg: ModelConfig, cache: KVCache, prev: jax.Array, bonus: jax.Array,
                 n: jax.Array, seed: jax.Array, request_ids: jax.Array, sampling: smp.SamplingParams,
                 vocab_size: int, k: int, saguaro_top_n: tuple[int, ...] = (),
-                saguaro_c: float = 1.0, row_dtype: str = "float32", ops: Ops = XLA,
+                saguaro_c: float | jax.Array = 1.0, row_dtype: str = "float32", ops: Ops = XLA,
                 draft_rows: jax.Array | None = None):
     """SD drafting (and the neural backup): K sequential draft steps from bonus b at position n.
 
@@ -137,10 +144,10 @@ def draft_chain(params: Params, cfg: ModelConfig, cache: KVCache, prev: jax.Arra
     that missed must not rewrite the draft KV of the rows that hit, or a request's later draws
     could depend on its batch companions.
 
-    Static: `cfg` (the draft's ModelConfig), `sampling` (the draft's SamplingParams), `vocab_size`
-    (real rows of V), `k` (K), `saguaro_top_n` (Saguaro's top-n per draft step, K entries, or ()
-    for none), `saguaro_c` (Saguaro's C), `row_dtype` (the rows' dtype name) and `ops` (the op
-    table).
+    Traced: `sampling` (the draft's SamplingParams, one value or `[B]`) and `saguaro_c` (Saguaro's
+    C, a scalar or `[B]`). Static: `cfg` (the draft's ModelConfig), `vocab_size` (real rows of V),
+    `k` (K), `saguaro_top_n` (Saguaro's top-n per draft step, K entries, or () for none),
+    `row_dtype` (the rows' dtype name) and `ops` (the op table).
     """
     kept = cache.lengths
     start = n - 1 if draft_rows is None else jnp.where(draft_rows, n - 1, cache.max_len)

@@ -52,14 +52,14 @@ def fork(glue_logits: jax.Array, spec: jax.Array, fanout: tuple[int, ...],
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "sampling", "vocab_size", "fanout_hit", "fanout_backup",
-                     "saguaro_top_n", "saguaro_c", "row_dtype", "ops"),
+    static_argnames=("cfg", "vocab_size", "fanout_hit", "fanout_backup",
+                     "saguaro_top_n", "row_dtype", "ops"),
     donate_argnames=("cache",))
 def draft_tree(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Array, spec: jax.Array,
                n: jax.Array, active: jax.Array, from_backup: jax.Array, seed: jax.Array,
                request_ids: jax.Array, sampling: smp.SamplingParams, vocab_size: int,
                fanout_hit: tuple[int, ...], fanout_backup: tuple[int, ...],
-               saguaro_top_n: tuple[int, ...] = (), saguaro_c: float = 1.0,
+               saguaro_top_n: tuple[int, ...] = (), saguaro_c: float | jax.Array = 1.0,
                row_dtype: str = "float32", ops: Ops = XLA):
     """bonus `[B]` at position n `[B]`, speculation in flight spec `[B, K]` -> (SpeculationCache,
     cache): the speculation cache for the next round (docs/ALGORITHM.md §2, step 2).
@@ -72,11 +72,12 @@ def draft_tree(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Arra
     active `[B]` False get valid = False branches. seed: scalar int or key; request_ids `[B]`.
     The result's keys are `[B, MQ, 2]`, tokens `[B, MQ, K]`, rows `[B, MQ, K, V]` in `row_dtype`.
 
-    Static arguments: `cfg` (the draft's ModelConfig), `sampling` (the draft's sampling
-    parameters), `vocab_size` (real rows of V), `fanout_hit` / `fanout_backup` (F_0..F_K, K+1
-    entries each), `saguaro_top_n` (Saguaro's top-n per depth d, K entries, or () for none),
-    `saguaro_c` (Saguaro's C), `row_dtype` (the cache rows' dtype name) and `ops` (the backend table,
-    `ssd_jax.models.ops.Ops`, whose `tree_attention` the branch steps use).
+    Traced, so new values compile nothing: `sampling` (the draft's SamplingParams, one value or
+    `[B]`; only `sampling.greedy` is static) and `saguaro_c` (Saguaro's C, a scalar or `[B]`).
+    Static arguments: `cfg` (the draft's ModelConfig), `vocab_size` (real rows of V),
+    `fanout_hit` / `fanout_backup` (F_0..F_K, K+1 entries each), `saguaro_top_n` (Saguaro's top-n
+    per depth d, K entries, or () for none), `row_dtype` (the cache rows' dtype name) and `ops`
+    (the backend table, `ssd_jax.models.ops.Ops`, whose `tree_attention` the branch steps use).
     """
     B, K = spec.shape
     cache = cache.with_lengths(n)

@@ -102,8 +102,11 @@ def check_request(mode: str, max_new_tokens: int, k: int, sampling=SamplingParam
     if not _is_int(k) or (k < 1 and not (mode == "ar" and k == 0)):
         raise ValueError(f"lookahead K must be an int >= 1, got {k!r}")
     for name, s in (("sampling", sampling), ("draft_sampling", draft_sampling)):
-        if s is not None and not isinstance(s, SamplingParams):
-            raise ValueError(f"{name} must be a ssd_jax.SamplingParams, got {type(s).__name__}")
+        each = s if isinstance(s, (list, tuple)) and s else [s]
+        for one in each:
+            if s is not None and not isinstance(one, SamplingParams):
+                raise ValueError(f"{name} must be a ssd_jax.SamplingParams (or one per prompt), "
+                                 f"got {type(one).__name__}")
     if sampling is None:
         raise ValueError("sampling must be a ssd_jax.SamplingParams, got None")
     if mode == "ssd":

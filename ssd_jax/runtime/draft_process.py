@@ -67,8 +67,13 @@ def decode_run(f: dict, batch: int):
         raise ValueError(f"K = {f['k']} outside [1, {MAX_K}]")
     if f["backup"] not in BACKUPS or f["row_dtype"] not in ROWS:
         raise ValueError(f"backup {f['backup']!r} / row dtype {f['row_dtype']!r} not served")
+    if not len(f["temperature"]) == len(f["top_k"]) == len(f["top_p"]) == batch:
+        raise ValueError(f"sampling values for {len(f['temperature'])} / {len(f['top_k'])} / "
+                         f"{len(f['top_p'])} requests (temperature / top_k / top_p), a batch of {batch}")
+    sampling = SamplingParams(np.asarray(f["temperature"], np.float32),
+                              np.asarray(f["top_k"], np.int32), np.asarray(f["top_p"], np.float32))
     return DraftRun(seed=f["seed"], request_ids=tuple(f["request_ids"]),
-                    sampling=SamplingParams(f["temperature"], f["top_k"], f["top_p"]), k=f["k"],
+                    sampling=sampling, k=f["k"],
                     fanout_hit=tuple(f["fanout_hit"]), fanout_backup=tuple(f["fanout_backup"]),
                     saguaro_c=f["saguaro_c"], backup=f["backup"], row_dtype=f["row_dtype"])
 

@@ -44,7 +44,7 @@ class DraftRun:
     fields, `ssd_jax.runtime.transport.run_fields`)."""
     seed: int
     request_ids: tuple[int, ...]
-    sampling: object  # SamplingParams of the draft
+    sampling: object  # SamplingParams of the draft: one value or [B] numpy arrays (traced in the steps)
     k: int
     fanout_hit: tuple[int, ...] = ()
     fanout_backup: tuple[int, ...] = ()
@@ -90,6 +90,7 @@ class DraftWorker:
         self._tree = None
         self._tree_s = None
         self._serial = spans_processes(sharding.mesh)
+        self._sampling = (None, None)  # (host values, the SamplingParams placed on the draft mesh)
 
     def width_times(self, widths: tuple[int, ...] = (1, 8), context: int = 128,
                     repeats: int = 3) -> dict[int, float]:
@@ -113,6 +114,16 @@ class DraftWorker:
         x = np.asarray(x)
         per_row = x.ndim >= 1 and x.shape[0] == self._batch
         return to_mesh(x, self.rows if per_row else self.sharding)
+
+    def _placed_sampling(self, sp):
+        """`sp` (a SamplingParams of host values) on the draft mesh, placed once per new value or
+        batch: its values are traced arguments of the draft's steps, so a new value recompiles
+        nothing and the same one is not sent again every round."""
+        key = (self._batch,) + tuple(np.asarray(v).tobytes() + np.asarray(v).dtype.str.encode()
+                                     for v in (sp.temperature, sp.top_k, sp.top_p))
+        if self._sampling[0] != key:
+            self._sampling = (key, jax.tree_util.tree_map(self._put, sp))
+        return self._sampling[1]
 
     def _fit_rows(self, rows):
         V = rows.shape[-1]
@@ -143,8 +154,8 @@ class DraftWorker:
         `draft_rows` [B] that missed: the others' draft KV stays untouched)."""
         spec, rows, self.cache = steps.draft_chain(
             self.params, self.cfg, self.cache, self._put(s.prev), self._put(s.bonus), self._put(s.n),
-            jnp.int32(run.seed), self._put(run.request_ids), run.sampling, self.vocab_size, run.k,
-            saguaro_top_n, saguaro_c, run.row_dtype, ops=self.ops,
+            jnp.int32(run.seed), self._put(run.request_ids), self._placed_sampling(run.sampling),
+            self.vocab_size, run.k, saguaro_top_n, np.float32(saguaro_c), run.row_dtype, ops=self.ops,
             draft_rows=None if draft_rows is None else self._put(np.asarray(draft_rows, bool)))
         return settle((spec, self._fit_rows(rows)), self._serial)
 
@@ -175,8 +186,8 @@ class DraftWorker:
         top_n = tuple(f + 1 for f in run.fanout_hit[:-1])
         args = (self.params, self.cfg, self.cache, self._put(s.bonus), to_mesh(spec, self.rows),
                 self._put(s.n), self._put(s.active), self._put(from_backup), jnp.int32(run.seed),
-                self._put(run.request_ids), run.sampling, self.vocab_size, run.fanout_hit,
-                run.fanout_backup, top_n, run.saguaro_c, run.row_dtype)
+                self._put(run.request_ids), self._placed_sampling(run.sampling), self.vocab_size,
+                run.fanout_hit, run.fanout_backup, top_n, np.float32(run.saguaro_c), run.row_dtype)
         try:
             self._tree, self.cache = draft_tree(*args, ops=self.ops)
         except Exception as e:  # noqa: BLE001 - a kernel that fails to compile at these shapes

@@ -115,8 +115,9 @@ class Engine:
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str, *, mode: str = "ssd",
-                 max_new_tokens: int = 64, sampling: SamplingParams = SamplingParams(),
-                 draft_sampling: SamplingParams | None = None, k: int = 4,
+                 max_new_tokens: int = 64,
+                 sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+                 draft_sampling: SamplingParams | Sequence[SamplingParams] | None = None, k: int = 4,
                  ssd: SSDConfig = SSDConfig(), seed: int = 0, stop: Sequence[str] = (),
                  chat: bool = False, eos_ids: Sequence[int] | None = None,
                  request_ids: Sequence[int] | None = None,
@@ -130,8 +131,11 @@ class Engine:
             of such lists). B prompts of any lengths form one batch.
         mode: "ar" (plain decoding), "sd" (speculative decoding with the draft), "ssd" (the
             speculation cache: the draft pre-drafts the next round for likely outcomes).
-        sampling: the target's `SamplingParams` (temperature 0 = greedy; top-k, top-p);
-            draft_sampling: the draft's proposal (default: the same); any proposal stays exact.
+        sampling: the target's `SamplingParams` (temperature 0 = greedy; top-k, top-p), or one
+            per prompt; draft_sampling: the draft's proposal (default: the same); any proposal
+            stays exact. Their values are traced: a call with new values reuses the compiled
+            steps; only switching between all-greedy and sampled compiles anew
+            (`SamplingParams`). So does Saguaro C (`ssd.saguaro_c`).
         k: lookahead K, draft tokens per round. ssd: `SSDConfig` (fan-out F_0..F_K, Saguaro C,
             backup "neural" | "random" | "ngram" | "auto", proposal row dtype, cache budget).
         seed: the run's PRNG seed; every draw is keyed by (seed, request id, position, stream),
@@ -172,9 +176,14 @@ class Engine:
                              f"({self.target.cfg.max_position_embeddings})")
         cache_len = min(self.max_len, _bucket(need, 256))
         metrics = Metrics(mode=mode, backend=self.backend)
-        run = dict(seed=jnp.int32(seed), sampling=sampling,
-                   draft_sampling=draft_sampling or sampling, k=int(k),
-                   verifier=verifier or _default_verifier())
+        # [B] values, traced by the steps (SamplingParams.per_request): the target's placed once
+        # per call, the draft's sent as host values that the draft worker places itself
+        run = dict(seed=jnp.int32(seed),
+                   sampling=to_mesh(SamplingParams.per_request(sampling, batch.size),
+                                    self.placement.target),
+                   draft_sampling=SamplingParams.per_request(
+                       sampling if draft_sampling is None else draft_sampling, batch.size),
+                   k=int(k), verifier=verifier or _default_verifier())
         self._timer = timer = CompileTimer()
         draft = Guarded(self.worker) if mode != "ar" else None  # its failures: DraftDown
         with timer.measure():

@@ -50,10 +50,14 @@ def state_arrays(s) -> dict:
 
 
 def run_fields(run) -> dict:
-    """A `DraftRun`'s fields for the wire (JSON scalars and lists of ints)."""
+    """A `DraftRun`'s fields for the wire (JSON scalars and lists; the draft's sampling values one
+    per request: `SamplingParams.per_request`)."""
+    from ssd_jax.algorithm.sampling import SamplingParams  # jax: not at import
+
+    sp = SamplingParams.per_request(run.sampling, len(run.request_ids))
     return dict(seed=int(run.seed), request_ids=[int(r) for r in run.request_ids],
-                temperature=float(run.sampling.temperature), top_k=int(run.sampling.top_k),
-                top_p=float(run.sampling.top_p), k=int(run.k),
+                temperature=[float(x) for x in sp.temperature], top_k=[int(x) for x in sp.top_k],
+                top_p=[float(x) for x in sp.top_p], k=int(run.k),
                 fanout_hit=[int(f) for f in run.fanout_hit],
                 fanout_backup=[int(f) for f in run.fanout_backup],
                 saguaro_c=float(run.saguaro_c), backup=str(run.backup), row_dtype=str(run.row_dtype))

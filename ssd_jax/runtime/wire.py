@@ -33,7 +33,7 @@ import time
 import numpy as np
 
 MAGIC = b"SSDJ"
-VERSION = 1
+VERSION = 2  # 2: the run's temperature / top-k / top-p are lists, one per request
 _PREFIX = struct.Struct("!4sBI")
 MAX_HEADER = 1 << 16  # bytes of JSON header
 MAX_MESSAGE_BYTES = 1 << 30  # default cap on one message's array bytes (1 GiB)
@@ -68,12 +68,12 @@ class TransportError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------ schemas
-# field types: int, float, str, bool, "ints" (a list of ints), "floats" (a str -> float dict),
-# "str?" / "float?" (or null)
+# field types: int, float, str, bool, "ints" (a list of ints), "reals" (a list of finite numbers),
+# "floats" (a str -> float dict), "str?" / "float?" (or null)
 _STATE = {"n": (("int32",), 1), "prev": (("int32",), 1), "bonus": (("int32",), 1),
           "active": (("bool",), 1), "history": (("int32",), 1), "history_lens": (("int32",), 1)}
-_RUN = {"seed": "int", "request_ids": "ints", "temperature": "float", "top_k": "int",
-        "top_p": "float", "k": "int", "fanout_hit": "ints", "fanout_backup": "ints",
+_RUN = {"seed": "int", "request_ids": "ints", "temperature": "reals", "top_k": "ints",
+        "top_p": "reals", "k": "int", "fanout_hit": "ints", "fanout_backup": "ints",
         "saguaro_c": "float", "backup": "str", "row_dtype": "str"}
 _SPEC = {"spec": (("int32",), 2), "rows": (ROWS, 3)}
 
@@ -121,6 +121,8 @@ def _check_field(kind: str, name: str, typ: str, v) -> None:
         "str?": lambda: v is None or (type(v) is str and len(v) <= MAX_STR),
         "float?": lambda: v is None or (type(v) in (int, float) and math.isfinite(v)),
         "ints": lambda: type(v) is list and len(v) <= MAX_LIST and all(type(x) is int for x in v),
+        "reals": lambda: type(v) is list and len(v) <= MAX_LIST and all(
+            type(x) in (int, float) and math.isfinite(x) for x in v),
         "floats": lambda: type(v) is dict and len(v) <= 64 and all(
             type(k) is str and len(k) <= 64 and type(x) in (int, float) and math.isfinite(x)
             for k, x in v.items()),
