@@ -133,9 +133,9 @@ class Engine:
             speculation cache: the draft pre-drafts the next round for likely outcomes).
         sampling: the target's `SamplingParams` (temperature 0 = greedy; top-k, top-p), or one
             per prompt; draft_sampling: the draft's proposal (default: the same); any proposal
-            stays exact. Their values are traced: a call with new values reuses the compiled
-            steps; only switching between all-greedy and sampled compiles anew
-            (`SamplingParams`). So does Saguaro C (`ssd.saguaro_c`).
+            stays exact. Their values are traced, and so is Saguaro C (`ssd.saguaro_c`): a call
+            with new values reuses the compiled steps; only switching between all-greedy and
+            sampled parameters compiles anew (`SamplingParams`).
         k: lookahead K, draft tokens per round. ssd: `SSDConfig` (fan-out F_0..F_K, Saguaro C,
             backup "neural" | "random" | "ngram" | "auto", proposal row dtype, cache budget).
         seed: the run's PRNG seed; every draw is keyed by (seed, request id, position, stream),
