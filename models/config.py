@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+import jax
 import numpy as np
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")  # the values ModelConfig.arch accepts
@@ -183,6 +184,11 @@ class ModelConfig:
             d["rope_scaling"] = {"rope_type": "llama3", "factor": f, "low_freq_factor": lo,
                                  "high_freq_factor": hi, "original_max_position_embeddings": old}
         return d
+
+
+# A pytree node with no leaves (the config rides in the treedef, compared by ==): so
+# `jax.jit(forward)(params, cfg, tokens, cache)` treats cfg as static without static_argnames.
+jax.tree_util.register_static(ModelConfig)
 
 
 def tiny_config(arch: str = "qwen2", vocab_size: int = 64, **kw) -> ModelConfig:

@@ -1,12 +1,16 @@
-"""`load_model(name_or_path)`: a fetched default, a GGUF file or an HF folder -> Model.
+"""`load_model(name_or_path)`: a fetched default, a GGUF file, an HF folder or a Hub id in the
+local HF cache -> Model.
 
 The first load dequantises / converts and saves the params with orbax; later loads restore them.
+Each step is logged on the "ssd_jax.load" logger (INFO), which `ssd-jax --progress` shows.
 """
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 
-from ssd_jax.models import checkpoint, registry
+from ssd_jax.models import checkpoint, hub, registry
 from ssd_jax.models.config import ModelConfig, canonical_dtype
 from ssd_jax.models.draft_head import prepare_draft
 from ssd_jax.models.model import Model
@@ -36,29 +40,51 @@ def _tokenizer(path: Path):
     return Tokenizer.from_hf_folder(path) if path.is_dir() else Tokenizer.from_gguf(path)
 
 
-def load_model(name_or_path: str | Path, dtype: str = "float32", *, use_cache: bool = True,
+log = logging.getLogger("ssd_jax.load")
+
+
+def auto_dtype() -> str:
+    """The dtype `ssd-jax generate --dtype auto` runs on this machine: the fastest of the "auto"
+    backend table (`backends.defaults`), "bfloat16" where its kernels serve bf16 fast (a GPU, the
+    CPU kernels with AVX-512 BF16), else "float32" (`ssd_jax.runtime.defaults.choose` agrees)."""
+    from ssd_jax.models import backends
+    return backends.defaults(backends.select("auto"))["dtype"]
+
+
+def load_model(name_or_path: str | Path, dtype: str = "auto", *, use_cache: bool = True,
                cache_dir: str | Path | None = None, with_tokenizer: bool = True) -> Model:
     """The model with logical params (models/weights.py): a backend lays them out for its kernels
     with its own `prepare` (`ssd_jax.models.ops.Ops`), once they are placed.
+
+    name_or_path: a default model name (`ssd-jax fetch`), a .gguf file, an HF folder, or a Hub id
+    "Org/Name" found in the local HF cache (models/hub.py; never downloaded). dtype: "float32",
+    "bfloat16" (aliases fp32 / bf16), or "auto" (default): the CLI's `--dtype auto`
+    (`auto_dtype`), bf16 where this machine runs it fast, else fp32.
 
     With `use_cache` the converted params are saved under `cache_dir` (models/checkpoint.py) and
     restored by later loads; a cache that is half-written or corrupt is converted again (one
     warning). Too little disk for the cache raises `checkpoint.CacheSpaceError` (naming the
     directory and the bytes needed) before converting, or if the disk fills up while writing,
     leaving no partial cache; `use_cache=False` converts without writing anything."""
-    dtype = canonical_dtype(dtype)
+    dtype = dtype if dtype == "auto" else canonical_dtype(dtype)
+    path = hub.resolve(name_or_path, cache_dir)  # a missing model fails before JAX starts
+    if dtype == "auto":
+        dtype = auto_dtype()
     import jax
     if jax.process_count() > 1:
         # orbax synchronises save/restore across every process of a jax.distributed runtime; a
         # model loaded by one process only (the two-process transport) converts from source.
         use_cache = False
-    path = registry.resolve(name_or_path, cache_dir)
+    t0 = time.perf_counter()
     root = Path(cache_dir) if cache_dir is not None else registry.cache_dir()
     ckpt = checkpoint.checkpoint_dir(path, dtype, root)
     restored = checkpoint.restore(ckpt) if use_cache else None
     if restored is not None:
         params, cfg = restored
+        log.info("%s: restored the converted %s weights from %s", name_or_path, dtype, ckpt)
     else:
+        log.info("%s: converting %s to %s (the first load; %s)", name_or_path, path, dtype,
+                 "cached for later loads" if use_cache else "not cached")
         if use_cache:  # no room for the cache: say so before the slow conversion
             checkpoint.check_space(ckpt, checkpoint.param_bytes(
                 ModelConfig.from_hf(_read_config(path), dtype)))
@@ -69,10 +95,11 @@ def load_model(name_or_path: str | Path, dtype: str = "float32", *, use_cache: b
         if use_cache:
             checkpoint.save(ckpt, params, cfg)
     tok = _tokenizer(path) if with_tokenizer else None
+    log.info("%s: loaded in %.1f s", name_or_path, time.perf_counter() - t0)
     return Model(cfg=cfg, params=params, tokenizer=tok, name=str(name_or_path))
 
 
-def load_draft(name_or_path: str | Path, dtype: str = "float32", quant: str = "none",
+def load_draft(name_or_path: str | Path, dtype: str = "auto", quant: str = "none",
                head_vocab: int | None = None, **kw) -> Model:
     """A draft as a run asks for it: `load_model(name_or_path, dtype, **kw)`, its head cut to
     `head_vocab` ids, its weights quantized (`ssd_jax.models.draft_head.prepare_draft`): all

@@ -63,7 +63,7 @@ def signalled_verifier(p, q, spec, acc_keys, res_keys):
     return rejection_sample(p + zero, q, spec, acc_keys, res_keys)
 
 
-target = load_model(target_dir, with_tokenizer=False, use_cache=False)
+target = load_model(target_dir, "float32", with_tokenizer=False, use_cache=False)  # as the draft
 eng = Engine(target, remote_draft=remote, compilation_cache=False)
 out = {}
 verifier = signalled_verifier if signal != "-" else None

@@ -1,5 +1,11 @@
 """Metrics of one generate call, returned (never printed) as a dataclass with `to_dict()` for JSON.
 
+`Metrics` and `RoundTimes` are registered pytrees: their numbers (counts, seconds, histograms,
+the timeline, backups per kind) are the leaves, so `jax.tree.map` / `jax.tree.leaves` work over
+them; the run's description (mode, K, fan-out, backend, fallback, extra) is static. Their JSON
+carries `"schema": SCHEMA` so a reader knows which fields to expect; `Metrics.from_dict` /
+`from_json` read it back.
+
 Hit rates count from round 2 on, per active sequence and round (round 1 has no speculation cache).
 Times are wall-clock seconds on the host; `compile_s` is measured apart (JAX's own compile events)
 and excluded from `decode_s`, so tokens/s is a steady-state figure.
@@ -8,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import threading
 from typing import Any
 
@@ -15,6 +22,8 @@ import jax
 import numpy as np
 
 from ssd_jax.algorithm.policy import acceptance_from_hist, ssd_speedup
+
+SCHEMA = 1  # the version of `Metrics.to_dict`'s layout; bump it when a field changes meaning
 
 _COMPILE_EVENTS = (
     "/jax/core/compile/jaxpr_trace_duration",
@@ -162,7 +171,34 @@ class Metrics:
                  acceptance_per_position=self.acceptance_per_position,
                  acceptance_rate=self.acceptance_rate, hit_rate=self.hit_rate,
                  per_token_acceptance=self.per_token_acceptance)
+        d["schema"] = SCHEMA
         return _jsonable(d)
+
+    def to_json(self) -> str:
+        """`to_dict()` as one JSON string."""
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Metrics":
+        """The Metrics a `to_dict()` (or its JSON) describes; the derived rates are recomputed,
+        not read. Raises ValueError for a dict without `schema` or of another schema version."""
+        if d.get("schema") != SCHEMA:
+            raise ValueError(f"metrics of schema {d.get('schema')!r}: this ssd_jax reads schema "
+                             f"{SCHEMA}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names}
+        kw["timeline"] = [RoundTimes(**r) for r in kw.get("timeline", [])]
+        if kw.get("fanout") is not None:
+            kw["fanout"] = tuple(kw["fanout"])
+        for name in ("prefill_s", "decode_s", "compile_s", "draft_s", "verify_s", "backup_s"):
+            if kw.get(name) is None:  # NaN is written as null
+                kw[name] = float("nan")
+        return cls(**kw)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Metrics":
+        """`from_dict` of a JSON string written by `to_json`."""
+        return cls.from_dict(json.loads(text))
 
     def summary(self) -> str:
         """One human-readable line: tokens, tokens/s, tokens per round and hit rate where they apply."""
@@ -184,6 +220,40 @@ def _jsonable(x):
     if isinstance(x, np.integer):
         return int(x)
     return x
+
+
+# ----------------------------------------------------------------------------------- pytrees
+class _Static:
+    """A static pytree part compared by value (dicts and lists included) and hashable."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __eq__(self, other):
+        return isinstance(other, _Static) and self.value == other.value
+
+    def __hash__(self):
+        return hash(json.dumps(self.value, sort_keys=True, default=repr))
+
+
+_METRIC_STATIC = ("mode", "k", "fanout", "backend", "fallback", "extra")
+_METRIC_LEAVES = tuple(f.name for f in dataclasses.fields(Metrics) if f.name not in _METRIC_STATIC)
+_ROUND_FIELDS = tuple(f.name for f in dataclasses.fields(RoundTimes))
+
+
+def _flatten_metrics(m: Metrics):
+    return ([getattr(m, n) for n in _METRIC_LEAVES],
+            _Static(tuple(getattr(m, n) for n in _METRIC_STATIC)))
+
+
+def _unflatten_metrics(static: _Static, leaves) -> Metrics:
+    return Metrics(**dict(zip(_METRIC_STATIC, static.value)), **dict(zip(_METRIC_LEAVES, leaves)))
+
+
+jax.tree_util.register_pytree_node(Metrics, _flatten_metrics, _unflatten_metrics)
+jax.tree_util.register_pytree_node(
+    RoundTimes, lambda r: ([getattr(r, n) for n in _ROUND_FIELDS], None),
+    lambda _, leaves: RoundTimes(*leaves))
 
 
 class CompileTimer:
