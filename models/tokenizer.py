@@ -25,7 +25,7 @@ from typing import Any, Iterable
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
-__all__ = ["Tokenizer", "PRE_TOKENIZER_TYPES"]
+__all__ = ["Tokenizer", "PRE_TOKENIZER_TYPES", "CHAT_ROLES", "check_messages"]
 
 # ---------------------------------------------------------------------------------- pre-tokenizers
 # Split patterns, by the `tokenizer.ggml.pre` names llama.cpp writes.
@@ -147,6 +147,35 @@ def _compile_template(source: str):
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
+
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # the roles a message list may use
+
+
+def check_messages(messages: Any) -> list[dict]:
+    """A conversation as chat templates take it: a non-empty list of {"role", "content"} dicts,
+    role one of `CHAT_ROLES`, content a string (other keys pass through). Returns it as a list;
+    raises ValueError naming the first bad message and what is wrong with it."""
+    if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, (list, tuple)):
+        raise ValueError(f"messages must be a list of {{'role', 'content'}} dicts, got "
+                         f"{type(messages).__name__}")
+    if not messages:
+        raise ValueError("messages is empty: give at least one {'role': 'user', 'content': ...}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got "
+                             f"{type(m).__name__}")
+        if "role" not in m:
+            raise ValueError(f"messages[{i}] has no 'role' (one of {', '.join(CHAT_ROLES)})")
+        if m["role"] not in CHAT_ROLES:
+            raise ValueError(f"messages[{i}] has an unknown role {m['role']!r}: use one of "
+                             f"{', '.join(CHAT_ROLES)}")
+        if "content" not in m:
+            raise ValueError(f"messages[{i}] ({m['role']}) has no 'content'")
+        if not isinstance(m["content"], str):
+            raise ValueError(f"messages[{i}] ({m['role']}): content must be a string, got "
+                             f"{type(m['content']).__name__}")
+    return list(messages)
 
 
 # ----------------------------------------------------------------------------------------- Tokenizer
@@ -352,15 +381,25 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
-        """Render `messages` ({"role", "content"} dicts) with the model's jinja chat template, as
-        transformers does; kwargs reach the template as variables. Raises ValueError without one."""
+        """Render `messages` ({"role", "content"} dicts: system prompt, turns of a chat) with the
+        model's jinja chat template, as transformers does; kwargs reach the template as
+        variables. Raises ValueError for a bad message list (`check_messages`), a tokenizer
+        without a template, or a template that refuses the messages (e.g. a system turn)."""
+        import jinja2
+
+        messages = check_messages(messages)
         if not self.chat_template:
-            raise ValueError("this tokenizer has no chat template")
+            raise ValueError("this model's tokenizer has no chat template (no "
+                             "tokenizer.chat_template in its GGUF, no chat_template in its "
+                             "tokenizer_config.json): give the prompt as text, without chat")
         context = {k: v for k, v in self.special_tokens.items() if v is not None}
         context.update(kwargs)
-        return _compile_template(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **context
-        )
+        try:
+            return _compile_template(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **context
+            )
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the model's chat template refused these messages: {e}") from e
 
     def fingerprint(self) -> str:
         """SHA-256 (hex) of the id -> token map, added tokens included: equal fingerprints mean two

@@ -17,7 +17,8 @@ class GenerationResult:
 
     texts: the decoded generated text (cut before the earliest stop string; "" without a tokenizer);
     token_ids / logprobs: the generated ids and the target model's log-probability of each (raw
-    logits, temperature 1); finish_reasons: "length" | "eos" | "stop"; metrics: the call's
+    logits, temperature 1); finish_reasons: "length" | "eos" | "stop" (or "cancelled": a stream
+    closed before its end, `ssd_jax.runtime.stream`); metrics: the call's
     `ssd_jax.runtime.metrics.Metrics`.
     """
 
@@ -28,12 +29,27 @@ class GenerationResult:
     metrics: "object"
 
 
+class TokenSink:
+    """A streaming callback that also takes the log-probs and the finish reason, and may end its
+    row: `Batch` calls `commit(row, ids, logprobs, finish)` instead of `sink(row, ids)`; commit
+    returns False to end the row (finish reason "cancelled", as if it had met a stop)."""
+
+    def commit(self, row: int, ids: list[int], logprobs: list[float], finish: str) -> bool:
+        """Take a row's newly kept ids [n], their log-probs [n] and its finish reason ("" while
+        it goes on); return whether the row should go on."""
+        raise NotImplementedError
+
+    def __call__(self, row: int, ids: list[int]) -> None:
+        self.commit(row, ids, [float("nan")] * len(ids), "")
+
+
 class Batch:
     """prompt ids per row -> committed history; `emit` applies EOS / stop strings / exact budgets.
 
     prompts: B lists of token ids; max_new_tokens: the exact budget per row; eos_ids: ids that end
     a row; stop: strings that end a row once they appear in its decoded text (needs `decode`, ids ->
-    text); on_tokens(row, ids): called with each row's newly kept ids (streaming).
+    text); on_tokens(row, ids): called with each row's newly kept ids (streaming); a `TokenSink`
+    gets their log-probs and the finish reason too.
 
     Invariants while a row is active: history = prompt + generated, the last entry is the bonus
     token at position n = len(history) - 1 (in neither KV cache yet), prev = history[-2].
@@ -86,13 +102,14 @@ class Batch:
         many were kept (0 for a finished row)."""
         if self.finish[row]:
             return 0
-        kept = []
+        kept, lps = [], []
         for t, lp in zip(tokens, logprobs):
             t = int(t)
             self.history[row].append(t)
             self.generated[row].append(t)
             self.logprobs[row].append(float(lp))
             kept.append(t)
+            lps.append(float(lp))
             if t in self.eos:
                 self.finish[row] = "eos"
             elif len(self.generated[row]) >= self.max_new:
@@ -101,7 +118,10 @@ class Batch:
                 self.finish[row] = "stop"
             if self.finish[row]:
                 break
-        if kept and self.on_tokens is not None:
+        if kept and isinstance(self.on_tokens, TokenSink):
+            if not self.on_tokens.commit(row, kept, lps, self.finish[row]) and not self.finish[row]:
+                self.finish[row] = "cancelled"
+        elif kept and self.on_tokens is not None:
             self.on_tokens(row, kept)
         return len(kept)
 

@@ -23,6 +23,8 @@ from ssd_jax.models import backends
 from ssd_jax.models.draft_head import head_width
 from ssd_jax.algorithm import steps
 from ssd_jax.runtime.batch import Batch, GenerationResult
+from ssd_jax.runtime.chat import chat_prompts
+from ssd_jax.runtime import stream as streaming
 from ssd_jax.runtime.compile_cache import enable_compilation_cache
 from ssd_jax.runtime.config import MODES, SSDConfig, check_pair, check_request
 from ssd_jax.runtime.draft_worker import DraftRun, DraftWorker, RoundState
@@ -114,8 +116,9 @@ class Engine:
         return out
 
     # ------------------------------------------------------------------ public API
-    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str, *, mode: str = "ssd",
-                 max_new_tokens: int = 64,
+    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str | None = None, *,
+                 messages: Sequence[dict] | Sequence[Sequence[dict]] | None = None,
+                 mode: str = "ssd", max_new_tokens: int = 64,
                  sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
                  draft_sampling: SamplingParams | Sequence[SamplingParams] | None = None, k: int = 4,
                  ssd: SSDConfig = SSDConfig(), seed: int = 0, stop: Sequence[str] = (),
@@ -129,6 +132,9 @@ class Engine:
         prompts: a string, a list of strings (tokenized by the target's tokenizer; `chat` applies
             its chat template to each as one user turn), or token ids (a list of ints, or a list
             of such lists). B prompts of any lengths form one batch.
+        messages: instead of prompts, a chat: [{"role": "system" | "user" | "assistant" |
+            "tool", "content": str}, ...] (system prompt and turns), or a list of such chats,
+            rendered by the target's chat template (ssd_jax.runtime.chat).
         mode: "ar" (plain decoding), "sd" (speculative decoding with the draft), "ssd" (the
             speculation cache: the draft pre-drafts the next round for likely outcomes).
         sampling: the target's `SamplingParams` (temperature 0 = greedy; top-k, top-p), or one
@@ -153,6 +159,8 @@ class Engine:
         (tokens/s, tokens per round, acceptance, hit rate, the per-round timeline, the backend).
         Raises ValueError, before any work, for an argument it cannot serve.
         """
+        streaming.settle(self)  # a stream left running on this engine ends first
+        prompts, chat = chat_prompts(self.target.tokenizer, prompts, messages, chat)
         check_request(mode, max_new_tokens, k, sampling, draft_sampling, ssd, self.vocab_size,
                       seed=seed, stop=stop, eos_ids=eos_ids, on_tokens=on_tokens,
                       verifier=verifier, chat=chat)
@@ -203,6 +211,16 @@ class Engine:
         metrics.backend = self.backend  # again: a kernel may have fallen back during the run
         metrics.new_tokens = sum(len(g) for g in batch.generated)
         return batch.result(metrics)
+
+    def stream(self, prompts=None, *, messages=None, **kwargs) -> "streaming.TextStream":
+        """`generate` as a generator of `ssd_jax.runtime.stream.StreamDelta`s (row, text,
+        token_ids, logprobs, finish_reason on a row's last one), for `for d in
+        engine.stream(...)`; a delta's text never splits a UTF-8 character, and a row's texts
+        join to its `generate` text. Takes generate's arguments but on_tokens (a TypeError at
+        once for an unknown one); the call starts on the first iteration and raises its errors
+        there. The returned `TextStream` has `.result` (the GenerationResult) once done and
+        `close()` (or a `with` block) to end the call early."""
+        return streaming.start(self, prompts, messages, kwargs)
 
     # ------------------------------------------------------------------ set-up
     def _encode(self, prompts, chat: bool) -> list[list[int]]:
