@@ -2,7 +2,9 @@
 
 A tiny target / draft pair over vocabulary V = 4, the exact window distribution enumerated from
 the target's forward, and `sample_windows`: N independent requests (distinct request ids, so
-independent keys) through a real `Engine`, their first `window` generated tokens [N, window].
+independent keys) through a real `Engine`, their generated tokens `skip .. skip + window - 1`
+[N, window]. `verdict` tests them with the calibrated chi-square of `ssd_jax.testing`, cells of
+probability below POOL pooled (`min_expected`; why: tests/test_engine_exactness.py's docstring).
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ WINDOW = K + 2
 N = 100_000
 CHUNK = 25_000
 PROMPT = [1, 3, 0]
+MAX_LEN = 16  # one cache length for every window here (prompt 3 + up to 9 tokens + K + 2), one compile
+POOL = 0.01   # cells of exact probability below 1% are pooled into groups of >= 1%
 CFG = tiny_config("qwen2", vocab_size=V, hidden_size=32, intermediate_size=64, num_heads=2,
                   num_kv_heads=1, head_dim=16, num_layers=2)
 T07 = SamplingParams(temperature=0.7)
@@ -39,33 +43,52 @@ def make_pair() -> tuple[Model, Model]:
     return target, draft
 
 
+def min_expected(n: int) -> float:
+    """The pooling bar for n samples: cells expected fewer than POOL * n times are pooled."""
+    return max(5.0, POOL * n)
+
+
 @functools.lru_cache(maxsize=None)
-def exact(sampling: SamplingParams, window: int = WINDOW, prompt: tuple = tuple(PROMPT)) -> np.ndarray:
-    """The exact distribution [V ** window] of the next `window` tokens under plain sampling."""
+def exact(sampling: SamplingParams, window: int = WINDOW, prompt: tuple = tuple(PROMPT),
+          skip: int = 0) -> np.ndarray:
+    """The exact distribution [V ** window] of generated tokens skip .. skip + window - 1 under
+    plain sampling (the marginal of the first skip + window tokens)."""
     target = make_pair()[0]
 
     @jax.jit
     def logits_fn(tokens):
         return forward(target.params, CFG, tokens, init_cache(CFG, tokens.shape[0], tokens.shape[1]))[0]
 
-    return enumerate_window_distribution(logits_fn, list(prompt), window, sampling, V)
+    full = enumerate_window_distribution(logits_fn, list(prompt), skip + window, sampling, V)
+    return full.reshape(V ** skip, V ** window).sum(axis=0)
 
 
 def sample_windows(pair, mode, sampling, *, n: int = N, chunk: int = CHUNK, window: int = WINDOW,
-                   prompt=PROMPT, engine_kw=None, **kw):
-    """n requests through one Engine; returns (tokens [n, window], [Metrics per chunk])."""
-    eng = Engine(*pair, max_len=16, compilation_cache=False, **(engine_kw or {}))
+                   prompt=PROMPT, engine_kw=None, skip: int = 0, first_id: int = 0, **kw):
+    """n requests (ids first_id ..) through one Engine, each generating skip + window tokens;
+    returns (tokens skip .. skip + window - 1 of each [n, window], [Metrics per chunk])."""
+    eng = Engine(*pair, max_len=MAX_LEN, compilation_cache=False, **(engine_kw or {}))
     windows, metrics = [], []
-    for c in range(n // chunk):
-        out = eng.generate([list(prompt)] * chunk, mode=mode, max_new_tokens=window, k=K,
-                           sampling=sampling, request_ids=range(c * chunk, (c + 1) * chunk),
-                           seed=11, **kw)
-        windows.append(np.asarray(out.token_ids)[:, :window])
+    for c in range(-(-n // chunk)):
+        lo, hi = first_id + c * chunk, first_id + min(n, (c + 1) * chunk)
+        out = eng.generate([list(prompt)] * (hi - lo), mode=mode, max_new_tokens=skip + window,
+                           k=K, sampling=sampling, request_ids=range(lo, hi), seed=11, **kw)
+        windows.append(np.asarray(out.token_ids)[:, skip:skip + window])
         metrics.append(out.metrics)
     return np.concatenate(windows), metrics
 
 
-def verdict(pair, mode, sampling, *, n: int = N, **kw):
-    """(DistributionTestResult, metrics) of `sample_windows` against `exact(sampling)`."""
+def check_windows(toks, sampling, *, window: int = WINDOW, prompt=PROMPT, skip: int = 0,
+                  false_alarm: float = 1e-3):
+    """The DistributionTestResult of windows `toks` [n, window] against `exact`, pooled at POOL."""
+    ex = exact(sampling, window, tuple(prompt), skip)
+    return distribution_test(window_counts(toks, V), ex, false_alarm=false_alarm,
+                             min_expected=min_expected(len(toks)))
+
+
+def verdict(pair, mode, sampling, *, n: int = N, false_alarm: float = 1e-3, **kw):
+    """(DistributionTestResult, metrics) of `sample_windows` against `exact(sampling)` (the same
+    window, prompt and skip)."""
     toks, metrics = sample_windows(pair, mode, sampling, n=n, **kw)
-    return distribution_test(window_counts(toks, V), exact(sampling)), metrics
+    where = {k: kw[k] for k in ("window", "prompt", "skip") if k in kw}
+    return check_windows(toks, sampling, false_alarm=false_alarm, **where), metrics
