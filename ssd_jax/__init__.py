@@ -25,6 +25,8 @@ _EXPORTS = {
     "Engine": "ssd_jax.runtime.engine",
     "SSDConfig": "ssd_jax.runtime.config",
     "GenerationResult": "ssd_jax.runtime.batch",
+    "StreamDelta": "ssd_jax.runtime.stream",
+    "TextStream": "ssd_jax.runtime.stream",
     "Metrics": "ssd_jax.runtime.metrics",
     "Proposer": "ssd_jax.runtime.proposer",
     "PromptLookupProposer": "ssd_jax.runtime.proposer",

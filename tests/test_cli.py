@@ -87,6 +87,11 @@ def run_cli(argv, capsys):
     return rc, out, err
 
 
+def progress_lines(err):
+    return [ln for ln in err.splitlines() if ln.startswith("ssd-jax: ")
+            and not ln.startswith(("ssd-jax: error", "ssd-jax: warning", "ssd-jax: SSD"))]
+
+
 def gen_args(pair, *extra):
     return ["generate", "--target", pair["target"], "--draft", pair["draft"], "--prompt", PROMPT,
             "--max-new-tokens", "12", "--k", "3", "--fanout", "2,2,1,1", "--max-len", "256", *extra]
@@ -99,8 +104,14 @@ def test_generate_json_each_mode_agrees(pair, capsys):
         rc, out, err = run_cli(gen_args(pair, "--mode", mode, "--json"), capsys)
         assert rc == 0, err
         obj = json.loads(out)
-        assert set(obj) == {"text", "token_ids", "metrics"}
-        assert obj["metrics"]["mode"] == mode
+        assert set(obj) == {"text", "token_ids", "logprobs", "finish_reason", "metrics"}
+        assert obj["metrics"]["mode"] == mode and obj["metrics"]["schema"] == 1
+        assert len(obj["logprobs"]) == len(obj["token_ids"])
+        assert all(lp <= 0 for lp in obj["logprobs"])
+        eos = obj["token_ids"][-1] == VOCAB - 1  # <|endoftext|>, the tokenizer's EOS
+        assert obj["finish_reason"] == ("eos" if eos else "length")
+        assert eos or len(obj["token_ids"]) == 12
+        assert not progress_lines(err)  # stderr is no terminal here: no progress
         m = obj["metrics"]
         assert m["dtype"] == CHOICE["dtype"]  # --dtype auto, the default
         assert m["draft_quant"] == (None if mode == "ar" else CHOICE["draft_quant"])
@@ -159,6 +170,158 @@ def test_generate_streams_the_same_text(pair, capsys, tmp_path):
     assert rc == 0, err
     assert out == want + "\n"
     assert err.startswith("ssd: ") and "tok/s" in err  # the metrics summary goes to stderr
+
+
+def test_json_logprobs_and_finish_are_the_python_results(pair, capsys):
+    """--json carries what `Engine.generate` returns for the same request: log-probs and the
+    finish reason (here a stop string, its text cut), beside text and ids."""
+    from ssd_jax.models.load import load_model
+    from ssd_jax.runtime.engine import Engine
+    target = load_model(pair["target"], CHOICE["dtype"], use_cache=False)
+    want = Engine(target, max_len=256, compilation_cache=False).generate(
+        [PROMPT], mode="ar", max_new_tokens=12)
+    stop = want.texts[0][3:5]
+    assert stop
+    want = Engine(target, max_len=256, compilation_cache=False).generate(
+        [PROMPT], mode="ar", max_new_tokens=12, stop=[stop])
+    rc, out, err = run_cli(gen_args(pair, "--mode", "ar", "--json", "--stop", stop), capsys)
+    assert rc == 0, err
+    obj = json.loads(out)
+    assert obj["finish_reason"] == want.finish_reasons[0] == "stop"
+    assert obj["token_ids"] == want.token_ids[0] and obj["text"] == want.texts[0]
+    assert obj["logprobs"] == pytest.approx(want.logprobs[0], rel=1e-5)
+
+
+def test_progress_goes_to_stderr_only(pair, capsys):
+    """--progress (forced: stderr is no terminal here) says what loads, converts, compiles and
+    when tokens come, on stderr; stdout stays the JSON object alone, or the text alone."""
+    rc, out, err = run_cli(gen_args(pair, "--mode", "sd", "--json", "--progress"), capsys)
+    assert rc == 0, err
+    obj = json.loads(out)  # stdout: one JSON object, nothing else
+    lines = progress_lines(err)
+    text = "\n".join(lines)
+    assert f"ssd-jax: loading target {pair['target']} ({CHOICE['dtype']}) ..." in lines
+    assert "converting" in text and "(the first load; cached for later loads)" in text
+    assert any(ln.startswith("ssd-jax: target loaded in ") and ln.endswith(" s") for ln in lines)
+    assert any(ln.startswith("ssd-jax: draft loaded in ") for ln in lines)
+    assert any(ln.startswith("ssd-jax: generating; a first run compiles") for ln in lines)
+    assert any(ln.startswith("ssd-jax: first tokens after ") for ln in lines)
+    order = [next(i for i, ln in enumerate(lines) if ln.startswith(p)) for p in
+             ("ssd-jax: loading target", "ssd-jax: target loaded", "ssd-jax: loading draft",
+              "ssd-jax: generating", "ssd-jax: first tokens")]
+    assert order == sorted(order)
+    assert obj["token_ids"]
+    rc, out, err = run_cli(gen_args(pair, "--mode", "ar", "--progress"), capsys)
+    assert rc == 0, err
+    assert "ssd-jax" not in out and progress_lines(err)  # the streamed text alone on stdout
+    rc, out, err = run_cli(gen_args(pair, "--mode", "ar", "--json", "--no-progress"), capsys)
+    assert rc == 0 and not progress_lines(err)
+
+
+def test_progress_lines_for_compiles_and_tokens():
+    """The compile and token lines, driven by hand (a test process has compiled its steps)."""
+    import io
+    from ssd_jax.tools import progress as prog
+    clock = iter([0.0, 1.0, 3.5, 4.0, 7.0])
+    buf = io.StringIO()
+    p = prog.Progress(True, stream=buf, clock=lambda: next(clock))
+    with p.generating():
+        prog._on_event("/jax/core/compile/backend_compile_duration", 2.5)
+        prog._on_event("/jax/core/compile/backend_compile_duration", 0.1)  # too short to show
+        prog._on_event("/jax/core/compile/jaxpr_trace_duration", 9.0)  # not a backend compile
+        p.delta(1, counting=True)  # t = 1.0
+        p.delta(3, counting=True)  # t = 3.5: 2.5 s after the last line
+        p.delta(2, counting=True)  # t = 4.0: too soon
+    prog._on_event("/jax/core/compile/backend_compile_duration", 5.0)  # after: not reported
+    assert buf.getvalue().splitlines()[1:] == [
+        "ssd-jax:   compiled a step in 2.5 s (2.5 s compiling so far)",
+        "ssd-jax: first tokens after 1.0 s",
+        "ssd-jax:   4 tokens so far",
+    ]
+    quiet = io.StringIO()
+    with prog.Progress(None, stream=quiet).generating():  # not a terminal: off
+        prog._on_event("/jax/core/compile/backend_compile_duration", 2.5)
+    assert quiet.getvalue() == ""
+
+
+def test_system_prompt_renders_through_the_chat_template(pair, capsys, monkeypatch):
+    """--system puts a system turn before the prompt's user turn (the tiny tokenizer has no
+    template of its own, so one is given to it here)."""
+    from ssd_jax.models.tokenizer import Tokenizer
+    template = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}[assistant]"
+    real = Tokenizer.from_hf_folder
+
+    def with_template(cls, path):
+        tok = real(path)
+        tok.chat_template = template
+        return tok
+    monkeypatch.setattr(Tokenizer, "from_hf_folder", classmethod(with_template))
+    rc, out, err = run_cli(gen_args(pair, "--mode", "ar", "--json", "--system", "Be brief."),
+                           capsys)
+    assert rc == 0, err
+    raw = f"[system]Be brief.[user]{PROMPT}[assistant]"
+    rc2, out2, err2 = run_cli(["generate", "--target", pair["target"], "--mode", "ar", "--prompt",
+                               raw, "--max-new-tokens", "12", "--max-len", "256", "--json"], capsys)
+    assert rc2 == 0, err2
+    assert json.loads(out)["token_ids"] == json.loads(out2)["token_ids"]
+    monkeypatch.setattr(Tokenizer, "from_hf_folder", real)
+    rc, _, err = run_cli(gen_args(pair, "--mode", "ar", "--system", "Be brief."), capsys)
+    assert_one_line_error(rc, err, "no chat template")
+
+
+# ------------------------------------------------------------------------------------------ the parser
+def _actions(parser, path=("ssd-jax",)):
+    """(command path, action) for every argparse action of the parser and its subparsers."""
+    import argparse
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for name, sub in a.choices.items():
+                yield from _actions(sub, (*path, name))
+        else:
+            yield " ".join(path), a
+
+
+def test_every_flag_has_help_that_shows_its_default():
+    """Every action of every subcommand has a help string; one with a value default names it
+    (and says "default"), one without says what happens by default; flags (on/off) need only
+    help."""
+    import argparse
+    flags = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction,
+             argparse._HelpAction, argparse._VersionAction)
+    missing, no_default, seen = [], [], set()
+    for where, a in _actions(cli.build_parser()):
+        name = f"{where} {'/'.join(a.option_strings) or a.dest}"
+        seen.add(where)
+        h = a.help or ""
+        if not h.strip() or h == argparse.SUPPRESS:
+            missing.append(name)
+            continue
+        if isinstance(a, flags):
+            continue
+        d = a.default
+        if d is None or d == [] or d == "":
+            shown = "default" in h.lower()
+        elif isinstance(d, (list, tuple)):
+            shown = "default" in h.lower() and all(str(x) in h for x in d)
+        else:
+            text = str(int(d)) if isinstance(d, float) and d == int(d) else str(d)
+            shown = "default" in h.lower() and text in h
+        if not shown:
+            no_default.append(f"{name} (default {d!r}): {h}")
+    assert seen == {"ssd-jax", "ssd-jax fetch", "ssd-jax generate", "ssd-jax bench"}
+    assert missing == [] and no_default == [], (missing, no_default)
+
+
+def test_version_is_the_installed_distributions(capsys):
+    from importlib.metadata import version
+    rc, out, _ = run_cli(["--version"], capsys)
+    assert rc == 0 and out.strip() == f"ssd-jax {version('ssd_jax')}"
+    proc = subprocess.run([sys.executable, "-m", "ssd_jax", "--version"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"ssd-jax {version('ssd_jax')}"
+    proc = subprocess.run([sys.executable, "-m", "ssd_jax", "generate", "--help"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "--max-new-tokens" in proc.stdout and "default" in proc.stdout
 
 
 def test_console_script_generate_json(pair):

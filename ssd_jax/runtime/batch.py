@@ -40,6 +40,7 @@ class TokenSink:
         raise NotImplementedError
 
     def __call__(self, row: int, ids: list[int]) -> None:
+        # callable, as generate's check of on_tokens wants; Batch itself always calls commit
         self.commit(row, ids, [float("nan")] * len(ids), "")
 
 

@@ -75,24 +75,28 @@ def _cores(text: str) -> tuple[int, int]:
 def add_arguments(b: argparse.ArgumentParser, fanout_type) -> None:
     """The `ssd-jax bench` flags on parser `b`; `fanout_type` parses a --fanout value."""
     b.add_argument("--target", default=registry.DEFAULT_TARGET,
-                   help="a default model name, a .gguf file or an HF folder")
-    b.add_argument("--draft", default=registry.DEFAULT_DRAFT, help="the draft model, as --target")
+                   help=f"a default model name, a .gguf file or an HF folder "
+                        f"(default {registry.DEFAULT_TARGET})")
+    b.add_argument("--draft", default=registry.DEFAULT_DRAFT,
+                   help=f"the draft model, as --target (default {registry.DEFAULT_DRAFT})")
     b.add_argument("--prompts-file", default=None,
                    help="one prompt per line, or JSONL with a \"text\" key per line "
                         "(default: the benchmark set, ssd_jax.tools.benchmark_set)")
-    b.add_argument("--limit", type=int, default=0, help="use the first N prompts (default all)")
+    b.add_argument("--limit", type=int, default=0, help="use the first N prompts (default 0: all)")
     b.add_argument("--max-new-tokens", type=int, default=None,
                    help="default ssd_jax.tools.benchmark_set.MAX_NEW_TOKENS (128)")
-    b.add_argument("--k", type=int, default=4, help="lookahead K (draft tokens per round)")
+    b.add_argument("--k", type=int, default=4,
+                   help="lookahead K (draft tokens per round; default 4)")
     b.add_argument("--fanout", type=fanout_type, default=None,
-                   help="SSD F_0..F_K, e.g. 2,2,1,1,1, or 'plan' (from this layout's AR and SD runs)")
+                   help="SSD F_0..F_K, e.g. 2,2,1,1,1, or 'plan' (from this layout's AR and SD runs; "
+                        "default: one candidate per position, 1,1,...,1)")
     b.add_argument("--saguaro-c", type=float, default=1.0, help="Saguaro C in (0, 1] (default 1)")
     b.add_argument("--backup", choices=("neural", "random", "ngram", "auto"), default="neural",
                    help="what SSD proposes after a miss (default neural: the draft)")
     b.add_argument("--temperature", type=float, default=0.0, help=">= 0; 0 = greedy (default)")
     b.add_argument("--top-k", type=int, default=0, help=">= 0; 0 = off (default)")
     b.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off (default)")
-    b.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    b.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
     b.add_argument("--dtype", default=None,
                    help="float32/fp32, bfloat16/bf16 or auto (ssd_jax.runtime.defaults.choose); "
                         "default float32, auto with --suite paper")
@@ -100,7 +104,8 @@ def add_arguments(b: argparse.ArgumentParser, fanout_type) -> None:
                    help="the draft's matmul weights as int8, or its layers as int4 (models/quant.py), "
                         "or auto; default none, auto with --suite paper")
     b.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                   help="cut the draft's head to token ids [0, N) (models/draft_head.py)")
+                   help="cut the draft's head to token ids [0, N) (models/draft_head.py; "
+                        "default: the whole head)")
     b.add_argument("--layouts", type=_csv(LAYOUTS, "--layouts"), default=None,
                    help="comma-separated subset of colocated,split,two-process "
                         "(default colocated,two-process)")
@@ -111,13 +116,14 @@ def add_arguments(b: argparse.ArgumentParser, fanout_type) -> None:
                         "(default: the first two CPUs this process may use)")
     b.add_argument("--hf", choices=("auto", "yes", "no"), default="auto",
                    help="also run HF transformers AR + assisted generation (auto: when torch and "
-                        "transformers are installed)")
+                        "transformers are installed; the default)")
     b.add_argument("--hf-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="HF transformers weights dtype (default float32)")
     b.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the short warm-up generate before each mode")
     b.add_argument("--max-len", type=int, default=4096, help="KV cache length (default 4096)")
-    b.add_argument("--note", default="", help="a remark stored with the results (e.g. machine load)")
+    b.add_argument("--note", default="",
+                   help="a remark stored with the results, e.g. machine load (default: none)")
     b.add_argument("--out", default=None, help="output folder (default benchmarks/results/<timestamp>/)")
     b.add_argument("--cache-dir", default=None,
                    help="where models are cached (default $SSD_JAX_HOME or ~/.cache/ssd_jax)")

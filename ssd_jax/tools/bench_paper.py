@@ -60,7 +60,8 @@ def add_suite_arguments(b: argparse.ArgumentParser) -> None:
 
     b.add_argument("--suite", choices=("paper",), default=None,
                    help="paper: the paper's table per dataset (ssd_jax.tools.bench_paper): AR and "
-                        "SD on core A, SSD adding the draft's core B")
+                        "SD on core A, SSD adding the draft's core B (default: no suite, the "
+                        "benchmark set or --prompts-file)")
     b.add_argument("--datasets", type=names, default=PAPER_SUITE,
                    help=f"--suite paper: comma-separated subset of {','.join(PAPER_SUITE)} "
                         "(default all, the paper's order)")

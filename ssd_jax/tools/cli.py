@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -46,6 +47,16 @@ def _fanout(text: str) -> tuple[int, ...] | str:
                                          f"got {text!r}")
 
 
+def _version() -> str:
+    """The installed distribution's version (its metadata), else the package's own."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("ssd_jax")
+    except PackageNotFoundError:
+        import ssd_jax
+        return ssd_jax.__version__
+
+
 class _Parser(argparse.ArgumentParser):
     """Usage mistakes print one line, `ssd-jax: error: ...`, like every other user error."""
 
@@ -61,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     from ssd_jax.tools import bench
 
     p = _Parser(prog="ssd-jax", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"ssd-jax {_version()}",
+                   help="print the installed ssd_jax version and exit")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     from ssd_jax.tools.datasets import DATASETS
@@ -76,16 +89,21 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(sd) or speculative speculative decoding (ssd). Every argument "
                                    "is checked before a model loads.")
     g.add_argument("--target", default=registry.DEFAULT_TARGET,
-                   help="the target model: a default model name, a .gguf file or an HF folder "
+                   help="the target model: a default model name, a .gguf file, an HF folder, or "
+                        "a Hub id Org/Name in the local HF cache ($HF_HOME; never downloaded) "
                         f"(default {registry.DEFAULT_TARGET})")
     g.add_argument("--draft", default=registry.DEFAULT_DRAFT,
                    help="the draft model (sd, ssd), as --target "
                         f"(default {registry.DEFAULT_DRAFT})")
     src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="raw prompt text (use --chat to apply the chat template)")
-    src.add_argument("--prompt-file", help="a file holding the prompt")
+    src.add_argument("--prompt", help="raw prompt text (use --chat to apply the chat template); "
+                                      "this or --prompt-file is required, no default")
+    src.add_argument("--prompt-file", help="a UTF-8 file holding the prompt (instead of "
+                                           "--prompt; no default)")
     g.add_argument("--chat", action="store_true",
-                   help="wrap the prompt in the target tokenizer's chat template")
+                   help="wrap the prompt in the target tokenizer's chat template, as one user turn")
+    g.add_argument("--system", default=None, metavar="TEXT",
+                   help="a system prompt before the user turn (implies --chat; default: none)")
     g.add_argument("--mode", choices=("ar", "sd", "ssd"), default="ssd",
                    help="ar: plain decoding; sd: speculative decoding; ssd: speculative "
                         "speculative decoding, the next round pre-drafted while the target "
@@ -116,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "stays exact, acceptance may change")
     g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="cut the draft's head to token ids [0, N) (models/draft_head.py): fewer "
-                        "bytes per draft step; output stays exact, acceptance may change")
+                        "bytes per draft step; output stays exact, acceptance may change "
+                        "(default: the whole head)")
     g.add_argument("--k", type=int, default=None,
                    help=f"lookahead K, draft tokens per round (>= 1; default {DEFAULT_K['sd']} "
                         f"for sd, {DEFAULT_K['ssd']} for ssd)")
@@ -134,11 +153,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "on its own core), split (two meshes in one process), colocated (one "
                         "device), or auto (default): two-process for SSD on a CPU with two "
                         "usable cores, else split; the layout and why go to stderr")
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop", action="append", default=[],
+                   help="stop string, the text is cut before it (repeatable; default: none)")
     g.add_argument("--max-len", type=int, default=4096,
                    help="KV cache length: prompt plus new tokens (default 4096)")
     g.add_argument("--json", action="store_true",
-                   help="print one JSON object {text, token_ids, metrics} instead of streaming")
+                   help="print one JSON object {text, token_ids, logprobs, finish_reason, "
+                        "metrics} instead of streaming the text")
+    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="show loading, conversion and compile progress on stderr (default: when "
+                        "stderr is a terminal)")
     g.add_argument("--cache-dir", default=None,
                    help="where models are fetched and converted (default $SSD_JAX_HOME or "
                         "~/.cache/ssd_jax)")
@@ -188,6 +212,8 @@ def _validate_generate(args) -> None:
         raise ValueError(f"--max-len must be >= 2 (prompt plus new tokens), got {args.max_len}")
     if any(not s for s in args.stop):
         raise ValueError("--stop needs a non-empty string")
+    if args.system is not None and not args.system.strip():
+        raise ValueError("--system needs a non-empty system prompt")
     args.fanout_used = args.fanout if args.fanout is not None else default_fanout(args.k)
     ssd = SSDConfig(fanout=args.fanout_used, saguaro_c=args.saguaro_c, backup=args.backup)
     check_request(args.mode, args.max_new_tokens, args.k, sampling, ssd=ssd, seed=args.seed,
@@ -271,12 +297,16 @@ def _generate(args) -> int:
     if args.prompt_file is not None:
         with open(args.prompt_file, encoding="utf-8") as fh:
             prompt = fh.read()
-    if not prompt and not args.chat:
+    if not prompt and not args.chat and args.system is None:
         raise ValueError("the prompt is empty (--prompt / --prompt-file): give at least one "
                          "character, or --chat for the template alone")
-    registry.resolve(args.target, args.cache_dir)  # a missing / unfetched model: one line, now
+    from ssd_jax.models import hub
+    from ssd_jax.tools.progress import Progress
+
+    hub.resolve(args.target, args.cache_dir)  # a missing / unfetched model: one line, now
     if args.mode != "ar":
-        registry.resolve(args.draft, args.cache_dir)
+        hub.resolve(args.draft, args.cache_dir)
+    progress = Progress(args.progress)
     placement, cores, line = _layout(args)
     remote = None
     if placement == "two-process":
@@ -286,9 +316,11 @@ def _generate(args) -> int:
         choice = _choose(args, platform="cpu")
         from ssd_jax.runtime.transport import start_two_process
         try:
-            remote = start_two_process(args.draft, dtype=choice["dtype"],
-                                       quant=choice["draft_quant"], draft_vocab=args.draft_vocab,
-                                       cores=cores, cache_dir=args.cache_dir)
+            with progress.step(f"starting the draft process ({args.draft})", "draft process ready"):
+                remote = start_two_process(args.draft, dtype=choice["dtype"],
+                                           quant=choice["draft_quant"],
+                                           draft_vocab=args.draft_vocab, cores=cores,
+                                           cache_dir=args.cache_dir)
         except RuntimeError as e:
             raise GenerateError(f"the draft process did not start: {e} (--placement split runs "
                                 f"in one process)") from e
@@ -302,39 +334,44 @@ def _generate(args) -> int:
     from ssd_jax.runtime.engine import Engine
 
     dtype, quant = choice["dtype"], choice["draft_quant"]
-    target = load_model(args.target, dtype, cache_dir=args.cache_dir)
+    with progress.step(f"loading target {args.target} ({dtype})", "target loaded"):
+        target = load_model(args.target, dtype, cache_dir=args.cache_dir)
     if remote is not None:
         engine = Engine(target, remote_draft=remote, max_len=args.max_len, backend=backend)
     else:
         draft = None
         if args.mode != "ar":
-            draft = load_draft(args.draft, dtype, quant, args.draft_vocab, cache_dir=args.cache_dir)
+            with progress.step(f"loading draft {args.draft} ({dtype}, {quant})", "draft loaded"):
+                draft = load_draft(args.draft, dtype, quant, args.draft_vocab,
+                                   cache_dir=args.cache_dir)
         engine = Engine(target, draft, placement=placement, max_len=args.max_len, backend=backend)
     if line:  # said once the layout runs (errors before this are one line each)
         print(line, file=sys.stderr)
-    tok = target.tokenizer
-    streamed: list[int] = []
-    printed = [0]
-
-    def on_tokens(row: int, ids: list[int]) -> None:
-        streamed.extend(ids)
-        text = tok.decode(streamed)
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            sys.stdout.write(text[printed[0]:])
-            sys.stdout.flush()
-            printed[0] = len(text)
-
-    out = engine.generate(
-        [prompt], mode=args.mode, max_new_tokens=args.max_new_tokens, sampling=args.sampling,
-        k=args.k, ssd=SSDConfig(fanout=args.fanout_used, saguaro_c=args.saguaro_c,
-                                backup=args.backup),
-        seed=args.seed, stop=args.stop, chat=args.chat, on_tokens=None if args.json else on_tokens)
+    request = dict(mode=args.mode, max_new_tokens=args.max_new_tokens, sampling=args.sampling,
+                   k=args.k, ssd=SSDConfig(fanout=args.fanout_used, saguaro_c=args.saguaro_c,
+                                           backup=args.backup),
+                   seed=args.seed, stop=args.stop)
+    if args.system is not None:  # a system prompt, then the prompt as the user's turn
+        request["messages"] = [{"role": "system", "content": args.system},
+                               {"role": "user", "content": prompt}]
+    else:
+        request.update(prompts=[prompt], chat=args.chat)
+    with progress.generating(), engine.stream(**request) as deltas:
+        for d in deltas:  # a delta's text never ends inside a UTF-8 character
+            progress.delta(len(d.token_ids), counting=args.json)
+            if not args.json:
+                sys.stdout.write(d.text)
+                sys.stdout.flush()
+    out = deltas.result
     if args.json:
         metrics = out.metrics.to_dict()
         metrics.update(dtype=dtype, draft_quant=quant if args.mode != "ar" else None,
                        backend=metrics.get("backend") or engine.backend, placement=placement,
                        cpu_features=cpu_features())
-        print(json.dumps({"text": out.texts[0], "token_ids": out.token_ids[0], "metrics": metrics}))
+        print(json.dumps({"text": out.texts[0], "token_ids": out.token_ids[0],
+                          "logprobs": [x if math.isfinite(x) else None for x in out.logprobs[0]],
+                          "finish_reason": out.finish_reasons[0],
+                          "metrics": metrics}))
     else:
         sys.stdout.write("\n")
         print(out.metrics.summary(), file=sys.stderr)

@@ -1,0 +1,123 @@
+"""What `ssd-jax generate` is doing, on stderr: loading / converting each model (with elapsed
+seconds), compiling the steps, then tokens flowing. Never on stdout, which carries the text or the
+`--json` object. On when stderr is a terminal, or with `--progress` (off with `--no-progress`).
+
+    ssd-jax: loading target qwen2.5-coder-1.5b (bfloat16) ...
+    ssd-jax:   qwen2.5-coder-1.5b: converting ... (the first load; cached for later loads)
+    ssd-jax: target loaded in 41.3 s
+    ssd-jax: generating; a first run compiles its steps (JAX's compile cache serves later runs)
+    ssd-jax:   compiled a step in 12.4 s (12.4 s compiling so far)
+    ssd-jax: first tokens after 15.0 s
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import threading
+import time
+
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+_active: list["Progress"] = []  # the Progress that JAX's compile events report to
+_registered = False
+_lock = threading.Lock()
+
+
+def _on_event(event: str, duration: float, **_) -> None:
+    if event == _BACKEND_COMPILE:
+        for p in list(_active):
+            p.compiled(duration)
+
+
+class _LogLines(logging.Handler):
+    """The loader's log records (models/load.py's "ssd_jax.load") as indented progress lines."""
+
+    def __init__(self, progress: "Progress"):
+        super().__init__(logging.INFO)
+        self.progress = progress
+
+    def emit(self, record):
+        self.progress.say("  " + record.getMessage())
+
+
+class Progress:
+    """Progress lines on `stream` (default stderr) when `enabled`. enabled None: when `stream`
+    is a terminal. `every` seconds at least between two "tokens so far" lines (--json mode, where
+    no text shows the tokens flowing). `clock`: seconds (time.perf_counter)."""
+
+    def __init__(self, enabled: bool | None = None, stream=None, every: float = 2.0,
+                 clock=time.perf_counter):
+        self.stream = sys.stderr if stream is None else stream
+        if enabled is None:
+            isatty = getattr(self.stream, "isatty", None)
+            enabled = bool(isatty and isatty())
+        self.enabled, self.every, self.clock = enabled, every, clock
+        self.compile_s = 0.0
+        self._start = self._last = None
+        self.tokens = 0
+
+    def say(self, line: str) -> None:
+        """One line `ssd-jax: <line>` on the stream, when enabled."""
+        if self.enabled:
+            print(f"ssd-jax: {line}", file=self.stream, flush=True)
+
+    @contextlib.contextmanager
+    def step(self, what: str, done: str):
+        """Say `<what> ...`, run the block (the loader's log lines shown inside it), then say
+        `<done> in <seconds> s`."""
+        t0 = self.clock()
+        self.say(f"{what} ...")
+        handler, log = _LogLines(self), logging.getLogger("ssd_jax.load")
+        level = log.level
+        if self.enabled:
+            log.addHandler(handler)
+            log.setLevel(logging.INFO)
+        try:
+            yield
+        finally:
+            if self.enabled:
+                log.removeHandler(handler)
+                log.setLevel(level)
+        self.say(f"{done} in {self.clock() - t0:.1f} s")
+
+    @contextlib.contextmanager
+    def generating(self):
+        """Around the generate call: say that a first run compiles, report each step's
+        compile as JAX finishes it (its backend compile events)."""
+        global _registered
+        self.say("generating; a first run compiles its steps (JAX's compile cache serves later "
+                 "runs)")
+        self._start = self._last = self.clock()
+        if not self.enabled:
+            yield self
+            return
+        with _lock:
+            if not _registered:
+                import jax
+                jax.monitoring.register_event_duration_secs_listener(_on_event)
+                _registered = True
+            _active.append(self)
+        try:
+            yield self
+        finally:
+            with _lock:
+                _active.remove(self)
+
+    def compiled(self, seconds: float) -> None:
+        """A step finished compiling in `seconds` (steps under half a second are not shown)."""
+        self.compile_s += seconds
+        if seconds >= 0.5:
+            self.say(f"  compiled a step in {seconds:.1f} s ({self.compile_s:.1f} s compiling "
+                     "so far)")
+
+    def delta(self, n_tokens: int, counting: bool) -> None:
+        """`n_tokens` more tokens arrived: the first time, say how long they took; with
+        `counting` (no text on the terminal) say the running count every `every` seconds."""
+        now = self.clock()
+        if self.tokens == 0 and n_tokens:
+            self.say(f"first tokens after {now - self._start:.1f} s")
+            self._last = now
+        self.tokens += n_tokens
+        if counting and now - self._last >= self.every:
+            self.say(f"  {self.tokens} tokens so far")
+            self._last = now
