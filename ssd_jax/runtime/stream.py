@@ -26,7 +26,16 @@ from typing import Iterator, Sequence
 
 from ssd_jax.runtime.batch import GenerationResult, TokenSink
 
+# engine -> its stream whose call is still running (removed when the call ends, so an abandoned
+# stream keeps neither its engine nor its deltas alive)
 _RUNNING: "weakref.WeakKeyDictionary[object, TextStream]" = weakref.WeakKeyDictionary()
+_RUNNING_LOCK = threading.Lock()
+
+
+def _forget(stream: "TextStream") -> None:
+    with _RUNNING_LOCK:
+        if _RUNNING.get(stream.engine) is stream:
+            del _RUNNING[stream.engine]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,9 +207,12 @@ class TextStream:
                 out.put(("done", self.engine.generate(**self._args, on_tokens=sink)))
             except BaseException as e:  # noqa: BLE001 - re-raised on the consumer's thread
                 out.put(("error", e))
+            finally:
+                _forget(self)
 
         self._thread = threading.Thread(target=work, name="ssd_jax-stream", daemon=True)
-        _RUNNING[self.engine] = self
+        with _RUNNING_LOCK:
+            _RUNNING[self.engine] = self
         self._thread.start()
         try:
             while True:
@@ -220,8 +232,7 @@ class TextStream:
             self._cancel.set()
             if self._thread is not threading.current_thread():
                 self._thread.join()
-            if _RUNNING.get(self.engine) is self:
-                del _RUNNING[self.engine]
+            _forget(self)
 
 
 def start(engine, prompts, messages, kwargs: dict) -> TextStream:
@@ -238,6 +249,7 @@ def start(engine, prompts, messages, kwargs: dict) -> TextStream:
 def settle(engine) -> None:
     """End a stream still running on `engine` (one the caller stopped iterating) before another
     call uses the engine; nothing when called from that stream's own worker thread."""
-    running = _RUNNING.get(engine)
+    with _RUNNING_LOCK:
+        running = _RUNNING.get(engine)
     if running is not None and running._thread is not threading.current_thread():
         running.close()
