@@ -10,10 +10,22 @@ from ssd_jax.models.params import Params
 
 @dataclasses.dataclass
 class Model:
-    """A target or draft as the engine takes it: its config, weights, tokenizer (None for
-    token-id-only use) and a display name."""
+    """A target or draft as the engine takes it: its static description `cfg`, its params pytree,
+    tokenizer (None for token-id-only use) and a display name.
 
-    cfg: ModelConfig
-    params: Params
+    cfg is the built-in transformer's `ModelConfig` (params: `Params`), or any model description
+    of `ssd_jax.models.protocol` (params: any pytree), as `ssd_jax.models.adapters.from_nnx` /
+    `from_functions` make. A ModelConfig with other params is a TypeError here, at once."""
+
+    cfg: ModelConfig | Any
+    params: Params | Any
     tokenizer: Any = None  # ssd_jax.models.tokenizer.Tokenizer, or None for token-id-only use
     name: str = ""
+
+    def __post_init__(self):
+        if isinstance(self.cfg, ModelConfig) and not isinstance(self.params, Params):
+            raise TypeError(
+                f"Model(cfg, params): a ModelConfig (the built-in transformer) takes "
+                f"ssd_jax.models.params.Params (random_params, params_from_hf, load_model), got "
+                f"{type(self.params).__name__}; for a model of your own over a pytree use "
+                f"ssd_jax.models.adapters.from_functions or from_nnx (ssd_jax.models.protocol)")

@@ -5,6 +5,8 @@ draft mesh; only token ids, outcome integers and proposal rows cross between the
 donated so XLA updates KV in place. Static arguments (model config, K, fan-out, the verifier
 function, the op table `ops`) are hashable, so one compile serves every round. `ops` is a
 `ssd_jax.models.ops.Ops` backend table (default the plain-XLA reference), passed to `forward`.
+`cfg` is the model's static description: the built-in transformer's `ModelConfig`, or a model of
+one's own (`ssd_jax.models.protocol`; params and cache then any pytrees that model defines).
 
 Sampling is not static: `sampling` (a `SamplingParams` pytree, scalars or `[B]` per request) and
 Saguaro's C are traced arguments, so a new temperature, top-k, top-p or C compiles nothing. What
@@ -28,7 +30,7 @@ from ssd_jax.models.config import ModelConfig
 from ssd_jax.models.kv_cache import KVCache
 from ssd_jax.models.ops import XLA, Ops
 from ssd_jax.models.params import Params
-from ssd_jax.models.transformer import forward
+from ssd_jax.models.protocol import forward, is_builtin, lengths, select_rows, with_lengths
 from ssd_jax.algorithm import sampling as smp
 from ssd_jax.algorithm.saguaro import normalise_rows, propose
 
@@ -54,7 +56,7 @@ def prefill(params: Params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array,
     value or `[B]`). Static: `cfg` (the target's ModelConfig), `vocab_size` (real rows of V),
     `ops` (the op table).
     """
-    cache = cache.with_lengths(jnp.zeros_like(lens))
+    cache = with_lengths(cache, jnp.zeros_like(lens))
     logits, cache = forward(params, cfg, tokens, cache, lens, last_only=True, ops=ops)
     keys = smp.position_keys(seed, request_ids, lens, smp.STREAM_SAMPLE)
     tok, _ = smp.sample(logits, sampling, keys, vocab_size)
@@ -68,7 +70,7 @@ def prefill_cache(params: Params, cfg: ModelConfig, cache: KVCache, tokens: jax.
     KV for the prompt only, lengths = lens (the draft never picks the first token). Static: `cfg`,
     `ops` (the op table).
     """
-    cache = cache.with_lengths(jnp.zeros_like(lens))
+    cache = with_lengths(cache, jnp.zeros_like(lens))
     _, cache = forward(params, cfg, tokens, cache, lens, last_only=True, ops=ops)
     return cache
 
@@ -85,7 +87,7 @@ def decode(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Array, a
     log-prob `[B]`, cache (donated) with lengths n+1 on active rows). Static: `cfg`, `vocab_size`
     (real rows of V), `ops` (the op table).
     """
-    n = cache.lengths
+    n = lengths(cache)
     logits, cache = forward(params, cfg, bonus[:, None], cache, active.astype(jnp.int32), ops=ops)
     keys = smp.position_keys(seed, request_ids, n + 1, smp.STREAM_SAMPLE)
     tok, _ = smp.sample(logits[:, 0], sampling, keys, vocab_size)
@@ -109,7 +111,7 @@ def verify(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Array, s
     `ssd_jax.algorithm.verify.rejection_sample` (it, or a planted bug in the exactness tests), and `ops`
     (the op table).
     """
-    n = cache.lengths
+    n = lengths(cache)
     K = spec.shape[1]
     logits, cache = forward(params, cfg, jnp.concatenate([bonus[:, None], spec], 1), cache, ops=ops)
     p = smp.probs_from_logits(logits, sampling, vocab_size)
@@ -120,7 +122,7 @@ def verify(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Array, s
     res = verifier(p, q, spec, acc_keys, res_keys)
     lp = token_logprobs(logits, res.tokens)
     new_len = jnp.where(active, n + res.num_accepted + 1, n)
-    return res, lp, cache.with_lengths(new_len)
+    return res, lp, with_lengths(cache, new_len)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "vocab_size", "k", "saguaro_top_n",
@@ -149,9 +151,12 @@ def draft_chain(params: Params, cfg: ModelConfig, cache: KVCache, prev: jax.Arra
     `k` (K), `saguaro_top_n` (Saguaro's top-n per draft step, K entries, or () for none),
     `row_dtype` (the rows' dtype name) and `ops` (the op table).
     """
-    kept = cache.lengths
-    start = n - 1 if draft_rows is None else jnp.where(draft_rows, n - 1, cache.max_len)
-    cache = cache.with_lengths(start)
+    kept, old = lengths(cache), cache
+    if draft_rows is None or not is_builtin(cfg):
+        start = n - 1
+    else:  # the undrafted rows write past the cache's end: dropped, nothing copied
+        start = jnp.where(draft_rows, n - 1, cache.max_len)
+    cache = with_lengths(cache, start)
     # last_only: the logits of `prev` are never used, and the vocab projection is a large share
     # of a small draft's forward
     last, cache = forward(params, cfg, jnp.stack([prev, bonus], 1), cache, last_only=True, ops=ops)
@@ -167,5 +172,7 @@ def draft_chain(params: Params, cfg: ModelConfig, cache: KVCache, prev: jax.Arra
             logits, cache = forward(params, cfg, t[:, None], cache, ops=ops)
             last = logits[:, 0]
     if draft_rows is not None:
-        cache = cache.with_lengths(jnp.where(draft_rows, cache.lengths, kept))
+        if not is_builtin(cfg):  # a model of one's own: its cache rows selected, whatever its layout
+            cache = select_rows(draft_rows, cache, old)
+        cache = with_lengths(cache, jnp.where(draft_rows, lengths(cache), kept))
     return jnp.stack(toks, 1), jnp.stack(rows, 1), cache

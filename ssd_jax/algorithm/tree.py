@@ -14,7 +14,7 @@ from ssd_jax.models.config import ModelConfig
 from ssd_jax.models.kv_cache import KVCache
 from ssd_jax.models.ops import XLA, Ops
 from ssd_jax.models.params import Params
-from ssd_jax.models.transformer import forward, init_branch_kv, tree_step
+from ssd_jax.models.protocol import forward, init_branch, tree_step, with_lengths
 from ssd_jax.algorithm import sampling as smp
 from ssd_jax.algorithm.saguaro import propose
 from ssd_jax.algorithm.small_topk import top_k_indices
@@ -74,13 +74,14 @@ def draft_tree(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Arra
 
     Traced, so new values compile nothing: `sampling` (the draft's SamplingParams, one value or
     `[B]`; only `sampling.greedy` is static) and `saguaro_c` (Saguaro's C, a scalar or `[B]`).
-    Static arguments: `cfg` (the draft's ModelConfig), `vocab_size` (real rows of V),
-    `fanout_hit` / `fanout_backup` (F_0..F_K, K+1 entries each), `saguaro_top_n` (Saguaro's top-n
+    Static arguments: `cfg` (the draft's ModelConfig, or its `ssd_jax.models.protocol`
+    description: its own tree_step, or branches forwarded over copies of the cache),
+    `vocab_size` (real rows of V), `fanout_hit` / `fanout_backup` (F_0..F_K, K+1 entries each), `saguaro_top_n` (Saguaro's top-n
     per depth d, K entries, or () for none), `row_dtype` (the cache rows' dtype name) and `ops`
     (the backend table, `ssd_jax.models.ops.Ops`, whose `tree_attention` the branch steps use).
     """
     B, K = spec.shape
-    cache = cache.with_lengths(n)
+    cache = with_lengths(cache, n)
     glue, cache = forward(params, cfg, jnp.concatenate([bonus[:, None], spec], 1), cache, ops=ops)
     j_hit, c_hit = fork(glue, spec, fanout_hit, vocab_size)
     if fanout_backup != fanout_hit:
@@ -91,7 +92,7 @@ def draft_tree(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Arra
     MQ = kj.shape[1]
     valid = jnp.broadcast_to(active[:, None], (B, MQ))
     prefix_len = n[:, None] + kj + 1  # slots 0..n+j: prefix, b, s_1..s_j (never s_{j+1})
-    branch = init_branch_kv(cfg, B, MQ, K)
+    branch = init_branch(cfg, cache, B, MQ, K, prefix_len)
     tok = kc
     toks, rows = [], []
     for d in range(K):

@@ -15,8 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ssd_jax.models import backends
-from ssd_jax.models.kv_cache import init_cache
-from ssd_jax.models.transformer import forward
+from ssd_jax.models.protocol import forward, init_cache, is_builtin, with_lengths
 from ssd_jax.algorithm import backups, steps
 from ssd_jax.runtime.placement import settle, spans_processes, to_host, to_mesh
 from ssd_jax.algorithm.speculation_cache import lookup
@@ -82,7 +81,9 @@ class DraftWorker:
         # A data-parallel draft (2+ devices) gets the xla table ("auto"), which XLA partitions
         # over the batch; a kernel's custom call has no partitioning rule.
         self.ops = backends.select(backend, sharding.mesh)
-        self.params = self.ops.prepare(to_mesh(draft.params, sharding))
+        params = to_mesh(draft.params, sharding)
+        # a model of one's own (models.protocol) brings its own ops: no layout pass for it
+        self.params = self.ops.prepare(params) if is_builtin(self.cfg) else params
         self.row_vocab = int(row_vocab)  # the target's rows: proposals are padded/cut to match
         tok = draft.tokenizer
         self.vocab_size = tok.vocab_size if tok is not None else min(self.cfg.vocab_size, row_vocab)
@@ -98,7 +99,7 @@ class DraftWorker:
         the median of `repeats` after a compile: what a tree step over M branches costs on this
         draft's devices (`policy.width_slope_from_times` makes the planner's slope of it)."""
         cache = init_cache(self.cfg, 1, context + max(widths), sharding=self.sharding)
-        cache = cache.with_lengths(to_mesh(np.asarray([context], np.int32), self.sharding))
+        cache = with_lengths(cache, to_mesh(np.asarray([context], np.int32), self.sharding))
         out = {}
         for m in widths:
             toks = to_mesh(np.zeros((1, m), np.int32), self.sharding)

@@ -20,7 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ssd_jax.models import backends
+from ssd_jax.models.adapters import as_model
 from ssd_jax.models.draft_head import head_width
+from ssd_jax.models.protocol import init_cache, is_builtin
 from ssd_jax.algorithm import steps
 from ssd_jax.runtime.batch import Batch, GenerationResult
 from ssd_jax.runtime.chat import chat_prompts
@@ -51,8 +53,11 @@ class Engine:
     def __init__(self, target, draft=None, *, placement: str | Placement = "split",
                  max_len: int = 4096, compilation_cache: bool | str = True, remote_draft=None,
                  proposer=None, backend: str = "auto", strict: bool = False):
-        """target / draft: `ssd_jax.models.model.Model`. placement: "split" | "colocated" | a layout "T+D"
-        such as "4+1" (T-way tensor-parallel target, D-way data-parallel draft; ssd_jax.runtime.sharding)
+        """target / draft: `ssd_jax.models.model.Model` (the built-in transformer, or a model of
+        one's own from `ssd_jax.models.adapters`: `from_nnx`, `from_functions`; a flax.nnx.Module
+        that follows `ssd_jax.models.protocol` is adapted as is; anything else is one TypeError
+        naming what it lacks). placement: "split" | "colocated" | a layout "T+D" such as "4+1"
+        (T-way tensor-parallel target, D-way data-parallel draft; ssd_jax.runtime.sharding)
         | a ready Placement. remote_draft: a `ssd_jax.runtime.transport.RemoteDraft` (the draft in its own
         process, started by `start_two_process`) instead of a local draft. proposer: any
         `ssd_jax.runtime.proposer.Proposer` (SD only) instead of a draft model. backend: the op
@@ -63,7 +68,9 @@ class Engine:
         with plain decoding on the target (one DraftFallbackWarning, `metrics.fallback`), True
         raises `ssd_jax.DraftFailure` with the tokens so far; `restart_draft()` brings it back."""
         enable_compilation_cache(compilation_cache)
-        if head_width(target.params) < target.cfg.vocab_size:
+        target = as_model(target, "target")  # one TypeError naming what a wrong object lacks
+        draft = None if draft is None else as_model(draft, "draft")
+        if is_builtin(target.cfg) and head_width(target.params) < target.cfg.vocab_size:
             raise ValueError(f"the target's head scores only {head_width(target.params)} of "
                              f"{target.cfg.vocab_size} token ids (ssd_jax.models.draft_head.truncate_head): "
                              "the output would be exact to that cut model, not the target; cut "
@@ -93,8 +100,11 @@ class Engine:
         # tcfg: the target's config as its (possibly tensor-parallel) weights are laid out; the
         # backend's own layout pass (`prepare`) runs once, on the placed weights
         self.tops = backends.select(backend, self.placement.target_mesh)
-        self.tcfg, tparams = shard_target(target.params, target.cfg, self.placement.target_mesh)
-        self.tparams = self.tops.prepare(tparams)
+        if is_builtin(target.cfg):
+            self.tcfg, tparams = shard_target(target.params, target.cfg, self.placement.target_mesh)
+            self.tparams = self.tops.prepare(tparams)
+        else:  # a model of one's own (models.protocol): replicated on the target mesh, own ops
+            self.tcfg, self.tparams = target.cfg, to_mesh(target.params, self.placement.target)
         self._serial = spans_processes(self.placement.target_mesh)
         tok = target.tokenizer
         self.vocab_size = tok.vocab_size if tok is not None else target.cfg.vocab_size
@@ -254,7 +264,8 @@ class Engine:
             toks[b, : len(h)] = h
         tgt = self.placement.target
         cfg = self.tcfg
-        self.tcache = init_target_cache(cfg, B, cache_len, self.placement.target_mesh)
+        self.tcache = (init_target_cache(cfg, B, cache_len, self.placement.target_mesh)
+                       if is_builtin(cfg) else init_cache(cfg, B, cache_len, self.placement.target))
         first, lp, self.tcache = settle(steps.prefill(
             self.tparams, cfg, self.tcache, to_mesh(toks, tgt), to_mesh(batch.prompt_lens, tgt),
             run["seed"], to_mesh(rids, tgt), run["sampling"], self.vocab_size, ops=self.tops),
