@@ -238,6 +238,20 @@ def test_progress_lines_for_compiles_and_tokens():
         "ssd-jax: first tokens after 1.0 s",
         "ssd-jax:   4 tokens so far",
     ]
+    # the loader's log lines inside a step: shown once, as progress, not by a root handler too
+    import logging
+    root_out, shown = io.StringIO(), io.StringIO()
+    root = logging.StreamHandler(root_out)
+    logging.getLogger().addHandler(root)
+    try:
+        with prog.Progress(True, stream=shown).step("loading target x", "target loaded"):
+            logging.getLogger("ssd_jax.load").info("x: converting it")
+    finally:
+        logging.getLogger().removeHandler(root)
+    lines = shown.getvalue().splitlines()
+    assert lines[:2] == ["ssd-jax: loading target x ...", "ssd-jax:   x: converting it"]
+    assert lines[2].startswith("ssd-jax: target loaded in ") and root_out.getvalue() == ""
+    assert logging.getLogger("ssd_jax.load").propagate  # restored after the step
     quiet = io.StringIO()
     with prog.Progress(None, stream=quiet).generating():  # not a terminal: off
         prog._on_event("/jax/core/compile/backend_compile_duration", 2.5)

@@ -68,16 +68,18 @@ class Progress:
         t0 = self.clock()
         self.say(f"{what} ...")
         handler, log = _LogLines(self), logging.getLogger("ssd_jax.load")
-        level = log.level
-        if self.enabled:
+        level, propagate = log.level, log.propagate
+        if self.enabled:  # shown here alone, not also by a root handler (absl installs one)
             log.addHandler(handler)
             log.setLevel(logging.INFO)
+            log.propagate = False
         try:
             yield
         finally:
             if self.enabled:
                 log.removeHandler(handler)
                 log.setLevel(level)
+                log.propagate = propagate
         self.say(f"{done} in {self.clock() - t0:.1f} s")
 
     @contextlib.contextmanager
