@@ -16,7 +16,7 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.i
 def test_notebooks_exist():
     names = {p.name for p in NOTEBOOKS}
     assert {"01_quickstart.ipynb", "02_speculation_cache.ipynb",
-            "03_saguaro_sampling.ipynb"} <= names, names
+            "03_saguaro_sampling.ipynb", "04_bring_your_own_model.ipynb"} <= names, names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
