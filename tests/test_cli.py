@@ -170,6 +170,15 @@ def test_generate_streams_the_same_text(pair, capsys, tmp_path):
     assert rc == 0, err
     assert out == want + "\n"
     assert err.startswith("ssd: ") and "tok/s" in err  # the metrics summary goes to stderr
+    # a stop string: the streamed text is cut before it, as the JSON text is
+    stop = want[3:5]
+    rc, out, err = run_cli([*args, "--stop", stop, "--json"], capsys)
+    assert rc == 0, err
+    cut = json.loads(out)
+    assert cut["finish_reason"] == "stop" and want.startswith(cut["text"]) and stop not in cut["text"]
+    rc, out, err = run_cli([*args, "--stop", stop], capsys)
+    assert rc == 0, err
+    assert out == cut["text"] + "\n"
 
 
 def test_json_logprobs_and_finish_are_the_python_results(pair, capsys):

@@ -13,6 +13,7 @@ import sys
 
 from ssd_jax.models import registry
 from ssd_jax.models.config import canonical_dtype
+from ssd_jax.runtime.batch import TokenSink
 
 EXIT_USAGE = 2
 
@@ -291,6 +292,25 @@ def _native_stdout_to_stderr() -> None:
     sys.stdout = open(real, "w", buffering=1, encoding="utf-8")
 
 
+class _Printer(TokenSink):
+    """The CLI's streaming callback, on the calling thread (so Ctrl-C stops at once): each
+    commit's text to stdout (`ssd_jax.runtime.stream.TextDecoder`: never a split UTF-8
+    character, stop strings held back and cut), and the token count to `progress`."""
+
+    def __init__(self, tokenizer, stop, progress, text: bool):
+        from ssd_jax.runtime.stream import TextDecoder
+        self.decoder, self.progress, self.text = TextDecoder(tokenizer, stop), progress, text
+
+    def commit(self, row, ids, logprobs, finish) -> bool:
+        """Print the text `ids` complete (with `text`), count them; never ends the row."""
+        self.progress.delta(len(ids), counting=not self.text)
+        out = self.decoder.finish(finish, ids) if finish else self.decoder.push(ids)
+        if self.text:
+            sys.stdout.write(out)
+            sys.stdout.flush()
+        return True
+
+
 def _generate(args) -> int:
     _validate_generate(args)
     prompt = args.prompt
@@ -356,13 +376,9 @@ def _generate(args) -> int:
                                {"role": "user", "content": prompt}]
     else:
         request.update(prompts=[prompt], chat=args.chat)
-    with progress.generating(), engine.stream(**request) as deltas:
-        for d in deltas:  # a delta's text never ends inside a UTF-8 character
-            progress.delta(len(d.token_ids), counting=args.json)
-            if not args.json:
-                sys.stdout.write(d.text)
-                sys.stdout.flush()
-    out = deltas.result
+    with progress.generating():
+        out = engine.generate(**request, on_tokens=_Printer(target.tokenizer, args.stop, progress,
+                                                           text=not args.json))
     if args.json:
         metrics = out.metrics.to_dict()
         metrics.update(dtype=dtype, draft_quant=quant if args.mode != "ar" else None,
