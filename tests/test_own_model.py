@@ -231,7 +231,7 @@ def _branch(batch, branches, depth):
 @pytest.fixture(scope="module")
 def builtin_pair():
     t = Model(CFG, random_params(CFG, 0, scale=1.0))
-    return t, Model(CFG, perturb(t.params, jax.random.key(2), 0.3))
+    return t, Model(CFG, perturb(t.params, jax.random.key(2), 0.05))
 
 
 def _as_functions(m, tree: bool):
@@ -240,8 +240,8 @@ def _as_functions(m, tree: bool):
                           **kw)
 
 
-SSD_KW = dict(mode="ssd", max_new_tokens=16, k=3, seed=5, ssd=SSDConfig(fanout=(2, 2, 1, 1)),
-              sampling=SamplingParams(temperature=1.0))
+SSD_KW = dict(mode="ssd", max_new_tokens=16, k=3, seed=5, ssd=SSDConfig(fanout=(3, 3, 2, 2)),
+              sampling=SamplingParams(temperature=0.7))
 FPROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6]]
 
 
