@@ -4,7 +4,7 @@
 learned embeddings plus sinusoidal positions, multi-head attention over a dict cache, a GELU MLP.
 It follows the protocol (vocab_size, init_cache, __call__ writing the cache) and brings no
 tree_step, so SSD's draft runs it through the generic branch step (a copy of the cache per
-branch). Checked: AR, SD and SSD greedy-equal to the model's own greedy decoding (each step a
+branch); `TreeLM` adds the protocol's own branch step (tree_step / init_branch). Checked: AR, SD and SSD greedy-equal to the model's own greedy decoding (each step a
 fresh full forward, no incremental cache); SSD sampled through the real Engine against the exact
 window distribution (`ssd_jax.testing`); the plain-function adapter over our transformer's own
 functions, with and without its tree_step, token-equal to the built-in path; and one clear
@@ -89,6 +89,41 @@ class TinyLM(nnx.Module):
         return logits, {"k": ks, "v": vs, "lengths": cache["lengths"] + tokens.shape[1]}
 
 
+class TreeLM(TinyLM):
+    """TinyLM with its own SSD branch step (the protocol's optional tree_step / init_branch):
+    each branch's KV in a buffer of its own, the shared cache only read."""
+
+    def init_branch(self, batch, branches, depth):
+        z = jnp.zeros((batch, branches, depth, self.heads, self.dim // self.heads), jnp.float32)
+        return {"k": [z] * len(self.blocks), "v": [z] * len(self.blocks)}
+
+    def tree_step(self, tokens, positions, cache, prefix_len, branch, step, valid):
+        x = self.embed(tokens) + sinusoid(positions, self.dim)  # [B, MQ, E]
+        ks, vs = [], []
+        for block, kc, vc, bk, bv in zip(self.blocks, cache["k"], cache["v"], branch["k"],
+                                         branch["v"]):
+            B, MQ, E = x.shape
+            q, k, v = jnp.split(block.qkv(block.norm1(x)).reshape(B, MQ, 3, block.heads, -1), 3, 2)
+            q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]
+            bk = jax.lax.dynamic_update_slice_in_dim(bk, k[:, :, None], step, axis=2)
+            bv = jax.lax.dynamic_update_slice_in_dim(bv, v[:, :, None], step, axis=2)
+            scale = 1 / math.sqrt(q.shape[-1])
+            s_cache = jnp.einsum("bmhd,bshd->bhms", q, kc) * scale  # the row's prefix
+            s_cache = jnp.where((jnp.arange(kc.shape[1]) < prefix_len[..., None])[:, None],
+                                s_cache, -1e30)
+            s_own = jnp.einsum("bmhd,bmjhd->bhmj", q, bk) * scale  # its own path, slots <= step
+            s_own = jnp.where(jnp.arange(bk.shape[2]) <= step, s_own, -1e30)
+            p = jax.nn.softmax(jnp.concatenate([s_cache, s_own], -1), axis=-1)
+            S = kc.shape[1]
+            o = (jnp.einsum("bhms,bshd->bmhd", p[..., :S], vc)
+                 + jnp.einsum("bhmj,bmjhd->bmhd", p[..., S:], bv))
+            x = x + block.out(o.reshape(B, MQ, E))
+            x = x + block.down(jax.nn.gelu(block.up(block.norm2(x))))
+            ks.append(bk)
+            vs.append(bv)
+        return self.head(self.norm(x)), {"k": ks, "v": vs}
+
+
 def scaled(module, factor):
     """A copy of `module` with every parameter times `factor` (sharper logits)."""
     g, state = nnx.split(module)
@@ -149,6 +184,24 @@ def test_nnx_model_greedy_equals_its_own_decoding(greedy_pair, mode):
         assert out.metrics.hits > 0
     if mode != "ar":
         assert out.metrics.acceptance_rate > 0.1  # drafted tokens accepted, not only bonuses
+
+
+def test_nnx_draft_with_its_own_tree_step(greedy_pair):
+    """SSD through the protocol's branch step of an NNX draft (TreeLM: the greedy pair's draft
+    weights), greedy-equal to the target's own decoding. Exactness holds for any draft, so the
+    branch step itself is checked by its speculations: the same hits and accepted lengths as
+    the generic branch step over the same weights."""
+    target, draft, want = greedy_pair
+    tree_draft = TreeLM(GV, rngs=nnx.Rngs(0))
+    nnx.update(tree_draft, nnx.state(draft))
+    model = from_nnx(tree_draft)
+    assert model.cfg.tree_step is not None
+    kw = dict(mode="ssd", max_new_tokens=20, k=3, ssd=SSDConfig(fanout=(3, 2, 2, 1)))
+    out = Engine(target, model, max_len=64, compilation_cache=False).generate(PROMPTS, **kw)
+    generic = Engine(target, draft, max_len=64, compilation_cache=False).generate(PROMPTS, **kw)
+    assert out.token_ids == want
+    assert out.metrics.hits == generic.metrics.hits > 0
+    assert out.metrics.accept_hist == generic.metrics.accept_hist
 
 
 def test_nnx_target_with_builtin_draft():
