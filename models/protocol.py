@@ -170,11 +170,6 @@ def branch_from_forward(params, cfg, tokens: jax.Array, copies):
     return logits.reshape(B, MQ, -1), copies
 
 
-def describe(cfg) -> str:
-    """A one-line name of the model kind for messages."""
-    return "the built-in transformer" if is_builtin(cfg) else type(cfg).__name__
-
-
-__all__ = ["DEFAULT_MAX_POSITIONS", "branch_from_forward", "describe", "forward", "init_branch",
+__all__ = ["DEFAULT_MAX_POSITIONS", "branch_from_forward", "forward", "init_branch",
            "init_cache", "is_builtin", "lengths", "missing_members", "select_rows", "tree_step",
            "with_lengths"]

@@ -4,8 +4,9 @@
 learned embeddings plus sinusoidal positions, multi-head attention over a dict cache, a GELU MLP.
 It follows the protocol (vocab_size, init_cache, __call__ writing the cache) and brings no
 tree_step, so SSD's draft runs it through the generic branch step (a copy of the cache per
-branch); `TreeLM` adds the protocol's own branch step (tree_step / init_branch). Checked: AR, SD and SSD greedy-equal to the model's own greedy decoding (each step a
-fresh full forward, no incremental cache); SSD sampled through the real Engine against the exact
+branch); `TreeLM` adds the protocol's own branch step (tree_step / init_branch). Checked: AR, SD
+and SSD greedy-equal to the model's own greedy decoding (each step a fresh full forward, no
+incremental cache); SSD sampled through the real Engine against the exact
 window distribution (`ssd_jax.testing`); the plain-function adapter over our transformer's own
 functions, with and without its tree_step, token-equal to the built-in path; and one clear
 TypeError for each wrong object.
@@ -46,7 +47,8 @@ class Block(nnx.Module):
         self.norm1, self.norm2 = nnx.RMSNorm(dim, rngs=rngs), nnx.RMSNorm(dim, rngs=rngs)
         self.qkv = nnx.Linear(dim, 3 * dim, rngs=rngs)
         self.out = nnx.Linear(dim, dim, rngs=rngs)
-        self.up, self.down = nnx.Linear(dim, 4 * dim, rngs=rngs), nnx.Linear(4 * dim, dim, rngs=rngs)
+        self.up = nnx.Linear(dim, 4 * dim, rngs=rngs)
+        self.down = nnx.Linear(4 * dim, dim, rngs=rngs)
 
     def __call__(self, x, positions, kc, vc):
         B, T, E = x.shape
