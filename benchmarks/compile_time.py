@@ -16,6 +16,9 @@ steps, the next three should compile nothing. The second process repeats the per
 the first process's persistent cache: its compile seconds as a fraction of the first's is what the
 persistent cache saves a second start.
 
+`--variant no-platform-switch` runs both processes with the CPU kernels traced without
+`lax.platform_dependent` (benchmarks/compile_probe.py says what that is; same executables).
+
 The persistent cache is the Engine's (`ssd_jax.runtime.compile_cache`), pointed at a fresh
 temporary directory (`--compile-cache` to give one) so the first process really starts cold. The
 table goes to stdout, the JSON (with the CPU's features and the load average before and after
@@ -33,6 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
           "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
@@ -113,7 +117,10 @@ def child(args) -> dict:
     from ssd_jax.runtime.engine import Engine
     from ssd_jax.tools.cli import DEFAULT_K, default_fanout
 
-    out = dict(phase=args.phase, loadavg_start=_loadavg(), cpu_features=cpu_features(),
+    if args.variant != "as-is":  # benchmarks/compile_probe.py: the cpu kernels traced another way
+        from compile_probe import _patch
+        _patch(args.variant)
+    out = dict(phase=args.phase, variant=args.variant, loadavg_start=_loadavg(), cpu_features=cpu_features(),
                jax=jax.__version__, devices=[str(d) for d in jax.devices()])
     out["import_s"] = round(time.perf_counter() - t_import, 2)
     ev = Events()
@@ -179,7 +186,8 @@ def child(args) -> dict:
 def _table(res: dict) -> str:
     cold, warm = res["cold"], res.get("warm")
     lines = [f"# compile time: {res['target']} target, {res['draft']} draft "
-             f"({cold['dtype']}, draft {cold['draft_quant']}, backend {cold['backend']})",
+             f"({cold['dtype']}, draft {cold['draft_quant']}, backend {cold['backend']}, "
+             f"kernels traced {cold.get('variant', 'as-is')})",
              f"CPU: {res['cpu']}; jax {cold['jax']}; load average (1, 5, 15 min) "
              f"{cold['loadavg_start']} at the start, {(warm or cold)['loadavg_end']} at the end", ""]
     load = [f"load target {cold['load_target_s']} s, draft {cold['load_draft_s']} s"]
@@ -227,13 +235,16 @@ def main(argv=None) -> int:
     ap.add_argument("--convert", action="store_true",
                     help="also time a conversion from the GGUF files in the first process")
     ap.add_argument("--no-warm", action="store_true", help="skip the second process")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the first process's sweep")
+    ap.add_argument("--variant", default="as-is", choices=("as-is", "no-platform-switch"),
+                    help="how the cpu kernels are traced (benchmarks/compile_probe.py; default as-is)")
     ap.add_argument("--out", default=None, help="the JSON's path (default benchmarks/results/)")
     ap.add_argument("--phase", choices=("cold", "warm"), default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
     if args.phase:
-        args.sweep = args.phase == "cold"
+        args.sweep = args.phase == "cold" and not args.no_sweep
         res = child(args)
         Path(args.result).write_text(json.dumps(res))
         return 0
@@ -250,7 +261,7 @@ def main(argv=None) -> int:
             args.dtype, "--draft-quant", args.draft_quant, "--backend", args.backend,
             "--placement", args.placement, "--modes", ",".join(args.modes), "--max-new-tokens",
             str(args.max_new_tokens), "--max-len", str(args.max_len), "--compile-cache",
-            args.compile_cache]
+            args.compile_cache, "--variant", args.variant] + (["--no-sweep"] if args.no_sweep else [])
     for phase in ("cold",) if args.no_warm else ("cold", "warm"):
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             cmd = base + ["--phase", phase, "--result", f.name] + (
