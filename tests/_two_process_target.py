@@ -25,6 +25,7 @@ draft_dir, target_dir, signal = sys.argv[1], sys.argv[2], sys.argv[3]
 quant = sys.argv[4] if len(sys.argv) > 4 else "none"
 draft_vocab = int(sys.argv[5]) if len(sys.argv) > 5 else None
 remote = start_two_process(draft_dir, cores=(0, 1), quant=quant, draft_vocab=draft_vocab,
+                           compilation_cache=False,  # as the Engine below
                            draft_main=os.path.join(HERE, "_two_process_draft.py") if signal != "-" else None)
 
 import jax  # noqa: E402

@@ -93,3 +93,47 @@ def test_min_compile_secs_reads_its_variable(monkeypatch):
         monkeypatch.setenv("SSD_JAX_COMPILE_CACHE_MIN_SECS", bad)
         with pytest.raises(ValueError, match="SSD_JAX_COMPILE_CACHE_MIN_SECS"):
             compile_cache.min_compile_secs()
+
+
+def _hf_pair(root):
+    """A tiny target (a Model) and its draft saved as an HF folder `root/draft` (what a spawned
+    draft process loads)."""
+    from safetensors.numpy import save_file
+
+    from ssd_jax.models.config import tiny_config
+    from ssd_jax.models.model import Model
+    from ssd_jax.models.params import params_from_hf, perturb_hf_tensors, random_hf_tensors
+
+    cfg = tiny_config("qwen2", vocab_size=64)
+    t = random_hf_tensors(cfg, 0, scale=1.0)
+    (root / "draft").mkdir()
+    save_file(perturb_hf_tensors(t, 0.05, seed=1), str(root / "draft" / "model.safetensors"))
+    (root / "draft" / "config.json").write_text(json.dumps(cfg.to_hf()))
+    return Model(cfg, params_from_hf(t, cfg))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", ["dir", False])
+def test_the_draft_process_keeps_its_compiles(tmp_path, setting):
+    # The draft's tree and chain are the largest compiles of an SSD call; its process turns the
+    # persistent cache on as the target's Engine does (here the target's cache is off, so every
+    # entry in the directory is the draft process's own).
+    from ssd_jax.runtime.engine import Engine, SSDConfig
+    from ssd_jax.runtime.transport import start_two_process
+
+    target = _hf_pair(tmp_path)
+    cache = tmp_path / "cc"
+    rd = start_two_process(str(tmp_path / "draft"), cores=None, timeout=300,
+                           compilation_cache=str(cache) if setting == "dir" else False)
+    try:
+        eng = Engine(target, remote_draft=rd, compilation_cache=False)
+        out = eng.generate([[1, 2, 3, 4, 5]], mode="ssd", max_new_tokens=8, k=3,
+                           ssd=SSDConfig(fanout=(2, 1, 1, 1)))
+        assert out.metrics.lookups > 0, out.metrics
+    finally:
+        rd.close()
+    names = {p.name.split("-")[0] for p in cache.iterdir()} if cache.exists() else set()
+    if setting == "dir":
+        assert {"jit_draft_tree", "jit_draft_chain"} <= names, sorted(names)
+    else:
+        assert names == set(), sorted(names)

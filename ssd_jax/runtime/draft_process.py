@@ -202,9 +202,18 @@ def main(argv=None) -> None:
                         "$SSD_JAX_DRAFT_SECRET_FILE)")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds to keep trying to reach the target")
+    p.add_argument("--compilation-cache", default="on",
+                   help="JAX's persistent compilation cache: on (the default directory, or "
+                        "$SSD_JAX_COMPILE_CACHE), off, or a directory (default on)")
     a = p.parse_args(argv)
     if a.cpu is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {a.cpu})  # before XLA starts its thread pool
+    from ssd_jax.runtime.compile_cache import enable_compilation_cache
+    try:  # the draft's tree and chain are the largest compiles of an SSD call: keep them
+        enable_compilation_cache({"on": True, "off": False}.get(a.compilation_cache,
+                                                                a.compilation_cache))
+    except (ValueError, OSError) as e:
+        sys.exit(f"ssd_jax draft process: --compilation-cache: {e}")
     try:
         key = read_secret(secret_file=a.secret_file)
         if key is None:

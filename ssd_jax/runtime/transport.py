@@ -318,7 +318,8 @@ def start_two_process(draft: str | None, *, dtype: str = "float32", quant: str =
                       timeout: float = 300, reply_timeout: float = DEFAULT_REPLY_TIMEOUT,
                       draft_main: str | None = None, listen: str | None = None,
                       secret: str | bytes | None = None,
-                      secret_file: str | None = None) -> RemoteDraft:
+                      secret_file: str | None = None,
+                      compilation_cache: bool | str = True) -> RemoteDraft:
     """Launch the draft process (or wait for one to join) and connect to it.
 
     draft: a default model name, a .gguf file, an HF folder, or a directory written by
@@ -330,7 +331,10 @@ def start_two_process(draft: str | None, *, dtype: str = "float32", quant: str =
     join and load its model; reply_timeout: seconds the target waits for any later answer before
     it counts the draft as hung (the first generate calls compile: raise it for a large draft on
     a slow machine). draft_main: a script to run instead of `-m ssd_jax.runtime.draft_process`
-    (same arguments; e.g. an instrumented draft in tests).
+    (same arguments; e.g. an instrumented draft in tests). compilation_cache: the spawned draft's
+    persistent compilation cache, as `Engine`'s argument (True: the default directory, which
+    SSD_JAX_COMPILE_CACHE overrides; a directory; False: off): the draft's steps are the largest
+    compiles of an SSD call, so a second run reads them back instead of compiling them again.
 
     The target listens on `listen` ("host:port", default 127.0.0.1 and a free port) and a draft
     must prove the shared secret (HMAC) before anything else is read. A spawned draft gets a fresh
@@ -361,6 +365,8 @@ def start_two_process(draft: str | None, *, dtype: str = "float32", quant: str =
             cmd += ["--cpu", str(cores[1])]
         if cache_dir is not None:
             cmd += ["--cache-dir", str(cache_dir)]
+        cmd += ["--compilation-cache", {True: "on", False: "off"}.get(compilation_cache,
+                                                                      str(compilation_cache))]
         env = {k: v for k, v in os.environ.items() if k != SECRET_FILE_ENV}
         env[SECRET_ENV] = key_text
     parse_address(listen or "127.0.0.1:0")  # a bad address is an error before anything starts
