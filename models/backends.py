@@ -180,6 +180,9 @@ def select(backend: str | Ops = "auto", mesh=None) -> Ops:
     if not one_device:
         raise ValueError(f"backend {backend!r} runs on one device; a mesh of {len(devices)} "
                          f"devices needs backend 'xla' (or 'auto')")
+    if backend == "cpu" and platform != "cpu":  # its kernels are CPU custom calls, nothing else
+        raise ValueError(f"backend 'cpu' runs on CPU devices; this mesh is on {platform!r}: use "
+                         f"'auto', 'xla' or 'pallas'")
     return _plugin(backend)
 
 

@@ -156,3 +156,12 @@ def test_grad_with_the_auto_backend_of_this_machine():
         np.testing.assert_allclose(float(_loss(params, CFG, ops)), float(_loss(
             random_params(CFG, 0), CFG, XLA)), rtol=1e-5)
         assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(got))
+
+
+def test_the_cpu_backend_is_refused_off_a_cpu_device():
+    # its kernels are CPU custom calls with no other lowering (models/cpu/build.py's dispatch)
+    class Gpu:
+        platform = "gpu"
+
+    with pytest.raises(ValueError, match="backend 'cpu' runs on CPU devices.*'gpu'"):
+        backends.select("cpu", [Gpu()])

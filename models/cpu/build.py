@@ -186,10 +186,12 @@ def differentiable(kernel, reference):
 
 
 def dispatch(kernel, reference, *args):
-    """`differentiable(kernel, reference)(*args)`, the kernel under `lax.platform_dependent` so
-    that any non-CPU lowering is the reference."""
-    on_cpu = functools.partial(jax.lax.platform_dependent, cpu=kernel, default=reference)
-    return differentiable(lambda *a: on_cpu(*a), reference)(*args)
+    """`differentiable(kernel, reference)(*args)`: the kernel, differentiable through its XLA
+    reference. No `lax.platform_dependent` around it: the cpu table is only selected for a CPU
+    device (`backends.select` refuses it elsewhere), and the switch traced the reference beside
+    every kernel call, most of a step's trace time, for a branch no CPU lowering keeps
+    (benchmarks/README.md, "Compile time")."""
+    return differentiable(kernel, reference)(*args)
 
 
 __all__ = ["DTYPES", "ISAS", "available", "build", "compiler", "differentiable", "dispatch", "features", "flags",
