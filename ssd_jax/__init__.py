@@ -45,6 +45,9 @@ _EXPORTS = {
     "forward": "ssd_jax.models.transformer",
     "tree_step": "ssd_jax.models.transformer",
     "quantize_model": "ssd_jax.models.quant",
+    # a model of one's own (models/protocol.py): a Flax NNX module, or functions over a pytree
+    "from_nnx": "ssd_jax.models.adapters",
+    "from_functions": "ssd_jax.models.adapters",
     # backends: the op tables the forward runs on
     "Ops": "ssd_jax.models.ops",
     "select_backend": ("ssd_jax.models.backends", "select"),
