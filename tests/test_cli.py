@@ -5,6 +5,7 @@ model.safetensors, a byte-level BPE tokenizer.json): `generate` in each mode (JS
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -589,6 +590,28 @@ def test_bench_model_errors(pair, capsys, tmp_path):
     rc, _, err = run_cli(["bench", "--target", pair["target"], "--draft", pair["draft"],
                           "--prompts-file", str(tmp_path / "absent.jsonl")], capsys)
     assert_one_line_error(rc, err, "absent.jsonl")
+
+
+def test_bench_takes_hub_ids(pair, capsys, tmp_path, monkeypatch):
+    # "Org/Name" from the local HF cache, as load_model takes it: resolved (here up to the shared
+    # tokenizer check, before any worker starts), or one line saying where it looked
+    hub_root = tmp_path / "hf" / "hub"
+    for repo_id, folder in (("Org/target", pair["target"]), ("Org/other", pair["other"])):
+        org, name = repo_id.split("/")
+        repo = hub_root / f"models--{org}--{name}"
+        (repo / "refs").mkdir(parents=True)
+        (repo / "refs" / "main").write_text("c0ffee\n")
+        shutil.copytree(folder, repo / "snapshots" / "c0ffee")
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub_root))
+    monkeypatch.chdir(tmp_path)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    base = ["bench", "--prompts-file", str(prompts), "--out", str(tmp_path / "b")]
+    rc, _, err = run_cli([*base, "--target", "Org/target", "--draft", "Org/other"], capsys)
+    assert_one_line_error(rc, err, "different tokenizers")
+    rc, _, err = run_cli([*base, "--target", "Org/target", "--draft", "Org/absent"], capsys)
+    assert_one_line_error(rc, err, str(hub_root / "models--Org--absent"))
+    assert not (tmp_path / "b").exists()
 
 
 def test_console_script_errors_have_no_traceback(pair, tmp_path):

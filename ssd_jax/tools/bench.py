@@ -75,8 +75,8 @@ def _cores(text: str) -> tuple[int, int]:
 def add_arguments(b: argparse.ArgumentParser, fanout_type) -> None:
     """The `ssd-jax bench` flags on parser `b`; `fanout_type` parses a --fanout value."""
     b.add_argument("--target", default=registry.DEFAULT_TARGET,
-                   help=f"a default model name, a .gguf file or an HF folder "
-                        f"(default {registry.DEFAULT_TARGET})")
+                   help=f"a default model name, a .gguf file, an HF folder or an HF Hub id "
+                        f"(Org/Name) in the local HF cache (default {registry.DEFAULT_TARGET})")
     b.add_argument("--draft", default=registry.DEFAULT_DRAFT,
                    help=f"the draft model, as --target (default {registry.DEFAULT_DRAFT})")
     b.add_argument("--prompts-file", default=None,
@@ -263,8 +263,10 @@ def _check_models(args) -> None:
     a tokenizer, before any worker starts."""
     from ssd_jax.models.load import _tokenizer
 
-    tpath = registry.resolve(args.target, args.cache_dir)
-    dpath = registry.resolve(args.draft, args.cache_dir)
+    from ssd_jax.models import hub
+
+    tpath = hub.resolve(args.target, args.cache_dir)
+    dpath = hub.resolve(args.draft, args.cache_dir)
     tt, dt = _tokenizer(tpath), _tokenizer(dpath)
     if tt.fingerprint() != dt.fingerprint():
         raise ValueError("draft and target have different tokenizers: speculative decoding needs one "

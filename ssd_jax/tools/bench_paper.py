@@ -234,7 +234,7 @@ def _plan(res: dict, k: int) -> tuple[int, ...]:
 def run(args) -> int:
     """`ssd-jax bench --suite paper`."""
     from ssd_jax.models.load import _tokenizer
-    from ssd_jax.models import registry
+    from ssd_jax.models import hub
     from ssd_jax.tools import datasets
     from ssd_jax.tools.bench import (BenchError, _check_models, _default_cores, _loadavg,
                                      _run_worker, machine_info)
@@ -254,7 +254,7 @@ def run(args) -> int:
         prompts += datasets.prompts(name, n, cache_dir=args.cache_dir)
         provenance[name] = datasets.describe(name)
     if any(p["chat"] for p in prompts) and \
-            not _tokenizer(registry.resolve(args.target, args.cache_dir)).chat_template:
+            not _tokenizer(hub.resolve(args.target, args.cache_dir)).chat_template:
         raise ValueError(f"{args.target}: its tokenizer has no chat template, which the chat sets "
                          f"need (--datasets humaneval runs without one)")
     cores = list(args.cores or _default_cores())

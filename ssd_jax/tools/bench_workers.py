@@ -12,7 +12,7 @@ import time
 import traceback
 from pathlib import Path
 
-from ssd_jax.models import registry
+from ssd_jax.models import hub
 from ssd_jax.tools.bench_report import _jsonable
 
 LAYOUTS = ("colocated", "split", "two-process")
@@ -177,7 +177,7 @@ def hf_model_on_our_weights(spec: str, dtype: str, cache_dir: str | None):
     from ssd_jax.models.config import ModelConfig
     from ssd_jax.models.load import _read
 
-    config, tensors = _read(registry.resolve(spec, cache_dir))
+    config, tensors = _read(hub.resolve(spec, cache_dir))
     cfg = ModelConfig.from_hf(config, "float32")
     hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf())
     with torch.device("meta"):
@@ -205,7 +205,7 @@ def worker_hf(job: dict, threads: int = 1) -> dict:
     from ssd_jax.models.load import _tokenizer
 
     torch.set_num_threads(threads)
-    tok = _tokenizer(registry.resolve(job["target"], job["cache_dir"]))
+    tok = _tokenizer(hub.resolve(job["target"], job["cache_dir"]))
     ids = [encode_prompt(tok, p) for p in job["prompts"]]
     eos = list(tok.eos_ids)
     target = hf_model_on_our_weights(job["target"], job["hf_dtype"], job["cache_dir"])
