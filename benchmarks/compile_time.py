@@ -16,7 +16,7 @@ steps, the next three should compile nothing. The second process repeats the per
 the first process's persistent cache: its compile seconds as a fraction of the first's is what the
 persistent cache saves a second start.
 
-`--variant no-platform-switch` runs both processes with the CPU kernels traced without
+`--variant platform-switch` runs both processes with the CPU kernels traced as before 138cbc4, under
 `lax.platform_dependent` (benchmarks/compile_probe.py says what that is; same executables).
 
 The persistent cache is the Engine's (`ssd_jax.runtime.compile_cache`), pointed at a fresh
@@ -236,7 +236,7 @@ def main(argv=None) -> int:
                     help="also time a conversion from the GGUF files in the first process")
     ap.add_argument("--no-warm", action="store_true", help="skip the second process")
     ap.add_argument("--no-sweep", action="store_true", help="skip the first process's sweep")
-    ap.add_argument("--variant", default="as-is", choices=("as-is", "no-platform-switch"),
+    ap.add_argument("--variant", default="as-is", choices=("as-is", "platform-switch"),
                     help="how the cpu kernels are traced (benchmarks/compile_probe.py; default as-is)")
     ap.add_argument("--out", default=None, help="the JSON's path (default benchmarks/results/)")
     ap.add_argument("--phase", choices=("cold", "warm"), default=None, help=argparse.SUPPRESS)
