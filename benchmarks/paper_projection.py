@@ -3,7 +3,7 @@ target TP 4 over four GPUs, the draft on a fifth), from a roofline model of each
 acceptance, hit rates and tokens per round that we measured on our pair (Qwen2.5-Coder-1.5B /
 0.5B on a CPU), put through the formulas the planner uses (ssd_jax.algorithm.policy: sd_speedup,
 ssd_speedup, Costs.tree, hit_probability, plan). Printed beside the paper's numbers
-(../shared/docs/SSD.md §7).
+(the paper's §7; docs/ALGORITHM.md cites it).
 
     python benchmarks/paper_projection.py --results benchmarks/results/paper-<date>/paper.json
     python benchmarks/paper_projection.py --acceptance 0.86 --hit-rate 0.85   # no results file

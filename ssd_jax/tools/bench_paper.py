@@ -1,4 +1,4 @@
-"""`ssd-jax bench --suite paper`: the paper's evaluation table (../shared/docs/SSD.md §7) on this
+"""`ssd-jax bench --suite paper`: the paper's evaluation table (its §7) on this
 machine: per dataset AR, SD and SSD tokens/s, SSD/SD, SSD/AR and SD/AR with 95% intervals over
 prompts, tokens per round, the hit rate, and the speed-ups the §6 model predicts.
 

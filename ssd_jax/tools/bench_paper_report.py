@@ -1,5 +1,5 @@
-"""`ssd-jax bench --suite paper`'s report: the paper's published numbers (../shared/docs/SSD.md
-§7), paper.md (this run's table per dataset, the paper's beside it) and paper_ratios.png
+"""`ssd-jax bench --suite paper`'s report: the paper's published numbers (its §7;
+docs/ALGORITHM.md cites it), paper.md (this run's table per dataset, the paper's beside it) and paper_ratios.png
 (ssd_jax/tools/bench_paper.py runs the suite)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-# The paper's numbers (SSD.md §7): batch 1, greedy, 512 output tokens, 128 prompts per dataset.
+# The paper's numbers (its §7): batch 1, greedy, 512 output tokens, 128 prompts per dataset.
 # (AR, SD, SSD tokens/s, SSD/SD, SSD/AR); None where the paper gives no figure.
 PAPER = {
     "llama": dict(pair="Llama-3.1-70B / Llama-3.2-1B", hardware="target on 4 H100 (TP 4), draft "

