@@ -99,6 +99,27 @@ def _dynamic(fn, a):
     return [(n, x) for n, x in zip(names, a) if n not in STATIC]
 
 
+def compile_phases(fn, *args, **kwargs):
+    """(compiled, serialised bytes, {trace_s, lower_s, compile_s, load_s}) of jitted `fn` on
+    `args`: the seconds of each phase a first call pays (trace, lowering, XLA's compile), and of
+    loading the serialised executable back, which a persistent-cache hit pays besides the read."""
+    from jax.experimental import serialize_executable as se
+
+    t0 = time.perf_counter()
+    traced = fn.trace(*args, **kwargs)
+    t1 = time.perf_counter()
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    compiled = lowered.compile()
+    t3 = time.perf_counter()
+    payload, in_tree, out_tree = se.serialize(compiled)
+    t4 = time.perf_counter()
+    se.deserialize_and_load(payload, in_tree, out_tree)
+    t5 = time.perf_counter()
+    return compiled, payload, dict(trace_s=t1 - t0, lower_s=t2 - t1, compile_s=t3 - t2,
+                                   load_s=t5 - t4)
+
+
 def main(argv=None) -> int:
     """Time trace / lower / compile / load and the run time of each step under each variant."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -112,7 +133,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import jax
-    from jax.experimental import serialize_executable as se
 
     from ssd_jax.models import backends
     from ssd_jax.models.load import load_draft
@@ -130,20 +150,9 @@ def main(argv=None) -> int:
             _patch(v)
             jax.clear_caches()
             fn, a, kw = _args(step, model, params, ops)
-            t0 = time.perf_counter()
-            traced = fn.trace(*a, **kw)
-            t1 = time.perf_counter()
-            lowered = traced.lower()
-            t2 = time.perf_counter()
-            compiled = lowered.compile()
-            t3 = time.perf_counter()
-            payload, in_tree, out_tree = se.serialize(compiled)
-            t4 = time.perf_counter()
-            se.deserialize_and_load(payload, in_tree, out_tree)
-            t5 = time.perf_counter()
+            compiled, payload, phases = compile_phases(fn, *a, **kw)
             hlo = compiled.as_text()
-            rows[v] = dict(trace_s=round(t1 - t0, 2), lower_s=round(t2 - t1, 2),
-                           compile_s=round(t3 - t2, 2), load_s=round(t5 - t4, 2),
+            rows[v] = dict({k: round(t, 2) for k, t in phases.items()},
                            serialized_mb=round(len(payload) / 1e6, 2),
                            hlo_lines=hlo.count("\n"), custom_calls=hlo.count("custom-call("),
                            fusions=hlo.count(" fusion("))

@@ -56,8 +56,8 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.experimental import serialize_executable as se
 
+    from compile_probe import compile_phases  # this folder (the script's sys.path[0])
     from ssd_jax.models import transformer as tf
     from ssd_jax.models.kv_cache import init_cache
     from ssd_jax.models.load import load_model
@@ -154,19 +154,8 @@ def main(argv=None) -> int:
                             ("scan", scanned, (params, stacked, fresh(kc), fresh(vc), lengths, bonus)),
                             ("scan-readonly", scanned_ro, (params, stacked, fresh(kc), fresh(vc),
                                                            lengths, bonus))):
-            t0 = time.perf_counter()
-            tr = fn.trace(*a)
-            t1 = time.perf_counter()
-            lo = tr.lower()
-            t2 = time.perf_counter()
-            c = lo.compile()
-            t3 = time.perf_counter()
-            payload, it, ot = se.serialize(c)
-            t4 = time.perf_counter()
-            se.deserialize_and_load(payload, it, ot)
-            t5 = time.perf_counter()
-            rows[name] = dict(trace_s=round(t1 - t0, 3), lower_s=round(t2 - t1, 3),
-                              compile_s=round(t3 - t2, 2), load_s=round(t5 - t4, 3),
+            c, payload, phases = compile_phases(fn, *a)
+            rows[name] = dict({k: round(t, 2 if k == "compile_s" else 3) for k, t in phases.items()},
                               serialized_mb=round(len(payload) / 1e6, 2))
             compiled[name] = (c, list(a))
         outs = {}
