@@ -103,14 +103,13 @@ class Batch:
         many were kept (0 for a finished row)."""
         if self.finish[row]:
             return 0
-        kept, lps = [], []
+        kept = []
         for t, lp in zip(tokens, logprobs):
             t = int(t)
             self.history[row].append(t)
             self.generated[row].append(t)
             self.logprobs[row].append(float(lp))
             kept.append(t)
-            lps.append(float(lp))
             if t in self.eos:
                 self.finish[row] = "eos"
             elif len(self.generated[row]) >= self.max_new:
@@ -120,6 +119,7 @@ class Batch:
             if self.finish[row]:
                 break
         if kept and isinstance(self.on_tokens, TokenSink):
+            lps = self.logprobs[row][-len(kept):]  # the ones just appended
             if not self.on_tokens.commit(row, kept, lps, self.finish[row]) and not self.finish[row]:
                 self.finish[row] = "cancelled"
         elif kept and self.on_tokens is not None:
