@@ -165,8 +165,7 @@ class SamplingParams:
                                      f"got shape {a.shape}")
                 if name == "top_k" and a.size and not np.issubdtype(a.dtype, np.integer):
                     raise ValueError(f"top_k must be ints, got {v!r}")
-                for x in a.tolist():
-                    _check_value(name, x)
+                _check_array(name, a)
                 n.add(len(a))
                 object.__setattr__(self, name, a.astype(dtype))
             else:
@@ -218,6 +217,23 @@ def _check_value(name: str, v) -> None:
         raise ValueError(f"temperature must be finite and >= 0, got {v!r}")
     if name == "top_p" and not (0.0 < v <= 1.0):  # also rejects NaN
         raise ValueError(f"top_p must be in (0, 1], got {v!r}")
+
+
+def _check_array(name: str, a: np.ndarray) -> None:
+    """`_check_value` on every entry of 1-D `a`, vectorised for numeric arrays (a [B] field of a
+    large batch is checked on every call): the first bad entry raises `_check_value`'s error."""
+    if a.dtype == bool or not np.issubdtype(a.dtype, np.number):
+        for x in a.tolist():  # bools, strings, objects: the entry-wise check names the first
+            _check_value(name, x)
+        return
+    if name == "top_k":
+        bad = a < 0
+    elif name == "temperature":
+        bad = ~np.isfinite(a) | (a < 0)
+    else:
+        bad = ~((a > 0) & (a <= 1))
+    if bad.any():
+        _check_value(name, a.tolist()[int(np.argmax(bad))])
 
 
 def _host_leaf(v, dtype):
