@@ -37,3 +37,24 @@ def test_lookups_are_the_rounds_each_sequence_has_after_its_first(target, draft_
         assert m.timeline[-1].lookups == 0  # the last round decides no further round
         if draft_kind == "same":  # greedy, draft == target: the fork always caches the bonus
             assert m.lookups > 0 and m.hits == m.lookups
+        assert sum(m.lookups_by_accept) == m.lookups and sum(m.hits_by_accept) == m.hits
+        if draft_kind == "same":  # every draft token accepted, every lookup of that outcome a hit
+            assert m.lookups_by_accept[:-1] == [0, 0, 0] and m.hits_by_accept == m.lookups_by_accept
+
+
+def test_hits_by_outcome_match_the_timeline_of_a_single_sequence(target):
+    """At batch 1 a round's tokens are its accepted count + 1, and its lookup (hit or not) is the
+    lookup of that outcome: the per-outcome split read off the timeline is the metrics' split."""
+    draft = Model(CFG, perturb(target.params, jax.random.key(1), 0.2))
+    eng = Engine(target, draft, compilation_cache=False, backend="xla")
+    m = eng.generate([PROMPTS[0]], mode="ssd", k=3, max_new_tokens=40, eos_ids=[],
+                     ssd=SSDConfig(fanout=(2, 1, 1, 1))).metrics
+    lookups, hits = [0] * 4, [0] * 4
+    for r in m.timeline:
+        if r.lookups:
+            lookups[r.tokens - 1] += 1
+            hits[r.tokens - 1] += r.hit
+    assert m.lookups_by_accept == lookups and m.hits_by_accept == hits
+    assert sum(lookups[:-1]) > 0 and 0 < sum(hits) < sum(lookups)  # rejections, hits and misses
+    rates = m.to_dict()["hit_rate_by_accept"]  # NaN (no lookup of that outcome) is written null
+    assert rates == [h / n if n else None for h, n in zip(hits, lookups)]

@@ -396,6 +396,9 @@ class Engine:
             missed = ~hit & nxt
             m.hits += int((hit & nxt).sum())
             m.lookups += int(nxt.sum())
+            for b in np.flatnonzero(nxt):
+                m.lookups_by_accept[k_acc[b]] += 1
+                m.hits_by_accept[k_acc[b]] += int(hit[b])
             if missed.any():
                 m.backups[drun.backup] = m.backups.get(drun.backup, 0) + int(missed.sum())
                 if chooser is not None:

@@ -81,6 +81,10 @@ class Metrics:
     accept_hist_after_miss: list[int] = dataclasses.field(default_factory=list)
     hits: int = 0
     lookups: int = 0
+    # SSD: the lookups and hits split by the outcome they looked up, [K+1] by accepted count j
+    # (j = K: every draft token accepted), so a hit rate can be read per outcome
+    hits_by_accept: list[int] = dataclasses.field(default_factory=list)
+    lookups_by_accept: list[int] = dataclasses.field(default_factory=list)
     backups: dict[str, int] = dataclasses.field(default_factory=dict)
     timeline: list[RoundTimes] = dataclasses.field(default_factory=list)
     predicted_speedup: float | None = None
@@ -95,6 +99,8 @@ class Metrics:
         self.accept_hist = [0] * (k + 1)
         self.accept_hist_after_hit = [0] * (k + 1)
         self.accept_hist_after_miss = [0] * (k + 1)
+        self.hits_by_accept = [0] * (k + 1)
+        self.lookups_by_accept = [0] * (k + 1)
 
     def add_round(self, r: RoundTimes) -> None:
         """Append a round to the timeline; unless it compiled, add its time and tokens to the
@@ -147,6 +153,11 @@ class Metrics:
         """hits / lookups (NaN before any lookup)."""
         return self.hits / self.lookups if self.lookups else float("nan")
 
+    @property
+    def hit_rate_by_accept(self) -> list[float]:
+        """hits / lookups per looked-up outcome, [K+1] by accepted count (NaN where none)."""
+        return [h / n if n else float("nan") for h, n in zip(self.hits_by_accept, self.lookups_by_accept)]
+
     def ssd_prediction(self, t1: float | None) -> float | None:
         """The docs/ALGORITHM.md §6 speed-up over plain decoding from this SSD run's own steady
         rounds (median verify and tree times, mean backup time, tokens per round after hits and
@@ -170,6 +181,7 @@ class Metrics:
         d.update(tokens_per_s=self.tokens_per_s, tokens_per_round=self.tokens_per_round,
                  acceptance_per_position=self.acceptance_per_position,
                  acceptance_rate=self.acceptance_rate, hit_rate=self.hit_rate,
+                 hit_rate_by_accept=self.hit_rate_by_accept,
                  per_token_acceptance=self.per_token_acceptance)
         d["schema"] = SCHEMA
         return _jsonable(d)
