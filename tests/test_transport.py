@@ -117,6 +117,28 @@ def test_two_process_quantized_draft_equals_in_process(pair, quant, draft_vocab)
                                           compilation_cache=False))
 
 
+def test_draft_format_auto_is_chosen_in_the_draft_process_and_a_bad_one_fails_at_once(pair):
+    """quant="auto" is what `defaults.choose` picks, decided where the draft runs (its own
+    machine's devices); an unknown format is a ValueError before any process starts (it used to
+    surface as a join timeout after the spawned process exited on its argument)."""
+    import jax
+    from ssd_jax.models.draft_head import prepare_draft
+    from ssd_jax.models.load import load_model
+    from ssd_jax.runtime.defaults import choose
+    from ssd_jax.runtime.draft_process import _load
+    from ssd_jax.runtime.transport import start_two_process
+    root, _, _ = pair
+    c = choose("auto", "auto", "auto")
+    got, _, _ = _load(str(root / "draft"), "auto", None, "auto")
+    want = prepare_draft(load_model(str(root / "draft"), c["dtype"], with_tokenizer=False),
+                         c["draft_quant"])
+    assert jax.tree.structure(got.params) == jax.tree.structure(want.params)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got.params),
+                                                    jax.tree.leaves(want.params)))
+    with pytest.raises(ValueError, match="unknown draft format quant='fp8'"):
+        start_two_process(str(root / "draft"), quant="fp8", cores=None)
+
+
 # --------------------------------------------------------------------------------- the wire
 @pytest.fixture
 def link():

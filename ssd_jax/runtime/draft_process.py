@@ -24,6 +24,7 @@ from ssd_jax.runtime.wire import (MAX_STR, REQUESTS, ROWS, Channel, Message, Tra
 
 BACKUPS = ("neural", "random", "ngram")
 MAX_K = 256
+QUANTS = ("auto", "none", "int8", "int4")  # auto: ssd_jax.runtime.defaults.choose, in this process
 
 
 def _load(spec: str, dtype: str, cache_dir: str | None, quant: str = "none",
@@ -35,6 +36,10 @@ def _load(spec: str, dtype: str, cache_dir: str | None, quant: str = "none",
     with_tok = not (path.is_dir() and not (path / "tokenizer.json").exists())
     # The conversion cache is safe to share with the target's process, even for one model converted
     # by both at once (models/checkpoint.py: temporary, manifest, rename; the second keeps the first's).
+    if "auto" in (dtype, quant):  # resolved here, on the draft's own machine and devices
+        from ssd_jax.runtime.defaults import choose
+        c = choose("auto", dtype, quant)
+        dtype, quant = c["dtype"], c["draft_quant"]
     model = load_draft(spec, dtype, quant, draft_vocab, cache_dir=cache_dir, with_tokenizer=with_tok)
     if model.tokenizer is None:
         return model, model.cfg.vocab_size, None
@@ -193,7 +198,7 @@ def main(argv=None) -> None:
     p.add_argument("--connect", required=True, help="the target's host:port")
     p.add_argument("--draft", required=True)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--quant", choices=("none", "int8", "int4"), default="none")
+    p.add_argument("--quant", choices=QUANTS, default="none")
     p.add_argument("--draft-vocab", type=int, default=None)
     p.add_argument("--cpu", type=int, default=None, help="pin this process to one core")
     p.add_argument("--cache-dir", default=None)

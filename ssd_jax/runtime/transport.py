@@ -344,7 +344,13 @@ def start_two_process(draft: str | None, *, dtype: str = "float32", quant: str =
     or the environment (SSD_JAX_DRAFT_SECRET, or SSD_JAX_DRAFT_SECRET_FILE naming a file):
 
         python -m ssd_jax.runtime.draft_process --connect HOST:PORT --draft NAME [--cpu N]
+
+    quant "auto" (and dtype "auto") are resolved in the draft's process, by
+    `ssd_jax.runtime.defaults.choose` on its own devices.
     """
+    from ssd_jax.runtime.draft_process import QUANTS
+    if quant not in QUANTS:  # checked here: the spawned process would only exit on it
+        raise ValueError(f"unknown draft format quant={quant!r}: use {', '.join(QUANTS)}")
     if draft is None:
         if listen is None:
             raise ValueError("draft=None (a draft started elsewhere) needs listen='host:port'")
