@@ -1,6 +1,8 @@
 """SSD's hit counting (issue: the hit rate was counted from round 3 and for lookups of rounds that
 never happen): one lookup per sequence for every round after its first, the metrics' hits equal
 the timeline's, and a draft equal to the target hits every lookup at temperature 0."""
+import dataclasses
+
 import jax
 import pytest
 
@@ -58,3 +60,18 @@ def test_hits_by_outcome_match_the_timeline_of_a_single_sequence(target):
     assert sum(lookups[:-1]) > 0 and 0 < sum(hits) < sum(lookups)  # rejections, hits and misses
     rates = m.to_dict()["hit_rate_by_accept"]  # NaN (no lookup of that outcome) is written null
     assert rates == [h / n if n else None for h, n in zip(hits, lookups)]
+
+
+def test_a_random_backup_round_is_followed_by_a_fork_at_its_outcome(target):
+    """After a random backup round (its tokens rejected: outcome j = 0) the fork caches its
+    candidates at j = 0, so with the CLI's fan-out 0,...,0,1 a draft equal to the target hits
+    every lookup; with the after-hit list there (F_0 = 0) it missed every one, each miss a new
+    random round."""
+    eng = Engine(target, target, compilation_cache=False, backend="xla")
+    ssd = SSDConfig(fanout=(0, 0, 0, 1), backup="random")
+    assert ssd.lists(3, CFG.vocab_size)[1] == (1, 0, 0, 0)
+    m = eng.generate([PROMPTS[0]], mode="ssd", k=3, max_new_tokens=24, eos_ids=[], ssd=ssd).metrics
+    assert m.lookups > 0 and m.hits == m.lookups and m.backups == {}
+    stuck = eng.generate([PROMPTS[0]], mode="ssd", k=3, max_new_tokens=24, eos_ids=[],
+                         ssd=dataclasses.replace(ssd, fanout_backup=(0, 0, 0, 1))).metrics
+    assert stuck.hits == 0 and stuck.backups == {"random": stuck.lookups}

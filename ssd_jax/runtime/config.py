@@ -31,7 +31,8 @@ class SSDConfig:
     """SSD knobs. fanout: F_0..F_K after a hit (None: one candidate per position; "plan": the
     fan-out `ssd_jax.algorithm.policy.plan_from_sd` picks at this K from the times and acceptance this engine
     measured in its last `ar` and `sd` runs, resolved when generate starts and reported in
-    `metrics.fanout`); fanout_backup: after a backup round (None: same as fanout; same sum)."""
+    `metrics.fanout`); fanout_backup: after a backup round (None: same as fanout, except with
+    backup="random": every branch at j = 0, where a round of random tokens ends; same sum)."""
     fanout: tuple[int, ...] | str | None = None
     fanout_backup: tuple[int, ...] | None = None
     saguaro_c: float = 1.0
@@ -53,6 +54,12 @@ class SSDConfig:
                 raise ValueError(f"{name} must be a sequence of ints F_0..F_K, got {f!r}")
         hit = tuple(int(x) for x in self.fanout) if self.fanout is not None else fo.uniform(k, 1)
         backup = tuple(int(x) for x in self.fanout_backup) if self.fanout_backup is not None else hit
+        if self.fanout_backup is None and self.backup == "random" and len(hit) == k + 1 \
+                and sum(hit) >= 1 and min(hit) >= 0:
+            # Random tokens are (almost) never accepted: the outcome after a random backup round is
+            # j = 0, so its fork puts every branch there. With the hit list instead, a list with
+            # F_0 = 0 (the CLI's default) would miss after every random round, never to hit again.
+            backup = fo.allocate(k, sum(hit), 0.0, vocab=vocab)
         if len(hit) != k + 1 or len(backup) != k + 1:
             raise ValueError(f"fan-out lists need K+1 = {k + 1} entries: got {hit} and {backup}")
         if sum(hit) != sum(backup) or sum(hit) < 1 or min(hit + backup) < 0:
