@@ -6,12 +6,14 @@ neural backup, the random backup and the policy's choice (`backup="auto"`), on t
 Layouts, the paper's (each its own pinned process): AR and SD with target and draft colocated on
 core 0; SSD with the target on core 0 and the draft in its own process on core 1. Greedy, every
 request emits exactly --max-new-tokens tokens (no EOS stop), so every request of a call finishes
-with the call: a request's latency is the call's wall time (prefill + decode; the shape was
-compiled by a short warm-up call first), and throughput is b x tokens / wall. Prompts: the first b
-of 16 drawn four per paper-suite set, interleaved (ssd_jax.tools.datasets), the same at every mode.
+with the call. Two views: decode, the frontier proper (a request's time per output token,
+steady-state decode seconds over its tokens, against the batch's steady-state tokens/s:
+`Metrics.decode_s`, `tokens_per_s`, compile rounds excluded) and the whole call (the wall time a
+request waits, prefill included, against b x tokens / wall). The shape was compiled by a short
+warm-up call first. Prompts: the first b of the benchmark set (HumanEval/0..15,
+ssd_jax.tools.benchmark_set), the same at every mode.
 
-Prints one table (b, mode, per-request latency, ms per token of a request, total tokens/s, SSD
-hit rate and backups) and writes frontier-<time>.json, .md and .png (throughput against latency,
+Prints one table (b, mode, both latencies and throughputs, SSD hit rate and backups) and writes frontier-<time>.json, .md and .png (throughput against latency,
 one line per mode, a point per b) to --out (default benchmarks/results/).
 """
 from __future__ import annotations
@@ -29,12 +31,11 @@ MODES = {"colocated": ("ar", "sd"), "two-process": ("ssd-neural", "ssd-random", 
 
 
 def _prompts(n: int) -> list[dict]:
-    from ssd_jax.tools import datasets
-    per = [datasets.prompts(name, 4) for name in datasets.PAPER_SUITE]
-    mixed = [p for group in zip(*per) for p in group]
-    if n > len(mixed):
-        raise SystemExit(f"batch {n} needs {n} prompts; the frontier draws {len(mixed)}")
-    return mixed[:n]
+    from ssd_jax.tools.benchmark_set import load_prompts
+    prompts = load_prompts()
+    if n > len(prompts):
+        raise SystemExit(f"batch {n} needs {n} prompts; the benchmark set has {len(prompts)}")
+    return [dict(text=p["text"]) for p in prompts[:n]]
 
 
 def worker(args) -> None:
@@ -71,6 +72,7 @@ def worker(args) -> None:
             m = res.metrics
             out[f"{name}@{b}"] = dict(
                 wall_s=wall, tokens=sum(len(t) for t in res.token_ids), compile_s=m.compile_s,
+                decode_s=m.decode_s, timed_tokens=m.timed_tokens,
                 prefill_s=m.prefill_s, tokens_per_round=m.tokens_per_round if mode != "ar" else 1.0,
                 hits=m.hits, lookups=m.lookups, backups=m.backups, token_ids=res.token_ids)
             print(f"{name}@{b}: {out[f'{name}@{b}']['tokens'] / wall:.2f} tok/s", file=sys.stderr,
@@ -86,8 +88,9 @@ def rows(res: dict, batches: list[int], n_tokens: int) -> list[dict]:
         for layout, modes in MODES.items():
             for name in modes:
                 r = res[layout][f"{name}@{b}"]
-                out.append(dict(b=b, mode=name, latency_s=r["wall_s"], ms_per_token=1e3 * r["wall_s"] / n_tokens,
-                                tokens_per_s=r["tokens"] / r["wall_s"], compile_s=r["compile_s"],
+                out.append(dict(b=b, mode=name, ms_per_token=1e3 * r["decode_s"] * b / r["timed_tokens"],
+                                tokens_per_s=r["timed_tokens"] / r["decode_s"], latency_s=r["wall_s"],
+                                call_tokens_per_s=r["tokens"] / r["wall_s"], compile_s=r["compile_s"],
                                 tokens_per_round=r["tokens_per_round"],
                                 hit_rate=r["hits"] / r["lookups"] if r["lookups"] else None,
                                 backups=r["backups"]))
@@ -95,24 +98,25 @@ def rows(res: dict, batches: list[int], n_tokens: int) -> list[dict]:
 
 
 def report(table: list[dict], res: dict, batches: list[int]) -> str:
-    lines = ["| b | mode | request latency s | ms / token (a request) | total tokens/s | vs AR at this b | "
-             "tokens / round | hit rate | backups |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| b | mode | decode ms / token (a request) | decode tokens/s (all) | vs AR at this b | "
+             "request latency s (call) | call tokens/s | tokens / round | hit rate | backups |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     ar = {r["b"]: r["tokens_per_s"] for r in table if r["mode"] == "ar"}
     for r in table:
         hit = f"{r['hit_rate']:.3f}" if r["hit_rate"] is not None else ""
         bk = ", ".join(f"{k} {v}" for k, v in r["backups"].items())
-        lines.append(f"| {r['b']} | {r['mode']} | {r['latency_s']:.2f} | {r['ms_per_token']:.1f} | "
-                     f"{r['tokens_per_s']:.2f} | {r['tokens_per_s'] / ar[r['b']]:.2f}x | "
-                     f"{r['tokens_per_round']:.2f} | {hit} | {bk} |")
+        lines.append(f"| {r['b']} | {r['mode']} | {r['ms_per_token']:.1f} | {r['tokens_per_s']:.2f} | "
+                     f"{r['tokens_per_s'] / ar[r['b']]:.2f}x | {r['latency_s']:.2f} | "
+                     f"{r['call_tokens_per_s']:.2f} | {r['tokens_per_round']:.2f} | {hit} | {bk} |")
     same = all(len({json.dumps(res[lay][f"{n}@{b}"]["token_ids"]) for lay, ms in MODES.items() for n in ms}) == 1
                for b in batches)
     lines.append(f"\n- greedy outputs identical across every mode at every b: {same}")
     front = []
-    for r in sorted(table, key=lambda r: r["latency_s"]):
+    for r in sorted(table, key=lambda r: (r["ms_per_token"], -r["tokens_per_s"])):
         if not front or r["tokens_per_s"] > front[-1]["tokens_per_s"]:
             front.append(r)
-    lines.append("- the frontier (no other point has both lower latency and higher throughput): " +
-                 ", ".join(f"{r['mode']}@{r['b']}" for r in front))
+    lines.append("- the decode frontier (no other point has both a lower ms / token and a higher "
+                 "tokens/s), fastest request first: " + ", ".join(f"{r['mode']}@{r['b']}" for r in front))
     return "\n".join(lines)
 
 
@@ -127,8 +131,8 @@ def plot(table: list[dict], path: str) -> None:
         for r in pts:
             ax.annotate(str(r["b"]), (r["ms_per_token"], r["tokens_per_s"]), fontsize=7,
                         textcoords="offset points", xytext=(3, 3))
-    ax.set_xlabel("per-request latency, ms per token")
-    ax.set_ylabel("total tokens/s")
+    ax.set_xlabel("decode latency of a request, ms per token")
+    ax.set_ylabel("decode throughput, tokens/s (all requests)")
     ax.set_title("Latency-throughput over batch size b (labels), default pair, this CPU")
     ax.legend()
     fig.tight_layout()
