@@ -45,7 +45,8 @@ def run(args) -> dict:
     from ssd_jax.tools.bench_workers import encode_prompt
 
     target = load_model(args.target, args.dtype)
-    eng = Engine(target, load_draft(args.draft, args.dtype, args.draft_quant), placement="colocated")
+    eng = Engine(target, load_draft(args.draft, args.dtype, args.draft_quant), placement="colocated",
+                 max_len=args.max_len)
     ids = {name: [encode_prompt(target.tokenizer, p) for p in datasets.prompts(name, args.per_dataset)]
            for name in args.datasets}
     k = args.k
@@ -109,6 +110,8 @@ def main() -> None:
     p.add_argument("--k", type=int, default=7, help="the paper's K (default %(default)s)")
     p.add_argument("--plan", required=True, help="the CPU plan's F_0..F_K, e.g. from a paper-suite "
                    "result's config.fanout")
+    p.add_argument("--max-len", type=int, default=1024, help="KV cache length (default %(default)s; "
+                   "the paper-width tree's cache and rows take ~10 GB at 4096 and batch 8)")
     p.add_argument("--dtype", default="bfloat16", help="default %(default)s")
     p.add_argument("--draft-quant", default="int4", choices=("none", "int8", "int4"), help="default %(default)s")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"), help="output folder")
