@@ -7,6 +7,12 @@ ssd_speedup, Costs.tree, hit_probability, plan). Printed beside the paper's numb
 
     python benchmarks/paper_projection.py --results benchmarks/results/paper-<date>/paper.json
     python benchmarks/paper_projection.py --acceptance 0.86 --hit-rate 0.85   # no results file
+    python benchmarks/paper_projection.py --results paper.json --measure      # on a GPU: measured
+
+`--measure` (a GPU at hand) measures instead of predicting: `EngineCosts` times the engine itself
+(AR, SD at K = 1 and 8, the draft's width) on random pairs of the published shapes cut to
+`--layers`, on the one device, and the same formulas turn our acceptance and hit rates into
+tokens/s; the Qwen pair's full 32B target fits one H200 in bf16 (`--layers 64`), the 70B does not.
 
 The roofline: one forward over T tokens (R rows of them: tree branches) of a model at TP t takes
 max(bytes / HBM bandwidth, FLOPs / peak FLOP/s) on each GPU, with bytes = the weights it streams
@@ -172,10 +178,100 @@ class Measured:
     e_miss: float | None = None
 
 
+class RooflineCosts:
+    """The roofline's T_1, T_v, T_d and width slope (module docstring) as `policy.Costs`."""
+    label = "roofline"
+
+    def __init__(self, target: Shape, draft: Shape, machine: Machine = H100, tp: int = 4,
+                 context: int = 512, overhead_s: float = 0.0):
+        self.target, self.draft, self.machine = target, draft, machine
+        self.tp, self.context, self.overhead_s = tp, context, overhead_s
+
+    def costs(self, k: int, mq: int) -> policy.Costs:
+        return costs(self.target, self.draft, self.machine, k, mq, self.tp, self.context,
+                     self.overhead_s)
+
+    def tv(self, k: int) -> float:
+        return forward_time(self.target, self.machine, k + 1, self.context, self.tp,
+                            overhead_s=self.overhead_s)
+
+
+class EngineCosts:
+    """The same quantities MEASURED by the engine on this process's default JAX device (a GPU:
+    `--measure`), with a random pair shaped like (target, draft), each cut to `layers` layers:
+
+    T_1 the median steady AR round; T_v and T_d from SD runs at K = 1 and K = 8 (median verify;
+    median drafting / K), T_v linear in K between them; the draft's width slope from
+    `Engine.draft_width_slope` (one draft forward 1 and 8 rows wide). A cut model's times are
+    scaled to the full depth by the bytes a forward streams (`Shape.streamed_params` and the KV
+    cache: batch-1 decode is memory-bound). Random weights make the times real and the acceptance
+    meaningless: the acceptance and hit rates stay ours. One device: no TP, the draft beside the
+    target (the formulas assume the overlap the paper's fifth GPU gives)."""
+    label = "measured"
+
+    def __init__(self, target: Shape, draft: Shape, layers: int = 4, context: int = 512,
+                 new_tokens: int = 24, ks: tuple[int, int] = (1, 8), seed: int = 0):
+        import jax
+        import numpy as np
+
+        from ssd_jax.models.config import tiny_config
+        from ssd_jax.models.model import Model
+        from ssd_jax.models.params import random_params
+        from ssd_jax.runtime.engine import Engine
+
+        def build(shape: Shape, seed: int) -> tuple[Model, float]:
+            n = min(layers, shape.layers)
+            cfg = tiny_config("qwen3" if shape.qk_norm else "llama", vocab_size=shape.vocab,
+                              hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                              num_layers=n, num_heads=shape.heads, num_kv_heads=shape.kv_heads,
+                              head_dim=shape.head_dim, tie_embeddings=shape.tied,
+                              max_position_embeddings=context + new_tokens + 64, dtype="bfloat16")
+            cut = dataclasses.replace(shape, layers=n)
+            scale = ((shape.streamed_params() * BF16 + shape.kv_bytes(context))
+                     / (cut.streamed_params() * BF16 + cut.kv_bytes(context)))
+            return Model(cfg, random_params(cfg, seed, scale=0.02)), scale
+
+        (t_model, self.t_scale), (d_model, self.d_scale) = build(target, seed), build(draft, seed + 1)
+        self.device = str(jax.devices()[0])
+        self.layers = layers
+        eng = Engine(t_model, d_model, placement="colocated", max_len=context + new_tokens + 64,
+                     compilation_cache=False)
+        prompt = [int(x) for x in np.random.default_rng(seed).integers(0, min(target.vocab, draft.vocab),
+                                                                       context)]
+        kw = dict(max_new_tokens=new_tokens, eos_ids=[])
+
+        def steady(metrics, field):
+            rounds = [r for r in metrics.timeline if not r.compiled] or metrics.timeline
+            return float(np.median([getattr(r, field) for r in rounds]))
+
+        for mode in ("ar",) + ("sd",) * len(ks):  # compile every shape outside the timing
+            eng.generate([prompt], mode=mode, k=ks[0], max_new_tokens=4, eos_ids=[])
+        self.t1 = steady(eng.generate([prompt], mode="ar", **kw).metrics, "round_s") * self.t_scale
+        self._tv, self._td = {}, {}
+        for k in ks:
+            eng.generate([prompt], mode="sd", k=k, max_new_tokens=4, eos_ids=[])
+            m = eng.generate([prompt], mode="sd", k=k, **kw).metrics
+            self._tv[k] = steady(m, "verify_s") * self.t_scale
+            self._td[k] = steady(m, "draft_s") / k * self.d_scale
+        self.td = float(np.mean(list(self._td.values())))
+        self.width_slope = float(eng.draft_width_slope())
+        self.ks = ks
+
+    def costs(self, k: int, mq: int) -> policy.Costs:
+        return policy.Costs(t1=self.t1, tv=self.tv(k), td=self.td, width_slope=self.width_slope)
+
+    def tv(self, k: int) -> float:
+        (k0, k1), (v0, v1) = self.ks, (self._tv[self.ks[0]], self._tv[self.ks[1]])
+        return v0 + (v1 - v0) * (k - k0) / (k1 - k0)
+
+
 def project(m: Measured, target: Shape, draft: Shape, machine: Machine = H100, tp: int = 4,
-            context: int = 512, overhead_s: float = 0.0) -> dict:
+            context: int = 512, overhead_s: float = 0.0, cost_model=None) -> dict:
     """{config: {ar, sd, ssd (tokens/s), ssd_over_sd, ssd_over_ar, k_sd, k_ssd, fanout, p_hit}}
-    for the configurations "ours", "paper's K" and "planner" (module docstring)."""
+    for the configurations "ours", "paper's K" and "planner" (module docstring). `cost_model`:
+    where T_1, T_v, T_d and the width slope come from (`RooflineCosts` of the other arguments
+    unless given; `EngineCosts` for measured ones)."""
+    cm = cost_model or RooflineCosts(target, draft, machine, tp, context, overhead_s)
     a = m.acceptance
     out = {}
 
@@ -183,7 +279,7 @@ def project(m: Measured, target: Shape, draft: Shape, machine: Machine = H100, t
         ar = 1.0 / c.t1
         sd = ar * c.t1 * e_sd / (c.tv + k_sd * c.td)  # = ar * policy.sd_speedup(...) at E = e_sd
         tp_ = c.tree(k_ssd, sum(fan))
-        tv = forward_time(target, machine, k_ssd + 1, context, tp, overhead_s=overhead_s)
+        tv = cm.tv(k_ssd)
         tb = k_ssd * c.td if backup == "neural" else c.t_backup_fast
         s = policy.ssd_speedup(c.t1, tv, tp_, tb, p_hit, e_hit, e_miss)
         return dict(ar=ar, sd=sd, ssd=ar * s, ssd_over_sd=ar * s / sd, ssd_over_ar=s,
@@ -191,7 +287,7 @@ def project(m: Measured, target: Shape, draft: Shape, machine: Machine = H100, t
                     t1_ms=c.t1 * 1e3, tv_ms=tv * 1e3, td_ms=c.td * 1e3, tree_ms=tp_ * 1e3)
 
     fan = tuple(m.fanout) if m.fanout else (0,) * m.k_ssd + (1,)
-    c = costs(target, draft, machine, m.k_sd, sum(fan), tp, context, overhead_s)
+    c = cm.costs(m.k_sd, sum(fan))
     e_sd = m.sd_tokens_per_round or policy.expected_tokens(a, m.k_sd)
     e = policy.expected_tokens(a, m.k_ssd)
     p_ours = m.hit_rate if m.hit_rate is not None else \
@@ -199,7 +295,7 @@ def project(m: Measured, target: Shape, draft: Shape, machine: Machine = H100, t
     out["ours"] = row(c, m.k_sd, e_sd, m.k_ssd, fan, p_ours, m.e_hit or e, m.e_miss or e)
 
     fan7 = fo.uniform(7, 3)
-    c6 = costs(target, draft, machine, 6, sum(fan7), tp, context, overhead_s)
+    c6 = cm.costs(6, sum(fan7))
     p7 = fo.hit_probability(fan7, a, max(1 - a, 1e-3), 1.0)
     e7 = policy.expected_tokens(a, 7)
     out["paper's K"] = row(c6, 6, policy.expected_tokens(a, 6), 7, fan7, p7, e7, e7)
@@ -207,7 +303,7 @@ def project(m: Measured, target: Shape, draft: Shape, machine: Machine = H100, t
     # the planner: its own K and fan-out on the roofline's costs (width slope at MQ = 4 (K+1))
     best = None
     for k in range(1, 9):
-        ck = costs(target, draft, machine, k, 4 * (k + 1), tp, context, overhead_s)
+        ck = cm.costs(k, 4 * (k + 1))
         p = policy.plan(ck, a, miss_c=max(1 - a, 1e-3), ks=(k,), vocab=target.vocab)
         if best is None or p.predicted_speedup > best[0].predicted_speedup:
             best = (p, ck)
@@ -243,11 +339,23 @@ def _f(x, fmt="{:.1f}"):
     return "—" if x is None else fmt.format(x)
 
 
-def render(measured: dict, context: int, tp: int, overhead_s: float = 0.0) -> str:
+def render(measured: dict, context: int, tp: int, overhead_s: float = 0.0,
+           models: dict | None = None) -> str:
+    """The markdown report; `models` ({pair key: EngineCosts}) switches every pair to measured
+    costs (and the pairs to those keys)."""
     from ssd_jax.tools.bench_paper_report import PAPER
 
-    lines = ["# A PROJECTION to the paper's hardware (roofline; not a measurement)", "",
-             f"H100 SXM ({H100.hbm_bytes_per_s / 1e12:.2f} TB/s HBM3, "
+    if models:
+        any_m = next(iter(models.values()))
+        lines = [f"# MEASURED costs on {any_m.device} (the engine with random weights), not the "
+                 "paper's machines", "",
+                 f"T_1, T_v, T_d and the draft's width slope measured by `EngineCosts` (random pairs "
+                 f"of the published shapes cut to {any_m.layers} layers, times scaled to full depth "
+                 "by bytes streamed; one device, no TP); acceptance and hit rates: OURS, not the "
+                 "paper's pairs'.", ""]
+    else:
+        lines = ["# A PROJECTION to the paper's hardware (roofline; not a measurement)", "",
+                 f"H100 SXM ({H100.hbm_bytes_per_s / 1e12:.2f} TB/s HBM3, "
              f"{H100.flops_per_s / 1e12:.0f} TFLOP/s bf16, NVLink {H100.link_bytes_per_s / 1e9:.0f}"
              f" GB/s a direction); target TP {tp}, draft on a fifth GPU; batch 1, greedy; mean "
              f"context {context} positions; {overhead_s * 1e6:.0f} us of overhead a forward"
@@ -256,6 +364,9 @@ def render(measured: dict, context: int, tp: int, overhead_s: float = 0.0) -> st
              "leaves out: see the script's docstring (kernel efficiency, launch overheads, "
              "all-reduce latency, the paper's acceptance vs ours, ...).", ""]
     for key, (target, draft) in PAIRS.items():
+        if models and key not in models:
+            continue
+        cm = models[key] if models else RooflineCosts(target, draft, H100, tp, context, overhead_s)
         paper = PAPER[key]
         lines += [f"## {target.name} / {draft.name} ({target.params() / 1e9:.1f}B / "
                   f"{draft.params() / 1e9:.2f}B parameters)", "",
@@ -263,10 +374,10 @@ def render(measured: dict, context: int, tp: int, overhead_s: float = 0.0) -> st
                   "fan-out | p_hit | AR tok/s | SD tok/s | SSD tok/s | SSD/SD | SSD/AR | paper AR "
                   "/ SD / SSD | paper SSD/SD |", "|" + "---|" * 14]
         for name, (paper_name, m) in measured.items():
-            proj = project(m, target, draft, H100, tp, context, overhead_s)
+            proj = project(m, target, draft, H100, tp, context, overhead_s, cost_model=cm)
             prow = paper["rows"].get(paper_name) or paper["rows"].get("average")
             which = paper_name if paper_name in paper["rows"] else "average"
-            c6 = costs(target, draft, H100, 6, 24, tp, context, overhead_s)
+            c6 = cm.costs(6, 24)
             implied = implied_acceptance(c6, 6, prow[1] / prow[0]) if prow else None
             for i, (cfg, r) in enumerate(proj.items()):
                 first = i == 0
@@ -280,9 +391,9 @@ def render(measured: dict, context: int, tp: int, overhead_s: float = 0.0) -> st
                     f"| {f'{prow[0]} / {prow[1]} / {prow[2]}' if first else ''} "
                     f"| {f'{prow[3]:.2f}x ({which})' if first else ''} |")
         t = next(iter(measured.values()))[1]
-        c = costs(target, draft, H100, t.k_sd, 1, tp, context, overhead_s)
+        c = cm.costs(t.k_sd, 1)
         eff = paper["rows"]["average"][0] * c.t1
-        lines += ["", f"Roofline times: T_1 {c.t1 * 1e3:.2f} ms (AR {1 / c.t1:.1f} tok/s; the "
+        lines += ["", f"{cm.label.capitalize()} times: T_1 {c.t1 * 1e3:.2f} ms (AR {1 / c.t1:.1f} tok/s; the "
                   f"paper's {paper['rows']['average'][0]} tok/s is {eff:.0%} of it), T_d "
                   f"{c.td * 1e3:.3f} ms.", ""]
     return "\n".join(lines) + "\n"
@@ -305,8 +416,25 @@ def main(argv=None) -> int:
     ap.add_argument("--overhead-us", type=float, default=0.0,
                     help="microseconds added to every forward, target's and draft's (launches, "
                          "framework; default 0: left out)")
+    ap.add_argument("--measure", action="store_true",
+                    help="measure T_1, T_v, T_d and the width slope with the engine on this "
+                         "machine's accelerator (random pairs of the published shapes, cut to "
+                         "--layers) instead of the roofline; refuses a CPU unless --allow-cpu")
+    ap.add_argument("--layers", type=int, default=4, help="--measure: layers of each random model "
+                    "(default 4; times scaled to the full depth)")
+    ap.add_argument("--pairs", default="qwen,llama", help="--measure: which pairs (default qwen,llama)")
+    ap.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)  # tests: tiny shapes
     ap.add_argument("--json", help="also write the projection as JSON here")
     a = ap.parse_args(argv)
+    models = None
+    if a.measure:
+        import jax
+        keys = [x for x in a.pairs.split(",") if x]
+        if not keys or any(x not in PAIRS for x in keys) or a.layers < 1:
+            ap.error(f"--pairs: a subset of {','.join(PAIRS)}; --layers >= 1")
+        if jax.default_backend() == "cpu" and not a.allow_cpu:
+            ap.error("--measure measures on an accelerator; this JAX has only the CPU (the "
+                     "roofline projection needs no --measure)")
     if (a.results is None) == (a.acceptance is None):
         ap.error("give --results paper.json, or --acceptance (and optionally --hit-rate ...)")
     if a.results:
@@ -318,13 +446,17 @@ def main(argv=None) -> int:
         measured = {a.label: ("average", Measured(a.acceptance, a.hit_rate, a.k_sd, len(fan) - 1,
                                                   fan, a.sd_tokens_per_round))}
     over = a.overhead_us * 1e-6
-    text = render(measured, a.context, a.tp, over)
+    if a.measure:
+        models = {key: EngineCosts(*PAIRS[key], layers=a.layers, context=a.context) for key in keys}
+    text = render(measured, a.context, a.tp, over, models)
     print(text)
     if a.json:
-        data = {key: {name: project(m, t, d, H100, a.tp, a.context, over)
-                      for name, (_, m) in measured.items()} for key, (t, d) in PAIRS.items()}
+        data = {key: {name: project(m, t, d, H100, a.tp, a.context, over,
+                                    cost_model=models[key] if models else None)
+                      for name, (_, m) in measured.items()}
+                for key, (t, d) in PAIRS.items() if not models or key in models}
         with open(a.json, "w") as fh:
-            json.dump(dict(projection=True, context=a.context, tp=a.tp, overhead_s=over,
+            json.dump(dict(projection=not models, measured_on=models and next(iter(models.values())).device, context=a.context, tp=a.tp, overhead_s=over,
                            machine=H100.__dict__,
                            inputs={n: dataclasses.asdict(m) for n, (_, m) in measured.items()},
                            pairs=data), fh, indent=1)

@@ -334,3 +334,31 @@ def test_the_projection_reads_a_suite_result(tmp_path, capsys):
     assert "54.7 / 188 / 301" in out  # the paper's GSM8K row beside
     data = json.loads((tmp_path / "p.json").read_text())
     assert data["projection"] is True and set(data["pairs"]) == {"llama", "qwen"}
+
+
+def test_measure_mode_takes_the_times_from_the_engine(monkeypatch, capsys):
+    """`--measure` (on a GPU; here on the CPU, on a tiny shape): T_1, T_v, T_d and the width
+    slope come from engine runs on a random pair of the pair's shapes, and the same formulas make
+    the table; `--measure` on a CPU-only JAX is refused."""
+    pp = _projection()
+    tiny_t = pp.Shape("tiny-target", layers=3, hidden=64, heads=4, kv_heads=2, head_dim=16,
+                      intermediate=128, vocab=96, tied=False, qk_norm=True)
+    tiny_d = pp.Shape("tiny-draft", layers=1, hidden=32, heads=2, kv_heads=1, head_dim=16,
+                      intermediate=64, vocab=96, tied=True, qk_norm=True)
+    monkeypatch.setattr(pp, "PAIRS", {"qwen": (tiny_t, tiny_d)})
+    with pytest.raises(SystemExit):
+        pp.main(["--acceptance", "0.8", "--measure", "--pairs", "qwen"])
+    assert "only the CPU" in capsys.readouterr().err
+    cm = pp.EngineCosts(tiny_t, tiny_d, layers=2, context=16, new_tokens=8)
+    # the cut target (2 of 3 layers) is scaled up by its streamed bytes; the draft is whole
+    assert cm.t_scale > 1 and cm.d_scale == 1
+    assert cm.t1 > 0 and cm.td > 0 and cm.width_slope >= 0
+    assert cm.tv(1) == cm._tv[1] and cm.tv(8) == cm._tv[8]
+    assert cm.tv(4) == pytest.approx(cm._tv[1] + (cm._tv[8] - cm._tv[1]) * 3 / 7)
+    m = pp.Measured(acceptance=0.8, hit_rate=0.7, k_sd=4, k_ssd=4, fanout=(1, 1, 1, 1, 2))
+    ours = pp.project(m, tiny_t, tiny_d, cost_model=cm)["ours"]
+    assert ours["t1_ms"] == pytest.approx(cm.t1 * 1e3) and ours["tv_ms"] == pytest.approx(cm.tv(4) * 1e3)
+    assert ours["tree_ms"] == pytest.approx(cm.costs(4, 6).tree(4, 6) * 1e3)
+    out = pp.render({"given": ("average", m)}, 16, 4, models={"qwen": cm})
+    assert out.startswith("# MEASURED costs on") and "tiny-target / tiny-draft" in out
+    assert "Measured times: T_1" in out and "Roofline" not in out
