@@ -15,7 +15,8 @@ Variants: `as-is` (the cpu backend's ops as they are since 138cbc4: each kernel 
 and what the figures in benchmarks/README.md call "as-is": the same kernel wrapped in
 `lax.platform_dependent(cpu=kernel, default=reference)` under the same custom_vjp, whose tracing
 traces the XLA reference of every call as well, and whose CPU lowering keeps the kernel branch
-alone). This file patches the plug-in's modules in its own process only.
+alone); `tree-scan` (as-is, with `draft_tree(tree_loop="scan")`: the K branch steps one
+`lax.scan` body instead of K unrolled copies). This file patches the plug-in's modules in its own process only.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-VARIANTS = ("as-is", "platform-switch")
+VARIANTS = ("as-is", "platform-switch", "tree-scan")
 STEPS = ("draft_tree", "draft_chain", "verify", "decode")
 
 
@@ -42,7 +43,7 @@ def _patch(variant: str):
     import jax
 
     orig = build.dispatch
-    if variant == "as-is":
+    if variant in ("as-is", "tree-scan"):
         fn = orig
     else:  # the dispatch before 138cbc4
         def fn(kernel, reference, *args):
@@ -52,7 +53,7 @@ def _patch(variant: str):
         m.dispatch = fn
 
 
-def _args(step, model, params, ops):
+def _args(step, model, params, ops, variant="as-is", fan=(0, 0, 0, 0, 0, 1)):
     import jax.numpy as jnp
     import numpy as np
 
@@ -70,11 +71,12 @@ def _args(step, model, params, ops):
     from ssd_jax.algorithm.tree import draft_tree
     from ssd_jax.algorithm.verify import rejection_sample
     if step == "draft_tree":
-        k, fan = 5, (0, 0, 0, 0, 0, 1)
+        k = len(fan) - 1
         top_n = tuple(f + 1 for f in fan[:-1])
+        loop = "scan" if variant == "tree-scan" else "unroll"
         return draft_tree, (params, cfg, cache, z, jnp.zeros((B, k), jnp.int32), n,
                             jnp.ones((B,), bool), jnp.zeros((B,), bool), seed, z, sp, V, fan, fan,
-                            top_n, np.float32(1.0), "float32"), dict(ops=ops)
+                            top_n, np.float32(1.0), "float32"), dict(ops=ops, tree_loop=loop)
     if step == "draft_chain":
         return steps.draft_chain, (params, cfg, cache, z, z, n, seed, z, sp, V, 4), dict(ops=ops)
     if step == "verify":
@@ -129,6 +131,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", default="draft_tree,draft_chain")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--rounds", type=int, default=30, help="alternated runs per variant")
+    ap.add_argument("--fanout", default="0,0,0,0,0,1", help="draft_tree's F_0..F_K (K = length - 1)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -149,7 +152,8 @@ def main(argv=None) -> int:
         for v in [v for v in args.variants.split(",") if v]:
             _patch(v)
             jax.clear_caches()
-            fn, a, kw = _args(step, model, params, ops)
+            fn, a, kw = _args(step, model, params, ops, v,
+                              tuple(int(x) for x in args.fanout.split(",")))
             compiled, payload, phases = compile_phases(fn, *a, **kw)
             hlo = compiled.as_text()
             rows[v] = dict({k: round(t, 2) for k, t in phases.items()},

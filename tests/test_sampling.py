@@ -304,3 +304,23 @@ def test_sample_with_traced_params_draws_like_host_params():
         t_host, _ = sample(logits, p, keys)
         t_traced, _ = jax.jit(sample)(logits, p, keys)
         np.testing.assert_array_equal(np.asarray(t_host), np.asarray(t_traced))
+
+
+# ------------------------------------------------------------------------------ Saguaro's scale
+def test_saguaro_scale_by_hand_and_with_a_traced_top_n():
+    from ssd_jax.algorithm.saguaro import saguaro_scale
+    # raw logits rank tokens 2 > 0 > 3 > 1; q = [0.3, 0.1, 0.4, 0.2]. Top-2 {2, 0} scaled by
+    # C = 0.5: [0.15, 0.1, 0.2, 0.2] / 0.65.
+    raw = jnp.asarray([[1.0, -1.0, 2.0, 0.0]])
+    q = jnp.asarray([[0.3, 0.1, 0.4, 0.2]])
+    want = np.array([[0.15, 0.1, 0.2, 0.2]]) / 0.65
+    np.testing.assert_allclose(np.asarray(saguaro_scale(q, raw, 2, 0.5)), want, rtol=1e-6)
+    # a traced top-n (a tree step inside a loop over depths) gives the same numbers, and its 0
+    # leaves q exactly as it is, as a static 0 does
+    traced = jax.jit(lambda n: saguaro_scale(q, raw, n, 0.5))
+    np.testing.assert_array_equal(np.asarray(traced(jnp.int32(2))),
+                                  np.asarray(saguaro_scale(q, raw, 2, 0.5)))
+    np.testing.assert_array_equal(np.asarray(traced(jnp.int32(0))), np.asarray(q))
+    assert saguaro_scale(q, raw, 0, 0.5) is q
+    # C = 1 is plain sampling: q itself
+    np.testing.assert_array_equal(np.asarray(saguaro_scale(q, raw, 2, 1.0)), np.asarray(q))

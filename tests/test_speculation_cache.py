@@ -1,5 +1,6 @@
 """The speculation cache: fork keys exclude the drafted token, and a hit returns exactly what a
 direct draft from that outcome makes with the same keys (tokens equal, proposal rows within 1e-5)."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -103,3 +104,38 @@ def test_row_dtype_and_budget():
     with pytest.raises(ValueError, match="bfloat16"):
         check_budget(1, 24, 7, 151936, "float32", 50 * 2**20)
     assert SpeculationCache.__dataclass_fields__.keys() >= {"keys", "tokens", "rows", "valid"}
+
+
+@pytest.mark.parametrize("temperature,top_n,c,backend",
+                         [(1.0, TOP_N, C, "xla"), (0.0, (2, 2, 2), 0.7, "cpu")])
+def test_the_scanned_tree_is_the_unrolled_tree(setup, temperature, top_n, c, backend):
+    # tree_loop="scan" traces one branch step inside lax.scan: the same keys, tokens and rows,
+    # bit for bit, as the K unrolled steps, with Saguaro's top-n varying by depth (TOP_N, indexed
+    # by the traced depth; sampled, plain-XLA table) or the same at every depth (a Python int;
+    # greedy, the CPU plug-in's kernels inside the loop body)
+    params, prompts, lens, rids, bonus, spec, _ = setup
+    ops = backends.select(backend, jax.devices()[:1])
+    prepared = ops.prepare(params)
+    sampling = SamplingParams(temperature=temperature)
+    trees = []
+    for loop in ("unroll", "scan"):
+        cache = steps.prefill_cache(params, CFG, init_cache(CFG, 2, 64), jnp.asarray(prompts),
+                                    jnp.asarray(lens))
+        tree, _ = draft_tree(prepared, CFG, cache, jnp.asarray(bonus), jnp.asarray(spec),
+                             jnp.asarray(lens), jnp.asarray([True, True]), jnp.asarray([False, False]),
+                             SEED, rids, sampling, CFG.vocab_size, FAN, FAN, top_n, c, ops=ops,
+                             tree_loop=loop)
+        trees.append(tree)
+    a, b = trees
+    np.testing.assert_array_equal(np.asarray(a.keys), np.asarray(b.keys))
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    np.testing.assert_array_equal(np.asarray(a.rows), np.asarray(b.rows))
+
+
+def test_an_unknown_tree_loop_is_refused(setup):
+    params, prompts, lens, rids, bonus, spec, _ = setup
+    cache = init_cache(CFG, 2, 64)
+    with pytest.raises(ValueError, match="tree_loop must be one of"):
+        draft_tree(params, CFG, cache, jnp.asarray(bonus), jnp.asarray(spec), jnp.asarray(lens),
+                   jnp.asarray([True, True]), jnp.asarray([False, False]), SEED, rids, SAMPLING,
+                   CFG.vocab_size, FAN, FAN, TOP_N, C, tree_loop="while")

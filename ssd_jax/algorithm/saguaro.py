@@ -17,7 +17,7 @@ import numpy as np
 
 from ssd_jax.algorithm import sampling as smp
 from ssd_jax.algorithm.sampling import SamplingParams, probs_from_logits, sample_from_probs
-from ssd_jax.algorithm.small_topk import argmax, kth_largest
+from ssd_jax.algorithm.small_topk import argmax, kth_largest, kth_largest_per_row
 
 
 def saguaro_scale(q: jax.Array, raw_logits: jax.Array, top_n: int, c) -> jax.Array:
@@ -29,17 +29,24 @@ def saguaro_scale(q: jax.Array, raw_logits: jax.Array, top_n: int, c) -> jax.Arr
     returns q itself. `c` is a number or an array (a scalar, or `[N]`: one per leading row of q),
     host value or traced: rows with c == 1 get q itself, unchanged, and when no row has c < 1 the
     scaling does not run (`ssd_jax.algorithm.sampling.run_if`), so sweeping C compiles nothing.
+    `top_n` may also be a traced int32 scalar (a tree step inside a loop over depths, where the
+    top-n changes with the depth): the same numbers, its 0 leaving q as it is.
     """
-    if top_n <= 0:
+    static_n = isinstance(top_n, (int, np.integer))
+    if static_n and top_n <= 0:
         return q
     c = smp._row_values(c, np.float32, q)
     V = raw_logits.shape[-1]
 
     def scale(q):
-        kth = kth_largest(raw_logits, min(top_n, V))
+        if static_n:
+            kth, on = kth_largest(raw_logits, min(top_n, V)), c < 1
+        else:
+            kth = kth_largest_per_row(raw_logits, jnp.minimum(top_n, V))
+            on = (c < 1) & (top_n > 0)
         scaled = jnp.where(raw_logits >= kth, q * c, q)
         total = jnp.sum(scaled, axis=-1, keepdims=True)
-        return jnp.where(c < 1, scaled / jnp.where(total > 0, total, 1.0), q)
+        return jnp.where(on, scaled / jnp.where(total > 0, total, 1.0), q)
 
     return smp.run_if((np if isinstance(c, np.ndarray) else jnp).any(c < 1), scale, q)
 

@@ -50,17 +50,50 @@ def fork(glue_logits: jax.Array, spec: jax.Array, fanout: tuple[int, ...],
     return jnp.concatenate(js, 1), jnp.concatenate(cs, 1)
 
 
+TREE_LOOPS = ("unroll", "scan")
+
+
+def _decode_unrolled(step, K: int, tok, branch, saguaro_top_n):
+    """The K branch steps traced one after another -> (tokens `[B, MQ, K]`, rows `[B, MQ, K, V]`)."""
+    toks, rows = [], []
+    for d in range(K):
+        tok, r, branch = step(tok, branch, jnp.int32(d), saguaro_top_n[d] if saguaro_top_n else 0)
+        toks.append(tok)
+        rows.append(r)
+    return jnp.stack(toks, 2), jnp.stack(rows, 2)
+
+
+def _decode_scan(step, K: int, tok, branch, saguaro_top_n, V: int, row_dtype):
+    """The K branch steps as one `lax.scan` body, tokens and rows written in place into
+    `[B, MQ, K]` / `[B, MQ, K, V]` buffers. Saguaro's top-n per depth is the one static per-step
+    value: equal at every depth (the common case) it stays a Python int, else it is indexed by d."""
+    B, MQ = tok.shape
+    same = len(set(saguaro_top_n)) <= 1
+    top = (saguaro_top_n[0] if saguaro_top_n else 0) if same else jnp.asarray(saguaro_top_n, jnp.int32)
+
+    def body(carry, d):
+        tok, branch, toks, rows = carry
+        tok, r, branch = step(tok, branch, d, top if same else top[d])
+        toks = jax.lax.dynamic_update_index_in_dim(toks, tok, d, axis=2)
+        rows = jax.lax.dynamic_update_index_in_dim(rows, r, d, axis=2)
+        return (tok, branch, toks, rows), None
+
+    init = (tok, branch, jnp.zeros((B, MQ, K), jnp.int32), jnp.zeros((B, MQ, K, V), row_dtype))
+    (_, _, toks, rows), _ = jax.lax.scan(body, init, jnp.arange(K, dtype=jnp.int32))
+    return toks, rows
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("cfg", "vocab_size", "fanout_hit", "fanout_backup",
-                     "saguaro_top_n", "row_dtype", "ops"),
+                     "saguaro_top_n", "row_dtype", "ops", "tree_loop"),
     donate_argnames=("cache",))
 def draft_tree(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Array, spec: jax.Array,
                n: jax.Array, active: jax.Array, from_backup: jax.Array, seed: jax.Array,
                request_ids: jax.Array, sampling: smp.SamplingParams, vocab_size: int,
                fanout_hit: tuple[int, ...], fanout_backup: tuple[int, ...],
                saguaro_top_n: tuple[int, ...] = (), saguaro_c: float | jax.Array = 1.0,
-               row_dtype: str = "float32", ops: Ops = XLA):
+               row_dtype: str = "float32", ops: Ops = XLA, tree_loop: str = "unroll"):
     """bonus `[B]` at position n `[B]`, speculation in flight spec `[B, K]` -> (SpeculationCache,
     cache): the speculation cache for the next round (docs/ALGORITHM.md §2, step 2).
 
@@ -78,8 +111,13 @@ def draft_tree(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Arra
     description: its own tree_step, or branches forwarded over copies of the cache),
     `vocab_size` (real rows of V), `fanout_hit` / `fanout_backup` (F_0..F_K, K+1 entries each), `saguaro_top_n` (Saguaro's top-n
     per depth d, K entries, or () for none), `row_dtype` (the cache rows' dtype name) and `ops`
-    (the backend table, `ssd_jax.models.ops.Ops`, whose `tree_attention` the branch steps use).
+    (the backend table, `ssd_jax.models.ops.Ops`, whose `tree_attention` the branch steps use)
+    and `tree_loop`: "unroll" (the default) traces the K branch steps one after another, "scan"
+    one step inside `lax.scan`: the same numbers bit for bit, a few times fewer ops to trace,
+    compile and load, but on XLA:CPU a slower step (benchmarks/README.md, "The tree as a scan").
     """
+    if tree_loop not in TREE_LOOPS:
+        raise ValueError(f"tree_loop must be one of {TREE_LOOPS}, got {tree_loop!r}")
     B, K = spec.shape
     cache = with_lengths(cache, n)
     glue, cache = forward(params, cfg, jnp.concatenate([bonus[:, None], spec], 1), cache, ops=ops)
@@ -93,18 +131,23 @@ def draft_tree(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Arra
     valid = jnp.broadcast_to(active[:, None], (B, MQ))
     prefix_len = n[:, None] + kj + 1  # slots 0..n+j: prefix, b, s_1..s_j (never s_{j+1})
     branch = init_branch(cfg, cache, B, MQ, K, prefix_len)
-    tok = kc
-    toks, rows = [], []
-    for d in range(K):
+
+    def step(tok, branch, d, top_n):
+        """Branch step d: tokens `[B, MQ]` at positions n+j+1+d -> (the next tokens `[B, MQ]`,
+        the rows they were drawn from `[B, MQ, V]`, the branch state)."""
         pos = n[:, None] + kj + 1 + d
-        logits, branch = tree_step(params, cfg, tok, pos, cache, prefix_len, branch,
-                                   jnp.int32(d), valid, ops=ops)
+        logits, branch = tree_step(params, cfg, tok, pos, cache, prefix_len, branch, d, valid,
+                                   ops=ops)
         keys = smp.position_keys(seed, request_ids, pos + 1, smp.STREAM_DRAFT)
-        top_n = saguaro_top_n[d] if saguaro_top_n else 0
         tok, r = propose(logits, sampling, keys, vocab_size=vocab_size, saguaro_top_n=top_n,
                          saguaro_c=saguaro_c, row_dtype=jnp.dtype(row_dtype))
-        toks.append(tok)
-        rows.append(r)
-    spec_cache = SpeculationCache(keys=jnp.stack([kj, kc], -1), tokens=jnp.stack(toks, 2),
-                                  rows=jnp.stack(rows, 2), valid=valid)
+        return tok, r, branch
+
+    if tree_loop == "scan":
+        tokens, rows = _decode_scan(step, K, kc, branch, saguaro_top_n, glue.shape[-1],
+                                    jnp.dtype(row_dtype))
+    else:
+        tokens, rows = _decode_unrolled(step, K, kc, branch, saguaro_top_n)
+    spec_cache = SpeculationCache(keys=jnp.stack([kj, kc], -1), tokens=tokens, rows=rows,
+                                  valid=valid)
     return spec_cache, cache
