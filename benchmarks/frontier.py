@@ -19,7 +19,6 @@ one line per mode, a point per b) to --out (default benchmarks/results/).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -177,21 +176,13 @@ def main() -> None:
         if proc.returncode != 0 or not line:
             raise SystemExit(f"layout {layout} failed (its stderr is above)")
         res[layout] = json.loads(line[0][7:])
-    from ssd_jax.runtime.defaults import cpu_features, describe
+    from ssd_jax.runtime.defaults import describe
     table = rows(res, batches, args.max_new_tokens)
     text = report(table, res, batches) + f"\n- CPU: {describe()}"
     print(text)
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"frontier-{time.strftime('%Y%m%d-%H%M%S')}")
-    meta = dict(command="python benchmarks/frontier.py " + " ".join(sys.argv[1:]),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                cpu_features=cpu_features(), loadavg=os.getloadavg())
-    with open(stem + ".json", "w") as f:
-        json.dump(dict(meta=meta, table=table, results=res, report=text), f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(f"`{meta['command']}`\n\n{text}\n")
-    plot(table, stem + ".png")
-    print(f"\nwrote {stem}.json / .md / .png")
+    from _results import write_results
+    write_results("frontier", args.out, dict(table=table, results=res), text,
+                  plot=lambda path: plot(table, path))
 
 
 if __name__ == "__main__":

@@ -17,8 +17,6 @@ Writes outcome_prediction-<time>.json and .md to --out (default benchmarks/resul
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
 import sys
@@ -127,19 +125,11 @@ def main() -> None:
     if len(args.plan) < 2 or min(args.plan) < 0 or args.k < 1:
         raise SystemExit("--plan needs K + 1 >= 2 counts >= 0, and --k >= 1")
     res = run(args)
-    from ssd_jax.runtime.defaults import cpu_features, describe
+    from ssd_jax.runtime.defaults import describe
     text = report(res, args.datasets) + f"\n\n- CPU: {describe()}"
     print(text)
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"outcome_prediction-{time.strftime('%Y%m%d-%H%M%S')}")
-    meta = dict(command="python benchmarks/outcome_prediction.py " + " ".join(sys.argv[1:]),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                cpu_features=cpu_features(), loadavg=os.getloadavg())
-    with open(stem + ".json", "w") as f:
-        json.dump(dict(meta=meta, results=res, report=text), f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(f"`{meta['command']}`\n\n{text}\n")
-    print(f"\nwrote {stem}.json / .md")
+    from _results import write_results
+    write_results("outcome_prediction", args.out, dict(results=res), text)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ Writes saguaro_study-<time>.json, .md and .png to --out (default benchmarks/resu
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -186,20 +185,11 @@ def main() -> None:
     if any(t < 0 for t in args.temperatures) or len(fan) < 2 or min(fan) < 0:
         raise SystemExit("--temperatures must be >= 0 and --fanout K + 1 >= 2 counts >= 0")
     res = run(args)
-    from ssd_jax.runtime.defaults import cpu_features, describe
+    from ssd_jax.runtime.defaults import describe
     text = report(res) + f"\n\n- CPU: {describe()}"
     print(text)
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"saguaro_study-{time.strftime('%Y%m%d-%H%M%S')}")
-    meta = dict(command="python benchmarks/saguaro_study.py " + " ".join(sys.argv[1:]),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                cpu_features=cpu_features(), loadavg=os.getloadavg())
-    with open(stem + ".json", "w") as f:
-        json.dump(dict(meta=meta, results=res, report=text), f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(f"`{meta['command']}`\n\n{text}\n")
-    plot(res, stem + ".png")
-    print(f"\nwrote {stem}.json / .md / .png")
+    from _results import write_results
+    write_results("saguaro_study", args.out, dict(results=res), text, plot=lambda path: plot(res, path))
 
 
 if __name__ == "__main__":

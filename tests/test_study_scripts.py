@@ -108,3 +108,21 @@ def test_frontier_rows_and_pareto_set_by_hand():
     # SD is faster per request and has more throughput: it alone is the frontier
     assert "fastest request first: sd@2\n" in text + "\n"
     assert "| 2 | ssd-neural | 200.0 | 10.00 | 0.50x |" in text
+
+
+# ------------------------------------------------------------------------------ the result files
+def test_result_files_hold_the_command_the_payload_and_the_report(tmp_path, monkeypatch):
+    import json
+    results = _script("_results")
+    monkeypatch.setattr("sys.argv", ["frontier.py", "--batches", "1,2"])
+    plotted = []
+    stem = results.write_results("frontier", str(tmp_path / "out"), dict(table=[1], results={"a": 2}),
+                                 "| the table |", plot=plotted.append)
+    assert os.path.basename(stem).startswith("frontier-") and plotted == [stem + ".png"]
+    with open(stem + ".json") as f:
+        d = json.load(f)
+    assert d["meta"]["command"] == "python benchmarks/frontier.py --batches 1,2"
+    assert {"date", "cpu_features", "loadavg"} <= d["meta"].keys()
+    assert d["table"] == [1] and d["results"] == {"a": 2} and d["report"] == "| the table |"
+    with open(stem + ".md") as f:
+        assert f.read() == "`python benchmarks/frontier.py --batches 1,2`\n\n| the table |\n"
