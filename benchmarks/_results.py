@@ -10,14 +10,15 @@ import sys
 import time
 
 
-def write_results(script: str, out: str, payload: dict, text: str, plot=None) -> str:
+def write_results(script: str, out: str, payload: dict, text: str, plot=None,
+                  name: str | None = None) -> str:
     """Write the result files of benchmarks/`script`.py into `out`; returns their path stem.
 
     payload: the JSON's own keys beside `meta` and `report` (e.g. `results`); plot: a function of
-    the .png path, or None."""
+    the .png path, or None; name: the files' name before the time (default `script`)."""
     from ssd_jax.runtime.defaults import cpu_features
     os.makedirs(out, exist_ok=True)
-    stem = os.path.join(out, f"{script}-{time.strftime('%Y%m%d-%H%M%S')}")
+    stem = os.path.join(out, f"{name or script}-{time.strftime('%Y%m%d-%H%M%S')}")
     meta = dict(command=f"python benchmarks/{script}.py " + " ".join(sys.argv[1:]),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 cpu_features=cpu_features(), loadavg=os.getloadavg())

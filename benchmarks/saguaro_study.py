@@ -103,6 +103,63 @@ def run(args) -> dict:
     return dict(points=out, k=k, fanout=list(fan), prompts=[p["dataset"] for p in prompts])
 
 
+def top_mass(args) -> dict:
+    """Why C moves the hit rate so little here: the draft's mass m on the top F + 1 tokens that
+    Saguaro scales. q'(t) = C q(t) / (C m + 1 - m) on them, so where m is near 1 the renormalised
+    q' is nearly q. Measured on the draft (bf16, plain XLA) over the same prompts, teacher-forced:
+    at the prompt's own positions (harder text for the draft, a low m) and at the positions of the
+    draft's own greedy continuation of --max-new-tokens (its easiest text, a high m); the text it
+    drafts in SSD, the target's, lies between."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ssd_jax.models.load import load_model
+    from ssd_jax.models.protocol import forward, init_cache
+    from ssd_jax.runtime.engine import Engine
+    from ssd_jax.tools import datasets
+    from ssd_jax.tools.bench_workers import encode_prompt
+
+    draft = load_model(args.draft, "bfloat16")
+    L = 1024  # one padded length, one compile
+    eng = Engine(draft, placement="colocated", max_len=L)
+    n_top = max(int(x) for x in args.fanout.split(",")[:-1]) + 1
+    fwd = jax.jit(lambda p, t, n: forward(p, draft.cfg, t, init_cache(draft.cfg, 1, L), n)[0])
+    out = {}
+    for name in datasets.PAPER_SUITE:
+        for p in datasets.prompts(name, args.per_dataset):
+            ids = encode_prompt(draft.tokenizer, p)
+            cont = eng.generate([ids], mode="ar", max_new_tokens=args.max_new_tokens).token_ids[0]
+            seq = ids + list(cont)
+            if len(seq) > L:
+                raise SystemExit(f"--top-mass: a prompt and its continuation take {len(seq)} > {L} tokens")
+            toks = jnp.asarray([seq + [0] * (L - len(seq))], jnp.int32)
+            logits = fwd(draft.params, toks, jnp.asarray([len(seq)], jnp.int32))[0, : len(seq)]
+            V = draft.tokenizer.vocab_size
+            for t in args.temperatures or [1.0]:
+                q = jax.nn.softmax(logits[:, :V] / max(t, 1e-6), axis=-1)
+                m = np.asarray(jnp.sum(jax.lax.top_k(q, n_top)[0], axis=-1))
+                out.setdefault(str(t), {"prompt": [], "continuation": []})
+                out[str(t)]["prompt"] += np.round(m[: len(ids) - 1], 4).tolist()
+                out[str(t)]["continuation"] += np.round(m[len(ids) - 1: -1], 4).tolist()
+    return dict(n_top=n_top, mass=out)
+
+
+def report_mass(res: dict, cs: list[float]) -> str:
+    import numpy as np
+    lines = [f"The draft's mass m on its top {res['n_top']} tokens (those Saguaro scales), and the "
+             "mean factor q'/q on them at each C (C / (C m + 1 - m); 1 = no change):", "",
+             "| T | text | positions | median m | mean m | " + " | ".join(f"q'/q at C = {c}" for c in cs) + " |",
+             "|---|---|---|---|---|" + "---|" * len(cs)]
+    for t, by in res["mass"].items():
+        for where, ms in by.items():
+            m = np.asarray(ms)
+            f = [float(np.mean(c / (c * m + 1 - m))) for c in cs]
+            lines.append(f"| {t} | {where} | {len(m)} | {np.median(m):.3f} | {m.mean():.3f} | " +
+                         " | ".join(f"{x:.3f}" for x in f) + " |")
+    return "\n".join(lines)
+
+
 def report(res: dict, c_ref: float = 1.0) -> str:
     pts, k = res["points"], res["k"]
     lines = ["| T | C | hit rate [95%] | lookups | acceptance a [95%] | tokens/round | tokens/s [95%] | "
@@ -169,6 +226,8 @@ def main() -> None:
                    help="CPU ids A,B: the target on A, the draft's process on B (default 0,1)")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"), help="output folder")
     p.add_argument("--report", metavar="JSON", help="print the table again from a written result")
+    p.add_argument("--top-mass", action="store_true", help="instead of the study: the draft's mass "
+                   "on the tokens Saguaro scales, at each temperature (why C changes little)")
     args = p.parse_args()
     if args.report:
         with open(args.report) as f:
@@ -184,6 +243,14 @@ def main() -> None:
         raise SystemExit(f"--c must hold values in (0, 1], 1 among them; got {args.c}")
     if any(t < 0 for t in args.temperatures) or len(fan) < 2 or min(fan) < 0:
         raise SystemExit("--temperatures must be >= 0 and --fanout K + 1 >= 2 counts >= 0")
+    if args.top_mass:
+        from ssd_jax.runtime.defaults import describe
+        res = top_mass(args)
+        text = report_mass(res, [c for c in args.c if c < 1]) + f"\n\n- CPU: {describe()}"
+        print(text)
+        from _results import write_results
+        write_results("saguaro_study", args.out, dict(results=res), text, name="saguaro_mass")
+        return
     res = run(args)
     from ssd_jax.runtime.defaults import describe
     text = report(res) + f"\n\n- CPU: {describe()}"
