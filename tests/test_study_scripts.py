@@ -126,3 +126,10 @@ def test_result_files_hold_the_command_the_payload_and_the_report(tmp_path, monk
     assert d["table"] == [1] and d["results"] == {"a": 2} and d["report"] == "| the table |"
     with open(stem + ".md") as f:
         assert f.read() == "`python benchmarks/frontier.py --batches 1,2`\n\n| the table |\n"
+
+
+def test_top_mass_report_by_hand():
+    # m = 1 leaves q' = q on the scaled tokens (factor 1); m = 0.5 at C = 0.5 gives
+    # 0.5 / (0.25 + 0.5) = 2/3: mean 5/6
+    text = saguaro.report_mass({"n_top": 2, "mass": {"0.7": {"prompt": [1.0, 0.5]}}}, [0.5])
+    assert "| 0.7 | prompt | 2 | 0.750 | 0.750 | 0.833 |" in text
