@@ -106,7 +106,8 @@ def run(args) -> dict:
 def top_mass(args) -> dict:
     """Why C moves the hit rate so little here: the draft's mass m on the top F + 1 tokens that
     Saguaro scales. q'(t) = C q(t) / (C m + 1 - m) on them, so where m is near 1 the renormalised
-    q' is nearly q. Measured on the draft (bf16, plain XLA) over the same prompts, teacher-forced:
+    q' is nearly q. Measured on the draft (bf16; the teacher-forced pass on the plain-XLA table)
+    over the same prompts:
     at the prompt's own positions (harder text for the draft, a low m) and at the positions of the
     draft's own greedy continuation of --max-new-tokens (its easiest text, a high m); the text it
     drafts in SSD, the target's, lies between."""
@@ -125,6 +126,7 @@ def top_mass(args) -> dict:
     eng = Engine(draft, placement="colocated", max_len=L)
     n_top = max(int(x) for x in args.fanout.split(",")[:-1]) + 1
     fwd = jax.jit(lambda p, t, n: forward(p, draft.cfg, t, init_cache(draft.cfg, 1, L), n)[0])
+    V = draft.tokenizer.vocab_size
     out = {}
     for name in datasets.PAPER_SUITE:
         for p in datasets.prompts(name, args.per_dataset):
@@ -135,7 +137,6 @@ def top_mass(args) -> dict:
                 raise SystemExit(f"--top-mass: a prompt and its continuation take {len(seq)} > {L} tokens")
             toks = jnp.asarray([seq + [0] * (L - len(seq))], jnp.int32)
             logits = fwd(draft.params, toks, jnp.asarray([len(seq)], jnp.int32))[0, : len(seq)]
-            V = draft.tokenizer.vocab_size
             for t in args.temperatures or [1.0]:
                 q = jax.nn.softmax(logits[:, :V] / max(t, 1e-6), axis=-1)
                 m = np.asarray(jnp.sum(jax.lax.top_k(q, n_top)[0], axis=-1))
@@ -243,20 +244,19 @@ def main() -> None:
         raise SystemExit(f"--c must hold values in (0, 1], 1 among them; got {args.c}")
     if any(t < 0 for t in args.temperatures) or len(fan) < 2 or min(fan) < 0:
         raise SystemExit("--temperatures must be >= 0 and --fanout K + 1 >= 2 counts >= 0")
-    if args.top_mass:
-        from ssd_jax.runtime.defaults import describe
-        res = top_mass(args)
-        text = report_mass(res, [c for c in args.c if c < 1]) + f"\n\n- CPU: {describe()}"
-        print(text)
-        from _results import write_results
-        write_results("saguaro_study", args.out, dict(results=res), text, name="saguaro_mass")
-        return
-    res = run(args)
-    from ssd_jax.runtime.defaults import describe
-    text = report(res) + f"\n\n- CPU: {describe()}"
-    print(text)
     from _results import write_results
-    write_results("saguaro_study", args.out, dict(results=res), text, plot=lambda path: plot(res, path))
+    from ssd_jax.runtime.defaults import describe
+    if args.top_mass:
+        res = top_mass(args)
+        text = report_mass(res, [c for c in args.c if c < 1])
+        name, draw = "saguaro_mass", None
+    else:
+        res = run(args)
+        text = report(res)
+        name, draw = None, lambda path: plot(res, path)
+    text += f"\n\n- CPU: {describe()}"
+    print(text)
+    write_results("saguaro_study", args.out, dict(results=res), text, plot=draw, name=name)
 
 
 if __name__ == "__main__":
