@@ -94,7 +94,11 @@ def pallas_ops(platform: str) -> Ops:
     return Ops(name="pallas",
                tree_attention=_tree_attention_interpret if interpret else _tree_attention_gpu,
                cache_gather=_cache_gather_interpret if interpret else _cache_gather_gpu,
-               fast_dtypes=("bfloat16", "float32"))
+               fast_dtypes=("bfloat16", "float32"),
+               # Pallas's Triton calls: JAX's export keeps them only when told (a stored step
+               # is keyed by JAX's version, so Triton IR's lack of stability across versions
+               # does not reach it)
+               custom_calls=() if interpret else ("__gpu$xla.gpu.triton",))
 
 
 _KERNEL_OPS = {"tree_attention": xla_tree_attention, "cache_gather": xla_cache_gather}

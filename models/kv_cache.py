@@ -18,6 +18,7 @@ jitted fast path pays nothing:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -88,6 +89,8 @@ def check_room(lengths, count, capacity: int, what: str = "forward") -> None:
                 f"{what}: writing past the cache's end (S = {capacity} slots): {rows}; make the "
                 f"cache longer (init_cache max_len) or roll it back (with_lengths) first")
         return
+    if not _TRACED_CHECKS[0]:
+        return
     lengths, count = jnp.asarray(lengths), jnp.asarray(count)
     ok = jnp.all((lengths >= 0) & (count >= 0) & (lengths + count <= capacity))
     checkify.debug_check(ok, f"{_MARK}{what}: writing past the cache's end: lengths {{}} + "
@@ -95,6 +98,20 @@ def check_room(lengths, count, capacity: int, what: str = "forward") -> None:
 
 
 _MARK = "KV cache overflow in "
+# Off only while `ssd_jax.algorithm.aot` exports a step: a debug check adds an effect that
+# `jax.export` cannot serialise, and outside `checked` it compiles to nothing anyway.
+_TRACED_CHECKS = [True]
+
+
+@contextlib.contextmanager
+def traced_checks_off():
+    """Trace without the traced overflow checks: what a step compiles to outside `checked`."""
+    before = _TRACED_CHECKS[0]
+    _TRACED_CHECKS[0] = False
+    try:
+        yield
+    finally:
+        _TRACED_CHECKS[0] = before
 
 
 def checked(fn):

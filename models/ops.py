@@ -134,6 +134,9 @@ class Ops:
     prepare: Callable = identity
     fast_dtypes: tuple[str, ...] = ("float32", "bfloat16")
     fast_quant: tuple[str, ...] = ("none",)
+    # the custom-call targets this table's ops lower to (other than JAX's own): what
+    # `jax.export` may keep in a stored step (ssd_jax/algorithm/aot.py)
+    custom_calls: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         return f"Ops({self.name!r})"

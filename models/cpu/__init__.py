@@ -52,7 +52,8 @@ def _fast_quant() -> tuple[str, ...]:
 @functools.cache
 def _backend() -> Ops:
     return Ops(name="cpu", dense=dense, attend=attention.attend, swiglu=swiglu.swiglu,
-               prepare=layouts.prepare, fast_dtypes=_fast_dtypes(), fast_quant=_fast_quant())
+               prepare=layouts.prepare, fast_dtypes=_fast_dtypes(), fast_quant=_fast_quant(),
+               custom_calls=tuple(target for target, _ in build._ENTRIES))
 
 
 def backend() -> Ops:
