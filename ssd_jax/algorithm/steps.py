@@ -20,7 +20,6 @@ decides, stream) — see `ssd_jax.algorithm.sampling.position_keys`.
 """
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import jax
@@ -32,6 +31,7 @@ from ssd_jax.models.ops import XLA, Ops
 from ssd_jax.models.params import Params
 from ssd_jax.models.protocol import forward, is_builtin, lengths, select_rows, with_lengths
 from ssd_jax.algorithm import sampling as smp
+from ssd_jax.algorithm.aot import stored_jit
 from ssd_jax.algorithm.saguaro import normalise_rows, propose
 
 
@@ -43,8 +43,7 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     return jnp.where(tokens >= 0, got, 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "vocab_size", "ops"),
-                   donate_argnames=("cache",))
+@stored_jit(static_argnames=("cfg", "vocab_size", "ops"), donate_argnames=("cache",))
 def prefill(params: Params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array, lens: jax.Array,
             seed: jax.Array, request_ids: jax.Array, sampling: smp.SamplingParams,
             vocab_size: int, ops: Ops = XLA):
@@ -63,7 +62,7 @@ def prefill(params: Params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array,
     return tok, token_logprobs(logits, tok), cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "ops"), donate_argnames=("cache",))
+@stored_jit(static_argnames=("cfg", "ops"), donate_argnames=("cache",))
 def prefill_cache(params: Params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array,
                   lens: jax.Array, ops: Ops = XLA) -> KVCache:
     """Draft-side prefill: tokens `[B, T]` (right-padded), lens `[B]` -> the cache (donated) holding
@@ -75,8 +74,7 @@ def prefill_cache(params: Params, cfg: ModelConfig, cache: KVCache, tokens: jax.
     return cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "vocab_size", "ops"),
-                   donate_argnames=("cache",))
+@stored_jit(static_argnames=("cfg", "vocab_size", "ops"), donate_argnames=("cache",))
 def decode(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Array, active: jax.Array,
            seed: jax.Array, request_ids: jax.Array, sampling: smp.SamplingParams, vocab_size: int,
            ops: Ops = XLA):
@@ -94,8 +92,8 @@ def decode(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Array, a
     return tok, token_logprobs(logits[:, 0], tok), cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "vocab_size", "verifier", "ops"),
-                   donate_argnames=("cache",))
+@stored_jit(static_argnames=("cfg", "vocab_size", "verifier", "ops"),
+            donate_argnames=("cache",))
 def verify(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Array, spec: jax.Array,
            rows: jax.Array, active: jax.Array, seed: jax.Array, request_ids: jax.Array,
            sampling: smp.SamplingParams, vocab_size: int, verifier: Callable, ops: Ops = XLA):
@@ -125,9 +123,8 @@ def verify(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Array, s
     return res, lp, with_lengths(cache, new_len)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "vocab_size", "k", "saguaro_top_n",
-                                             "row_dtype", "ops"),
-                   donate_argnames=("cache",))
+@stored_jit(static_argnames=("cfg", "vocab_size", "k", "saguaro_top_n", "row_dtype", "ops"),
+            donate_argnames=("cache",))
 def draft_chain(params: Params, cfg: ModelConfig, cache: KVCache, prev: jax.Array, bonus: jax.Array,
                 n: jax.Array, seed: jax.Array, request_ids: jax.Array, sampling: smp.SamplingParams,
                 vocab_size: int, k: int, saguaro_top_n: tuple[int, ...] = (),

@@ -5,8 +5,6 @@ draft mesh right after `verify` is dispatched on the target mesh, and runs while
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -16,6 +14,7 @@ from ssd_jax.models.ops import XLA, Ops
 from ssd_jax.models.params import Params
 from ssd_jax.models.protocol import forward, init_branch, tree_step, with_lengths
 from ssd_jax.algorithm import sampling as smp
+from ssd_jax.algorithm.aot import stored_jit
 from ssd_jax.algorithm.saguaro import propose
 from ssd_jax.algorithm.small_topk import top_k_indices
 from ssd_jax.algorithm.speculation_cache import SpeculationCache
@@ -83,11 +82,9 @@ def _decode_scan(step, K: int, tok, branch, saguaro_top_n, V: int, row_dtype):
     return toks, rows
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("cfg", "vocab_size", "fanout_hit", "fanout_backup",
-                     "saguaro_top_n", "row_dtype", "ops", "tree_loop"),
-    donate_argnames=("cache",))
+@stored_jit(static_argnames=("cfg", "vocab_size", "fanout_hit", "fanout_backup",
+                             "saguaro_top_n", "row_dtype", "ops", "tree_loop"),
+            donate_argnames=("cache",))
 def draft_tree(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Array, spec: jax.Array,
                n: jax.Array, active: jax.Array, from_backup: jax.Array, seed: jax.Array,
                request_ids: jax.Array, sampling: smp.SamplingParams, vocab_size: int,
