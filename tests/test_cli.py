@@ -349,13 +349,18 @@ def test_version_is_the_installed_distributions(capsys):
 
 
 def test_console_script_generate_json(pair):
-    """The installed `ssd-jax` entry point, in its own process."""
-    env = dict(os.environ)
+    """The installed `ssd-jax` entry point, in its own process (with a persistent compile
+    cache, so its step store is on: ssd_jax/algorithm/aot.py)."""
+    cache = pair["root"] / "console_compile_cache"
+    env = dict(os.environ, SSD_JAX_COMPILE_CACHE=str(cache))
     proc = subprocess.run([SCRIPT, *gen_args(pair, "--mode", "ssd", "--json")], capture_output=True,
                           text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     obj = json.loads(proc.stdout)
     assert obj["metrics"]["mode"] == "ssd" and obj["token_ids"]
+    # both processes stored their steps (the draft's in its own process when two-process)
+    stored = {p.name.split("-")[0] for p in (cache / "steps").iterdir()}
+    assert {"prefill", "verify", "prefill_cache", "draft_tree"} <= stored, stored
     # a fresh process on a CPU: --placement auto runs SSD in the layout that overlaps, and says so
     lay = fresh_layout()
     assert obj["metrics"]["placement"] == lay.placement, proc.stderr[-3000:]

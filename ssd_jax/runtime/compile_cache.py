@@ -3,7 +3,9 @@
 What it saves and what it does not (benchmarks/README.md, "compile time"): a hit skips XLA's
 backend compile, but JAX still traces and lowers every jitted step in each new process, and
 XLA:CPU still rebuilds an executable's thunk graph when it loads one, so a second process pays
-part of the first one's compile time again.
+part of the first one's compile time again. The step store (`ssd_jax.algorithm.aot`, off by
+default, on in the CLI) takes the trace and lowering away too: it keeps each step's exported
+module in `<cache dir>/steps`.
 """
 from __future__ import annotations
 
@@ -39,7 +41,19 @@ def min_compile_secs() -> float:
     return secs
 
 
-def enable_compilation_cache(setting: bool | str = True) -> str | None:
+STEP_STORE_ENV = "SSD_JAX_STEP_STORE"
+_OFF = ("", "0", "false", "off", "no")
+
+
+def step_store_wanted(setting: bool | None = None) -> bool:
+    """The step store's switch: `setting` when it is a bool, else env SSD_JAX_STEP_STORE ("1" /
+    "on" to turn it on; default off, see `ssd_jax.algorithm.aot` on why)."""
+    if setting is not None:
+        return bool(setting)
+    return os.environ.get(STEP_STORE_ENV, "").strip().lower() not in _OFF
+
+
+def enable_compilation_cache(setting: bool | str = True, step_store: bool | None = None) -> str | None:
     """Point JAX's persistent compilation cache at a directory (created if needed), caching every
     compile of at least `min_compile_secs()` seconds.
 
@@ -47,12 +61,18 @@ def enable_compilation_cache(setting: bool | str = True) -> str | None:
     "false", "off" to turn it off); a str: that dir; False: leave JAX's settings alone. Returns the
     directory this module set, if any (None when it never set one). Pointing it at another
     directory later in the same process takes effect (JAX's cache object is reset).
+
+    step_store (`step_store_wanted`: env SSD_JAX_STEP_STORE when None): also keep the steps'
+    exported modules in `<dir>/steps`, so a later process neither traces nor lowers them; it is
+    turned off wherever the persistent cache is.
     """
+    from ssd_jax.algorithm import aot
     global _enabled
     env = os.environ.get("SSD_JAX_COMPILE_CACHE")
     if setting is True and env is not None:
         setting = False if env in ("", "0", "false", "off") else env
     if setting is False:
+        aot.set_store(None)
         return _enabled
     path = str(default_dir() if setting is True else setting)
     if _enabled != path:
@@ -66,4 +86,5 @@ def enable_compilation_cache(setting: bool | str = True) -> str | None:
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", secs)
         _enabled = path
+    aot.set_store(Path(path) / "steps" if step_store_wanted(step_store) else None)
     return _enabled

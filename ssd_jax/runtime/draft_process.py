@@ -210,13 +210,17 @@ def main(argv=None) -> None:
     p.add_argument("--compilation-cache", default="on",
                    help="JAX's persistent compilation cache: on (the default directory, or "
                         "$SSD_JAX_COMPILE_CACHE), off, or a directory (default on)")
+    p.add_argument("--step-store", choices=("on", "off"), default=None,
+                   help="keep the draft's steps exported beside the compilation cache "
+                        "(ssd_jax.algorithm.aot; default: $SSD_JAX_STEP_STORE, else off)")
     a = p.parse_args(argv)
     if a.cpu is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {a.cpu})  # before XLA starts its thread pool
     from ssd_jax.runtime.compile_cache import enable_compilation_cache
     try:  # the draft's tree and chain are the largest compiles of an SSD call: keep them
         enable_compilation_cache({"on": True, "off": False}.get(a.compilation_cache,
-                                                                a.compilation_cache))
+                                                                a.compilation_cache),
+                                 None if a.step_store is None else a.step_store == "on")
     except (ValueError, OSError) as e:
         sys.exit(f"ssd_jax draft process: --compilation-cache: {e}")
     try:

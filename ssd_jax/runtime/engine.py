@@ -52,7 +52,8 @@ class Engine:
 
     def __init__(self, target, draft=None, *, placement: str | Placement = "split",
                  max_len: int = 4096, compilation_cache: bool | str = True, remote_draft=None,
-                 proposer=None, backend: str = "auto", strict: bool = False):
+                 proposer=None, backend: str = "auto", strict: bool = False,
+                 step_store: bool | None = None):
         """target / draft: `ssd_jax.models.model.Model` (the built-in transformer, or a model of
         one's own from `ssd_jax.models.adapters`: `from_nnx`, `from_functions`; a flax.nnx.Module
         that follows `ssd_jax.models.protocol` is adapted as is; anything else is one TypeError
@@ -66,8 +67,13 @@ class Engine:
         (`ssd_jax.models.backends.select`); `self.backend` reports the choice per model.
         strict: when the draft fails mid-call (ssd_jax.runtime.fallback), False finishes the call
         with plain decoding on the target (one DraftFallbackWarning, `metrics.fallback`), True
-        raises `ssd_jax.DraftFailure` with the tokens so far; `restart_draft()` brings it back."""
-        enable_compilation_cache(compilation_cache)
+        raises `ssd_jax.DraftFailure` with the tokens so far; `restart_draft()` brings it back.
+        compilation_cache: JAX's persistent cache (True: the default directory,
+        $SSD_JAX_COMPILE_CACHE overrides; a directory; False: leave JAX's settings alone).
+        step_store: also store the steps' exported modules there, so a later process skips
+        their trace and lowering (`ssd_jax.algorithm.aot`; None: $SSD_JAX_STEP_STORE, default
+        off; the CLI turns it on). Leave it off where you patch library code in memory."""
+        enable_compilation_cache(compilation_cache, step_store)
         target = as_model(target, "target")  # one TypeError naming what a wrong object lacks
         draft = None if draft is None else as_model(draft, "draft")
         if is_builtin(target.cfg) and head_width(target.params) < target.cfg.vocab_size:

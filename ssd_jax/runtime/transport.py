@@ -319,7 +319,8 @@ def start_two_process(draft: str | None, *, dtype: str = "float32", quant: str =
                       draft_main: str | None = None, listen: str | None = None,
                       secret: str | bytes | None = None,
                       secret_file: str | None = None,
-                      compilation_cache: bool | str = True) -> RemoteDraft:
+                      compilation_cache: bool | str = True,
+                      step_store: bool | None = None) -> RemoteDraft:
     """Launch the draft process (or wait for one to join) and connect to it.
 
     draft: a default model name, a .gguf file, an HF folder, or a directory written by
@@ -335,6 +336,8 @@ def start_two_process(draft: str | None, *, dtype: str = "float32", quant: str =
     persistent compilation cache, as `Engine`'s argument (True: the default directory, which
     SSD_JAX_COMPILE_CACHE overrides; a directory; False: off): the draft's steps are the largest
     compiles of an SSD call, so a second run reads them back instead of compiling them again.
+    step_store: the draft process's step store, as `Engine`'s argument (None: its
+    $SSD_JAX_STEP_STORE).
 
     The target listens on `listen` ("host:port", default 127.0.0.1 and a free port) and a draft
     must prove the shared secret (HMAC) before anything else is read. A spawned draft gets a fresh
@@ -373,6 +376,8 @@ def start_two_process(draft: str | None, *, dtype: str = "float32", quant: str =
             cmd += ["--cache-dir", str(cache_dir)]
         cmd += ["--compilation-cache", {True: "on", False: "off"}.get(compilation_cache,
                                                                       str(compilation_cache))]
+        if step_store is not None:
+            cmd += ["--step-store", "on" if step_store else "off"]
         env = {k: v for k, v in os.environ.items() if k != SECRET_FILE_ENV}
         env[SECRET_ENV] = key_text
     parse_address(listen or "127.0.0.1:0")  # a bad address is an error before anything starts

@@ -167,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cache-dir", default=None,
                    help="where models are fetched and converted (default $SSD_JAX_HOME or "
                         "~/.cache/ssd_jax)")
+    g.add_argument("--step-store", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep each compiled step's exported module beside JAX's persistent "
+                        "compilation cache, so the next run skips tracing and lowering it "
+                        "(default on; ssd_jax.algorithm.aot)")
 
     b = sub.add_parser("bench", help="AR, SD and SSD (and HF assisted generation) side by side",
                        description=bench.__doc__.split("\n\n")[0])
@@ -340,7 +344,7 @@ def _generate(args) -> int:
                 remote = start_two_process(args.draft, dtype=choice["dtype"],
                                            quant=choice["draft_quant"],
                                            draft_vocab=args.draft_vocab, cores=cores,
-                                           cache_dir=args.cache_dir)
+                                           cache_dir=args.cache_dir, step_store=args.step_store)
         except RuntimeError as e:
             raise GenerateError(f"the draft process did not start: {e} (--placement split runs "
                                 f"in one process)") from e
@@ -357,14 +361,16 @@ def _generate(args) -> int:
     with progress.step(f"loading target {args.target} ({dtype})", "target loaded"):
         target = load_model(args.target, dtype, cache_dir=args.cache_dir)
     if remote is not None:
-        engine = Engine(target, remote_draft=remote, max_len=args.max_len, backend=backend)
+        engine = Engine(target, remote_draft=remote, max_len=args.max_len, backend=backend,
+                        step_store=args.step_store)
     else:
         draft = None
         if args.mode != "ar":
             with progress.step(f"loading draft {args.draft} ({dtype}, {quant})", "draft loaded"):
                 draft = load_draft(args.draft, dtype, quant, args.draft_vocab,
                                    cache_dir=args.cache_dir)
-        engine = Engine(target, draft, placement=placement, max_len=args.max_len, backend=backend)
+        engine = Engine(target, draft, placement=placement, max_len=args.max_len, backend=backend,
+                        step_store=args.step_store)
     if line:  # said once the layout runs (errors before this are one line each)
         print(line, file=sys.stderr)
     request = dict(mode=args.mode, max_new_tokens=args.max_new_tokens, sampling=args.sampling,
@@ -409,6 +415,8 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.argv = argv  # recorded by `bench`
+    from ssd_jax.algorithm import aot
+    store = aot.store_dir()  # process-wide: generate's step store must not outlive the call
     try:
         return {"fetch": _fetch, "generate": _generate, "bench": _bench}[args.command](args)
     except (ValueError, registry.FetchError, FileNotFoundError, OSError, BenchError,
@@ -416,6 +424,8 @@ def main(argv=None) -> int:
         msg = " ".join(str(e).split("\n")[0].split()) or type(e).__name__
         print(f"ssd-jax: error: {msg}", file=sys.stderr)
         return EXIT_USAGE if isinstance(e, ValueError) else 1
+    finally:
+        aot.set_store(store)
 
 
 if __name__ == "__main__":
