@@ -16,6 +16,10 @@ steps, the next three should compile nothing. The second process repeats the per
 the first process's persistent cache: its compile seconds as a fraction of the first's is what the
 persistent cache saves a second start.
 
+`--step-store` turns the Engine's step store on in both processes (`ssd_jax.algorithm.aot`: the
+first exports each step, the second reads the exported modules back instead of tracing and
+lowering them, as the CLI does by default).
+
 `--variant platform-switch` runs both processes with the CPU kernels traced as before 138cbc4, under
 `lax.platform_dependent` (benchmarks/compile_probe.py says what that is; same executables).
 
@@ -145,7 +149,8 @@ def child(args) -> dict:
     t0 = time.perf_counter()
     ev.start()
     engine = Engine(target, draft, placement=args.placement, max_len=args.max_len,
-                    backend=args.backend, compilation_cache=args.compile_cache)
+                    backend=args.backend, compilation_cache=args.compile_cache,
+                    step_store=args.step_store)
     jax.block_until_ready(engine.tparams)
     out["engine_s"] = round(time.perf_counter() - t0, 2)
     out["engine_compile"] = ev.stop()
@@ -187,7 +192,8 @@ def _table(res: dict) -> str:
     cold, warm = res["cold"], res.get("warm")
     lines = [f"# compile time: {res['target']} target, {res['draft']} draft "
              f"({cold['dtype']}, draft {cold['draft_quant']}, backend {cold['backend']}, "
-             f"kernels traced {cold.get('variant', 'as-is')})",
+             f"kernels traced {cold.get('variant', 'as-is')}, step store "
+             f"{'on' if res.get('step_store') else 'off'})",
              f"CPU: {res['cpu']}; jax {cold['jax']}; load average (1, 5, 15 min) "
              f"{cold['loadavg_start']} at the start, {(warm or cold)['loadavg_end']} at the end", ""]
     load = [f"load target {cold['load_target_s']} s, draft {cold['load_draft_s']} s"]
@@ -238,6 +244,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-sweep", action="store_true", help="skip the first process's sweep")
     ap.add_argument("--variant", default="as-is", choices=("as-is", "platform-switch"),
                     help="how the cpu kernels are traced (benchmarks/compile_probe.py; default as-is)")
+    ap.add_argument("--step-store", action="store_true",
+                    help="the Engine's step store on in both processes (default off)")
     ap.add_argument("--out", default=None, help="the JSON's path (default benchmarks/results/)")
     ap.add_argument("--phase", choices=("cold", "warm"), default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -256,12 +264,13 @@ def main(argv=None) -> int:
         args.compile_cache = tmp.name
     res = dict(target=args.target, draft=args.draft, cpu=describe(),
                date=time.strftime("%Y-%m-%d %H:%M:%S"), compile_cache=args.compile_cache,
-               argv=sys.argv[1:])
+               argv=sys.argv[1:], step_store=args.step_store)
     base = [sys.executable, __file__, "--target", args.target, "--draft", args.draft, "--dtype",
             args.dtype, "--draft-quant", args.draft_quant, "--backend", args.backend,
             "--placement", args.placement, "--modes", ",".join(args.modes), "--max-new-tokens",
             str(args.max_new_tokens), "--max-len", str(args.max_len), "--compile-cache",
-            args.compile_cache, "--variant", args.variant] + (["--no-sweep"] if args.no_sweep else [])
+            args.compile_cache, "--variant", args.variant] + (["--no-sweep"] if args.no_sweep else []) + (
+                ["--step-store"] if args.step_store else [])
     for phase in ("cold",) if args.no_warm else ("cold", "warm"):
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             cmd = base + ["--phase", phase, "--result", f.name] + (

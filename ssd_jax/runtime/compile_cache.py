@@ -63,8 +63,8 @@ def enable_compilation_cache(setting: bool | str = True, step_store: bool | None
     directory later in the same process takes effect (JAX's cache object is reset).
 
     step_store (`step_store_wanted`: env SSD_JAX_STEP_STORE when None): also keep the steps'
-    exported modules in `<dir>/steps`, so a later process neither traces nor lowers them; it is
-    turned off wherever the persistent cache is.
+    exported modules in `<dir>/steps`, so a later process neither traces nor lowers them; with
+    `setting` False (or the env turning the cache off) the store is off too.
     """
     from ssd_jax.algorithm import aot
     global _enabled
