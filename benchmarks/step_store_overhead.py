@@ -5,9 +5,11 @@ store on, against the same step's plain `jax.jit`, alternated in one process.
     python benchmarks/step_store_overhead.py --model smollm2-135m  # a real one
 
 The stored path binds the arguments, flattens them and looks the step up by its leaves' shapes,
-dtypes and shardings in Python before the call (jit does that in C++), so its cost is per call
-and grows with the number of leaves (params + cache). The tiny model's step takes well under a
-millisecond, so its difference is that cost; the real model's ratio is what a decode pays.
+dtypes and shardings in Python before the call (jit does that in C++), a cost per call that grows
+with the leaves (params + cache). The plain jit has a cost of its own: the steps carry the KV
+cache's debug-check effect, which keeps them off jit's C++ fast path, while the exported step is
+traced without it (benchmarks/README.md, "The step store"). The tiny model's step is dispatch
+bound, so its difference is those two costs; the real model's ratio is what a decode pays.
 Prints the medians (with quartiles) of both and their difference; --out writes the JSON.
 """
 from __future__ import annotations
