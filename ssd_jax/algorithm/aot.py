@@ -6,8 +6,8 @@ what a second start pays). `stored_jit` is `jax.jit` plus a store of the *lowere
 process exports each step (`jax.export`: StableHLO with its input and output pytrees) into
 `<dir>/<step>-<sha256>.jaxexport`, and a later process deserialises that file and runs it under
 `jax.jit`, whose XLA compile the persistent cache then serves. Same computation: the exported
-module is what `jax.jit` would have lowered (tests/test_step_store.py compares the tokens of
-every mode, greedy and sampled, with and without the store).
+module is what `jax.jit` would have lowered (tests/test_step_store.py compares the tokens of AR
+and of sampled SSD, whose steps include SD's, with and without the store, across two processes).
 
 Off unless turned on (`set_store`; the Engine's `step_store`, on in the CLI): with it off a
 `stored_jit` step is its `jax.jit` and nothing else. It is for fresh processes running the
@@ -22,7 +22,8 @@ sharding, and JAX's version, trace-time flags and `SSD_JAX_*` variables. A stati
 cannot describe for certain (a function that is not a module-level function of `ssd_jax`, a
 closure, a partial, an object of a class from elsewhere: a model of one's own, a backend plug-in
 from another package) makes the call a plain `jax.jit` call, as does a call inside someone else's
-trace (tracer arguments: `checked`, `vmap`) and a step `jax.export` cannot serialise.
+trace (tracer arguments: `checked`, `vmap`) and a step `jax.export` cannot serialise. A source
+file changed on disk after this module was imported turns the store off for the process.
 """
 from __future__ import annotations
 
