@@ -127,21 +127,13 @@ def describe(value: Any) -> str | None:
 
 
 def _leaf_key(x) -> tuple:
-    """What a compiled step depends on of one input leaf (hashable, for this process's table)."""
+    """What a compiled step depends on of one input leaf: hashable (this process's table), and its
+    `repr` the same in another process (the file's key)."""
     if isinstance(x, jax.Array):
         return (x.shape, x.dtype, x.weak_type, x.sharding)
     if isinstance(x, np.ndarray):
         return (x.shape, x.dtype)
     return (type(x),)
-
-
-def _leaf_text(x) -> str:
-    """`_leaf_key` as text that is the same in another process."""
-    if isinstance(x, jax.Array):
-        return f"{x.shape}:{x.dtype}:{x.weak_type}:{x.sharding!r}"
-    if isinstance(x, np.ndarray):
-        return f"{x.shape}:{x.dtype}:np"
-    return f"py:{type(x).__name__}"
 
 
 def _environment() -> str:
@@ -263,7 +255,7 @@ class StoredJit:
         name = f"{self._fun.__module__}.{self._fun.__qualname__}"
         text = "\n".join([library_fingerprint(), name, _environment(), str(tree),
                           ";".join(f"{n}={d}" for (n, _), d in zip(static, descs)),
-                          ";".join(_leaf_text(x) for x in leaves)])
+                          ";".join(repr(_leaf_key(x)) for x in leaves)])
         path = store / f"{self._fun.__name__}-{hashlib.sha256(text.encode()).hexdigest()}.jaxexport"
         _register_outputs()
         exp = None

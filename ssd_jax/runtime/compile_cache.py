@@ -42,7 +42,7 @@ def min_compile_secs() -> float:
 
 
 STEP_STORE_ENV = "SSD_JAX_STEP_STORE"
-_OFF = ("", "0", "false", "off", "no")
+_OFF = ("", "0", "false", "off")  # what turns either switch off through its variable
 
 
 def step_store_wanted(setting: bool | None = None) -> bool:
@@ -70,7 +70,7 @@ def enable_compilation_cache(setting: bool | str = True, step_store: bool | None
     global _enabled
     env = os.environ.get("SSD_JAX_COMPILE_CACHE")
     if setting is True and env is not None:
-        setting = False if env in ("", "0", "false", "off") else env
+        setting = False if env in _OFF else env
     if setting is False:
         aot.set_store(None)
         return _enabled
