@@ -11,10 +11,12 @@ jitted fast path pays nothing:
   `CacheOverflowError` while tracing;
 - concrete (eager calls, always): lengths and counts held on the host or as addressable arrays
   (a notebook calling `forward` un-jitted) are checked with numpy before any work;
-- traced (under jit): a `jax.experimental.checkify.debug_check`, dropped when the function is
-  not checkified (compiled away: the jitted HLO is the same as without it), enforced under
-  `checked(fn)` (or your own `checkify.checkify`). The debug mode flags every write past the end,
-  including `steps.draft_chain`'s deliberate dropped writes for rows it does not draft.
+- traced (under jit): a `jax.experimental.checkify.debug_check`, traced only inside
+  `checked(fn)`, which enforces it. Outside it the steps are traced without the check: its
+  effect would compile to nothing, yet it keeps every call of a jitted step off JAX's C++
+  dispatch path (~600 Python calls a dispatch instead of a few). The debug mode flags every
+  write past the end, including `steps.draft_chain`'s deliberate dropped writes for rows it does
+  not draft.
 """
 from __future__ import annotations
 
@@ -98,9 +100,24 @@ def check_room(lengths, count, capacity: int, what: str = "forward") -> None:
 
 
 _MARK = "KV cache overflow in "
-# Off only while `ssd_jax.algorithm.aot` exports a step: a debug check adds an effect that
-# `jax.export` cannot serialise, and outside `checked` it compiles to nothing anyway.
-_TRACED_CHECKS = [True]
+# On only while `checked` traces: a debug check's effect costs every jitted call JAX's fast
+# dispatch path, `jax.export` cannot serialise it, and outside `checked` it compiles to nothing.
+_TRACED_CHECKS = [False]
+
+
+@contextlib.contextmanager
+def _traced_checks_on():
+    """Trace with the overflow checks. JAX's trace caches do not key on this switch, so they are
+    cleared on the way in (no check-free trace is reused inside) and out (no trace with the
+    check's effect is reused outside, off the fast path): `checked` is a debug tool."""
+    before = _TRACED_CHECKS[0]
+    jax.clear_caches()
+    _TRACED_CHECKS[0] = True
+    try:
+        yield
+    finally:
+        _TRACED_CHECKS[0] = before
+        jax.clear_caches()
 
 
 @contextlib.contextmanager
@@ -147,7 +164,8 @@ def checked(fn):
             if key not in compiled:
                 compiled[key] = jax.jit(checkify.checkify(inner, errors=checkify.user_checks))
             call = compiled[key]
-        err, out = call([x for x, a in zip(leaves, is_array) if a])
+        with _traced_checks_on():
+            err, out = call([x for x, a in zip(leaves, is_array) if a])
         try:
             err.throw()
         except checkify.JaxRuntimeError as e:

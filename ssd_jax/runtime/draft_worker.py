@@ -16,8 +16,8 @@ import numpy as np
 
 from ssd_jax.models import backends
 from ssd_jax.models.protocol import forward, init_cache, is_builtin, with_lengths
-from ssd_jax.algorithm import backups, steps
-from ssd_jax.runtime.placement import settle, spans_processes, to_host, to_mesh
+from ssd_jax.algorithm import backups, round_steps, steps
+from ssd_jax.runtime.placement import _placed, settle, spans_processes, to_host, to_mesh
 from ssd_jax.algorithm.speculation_cache import lookup
 from ssd_jax.algorithm.tree import draft_tree
 
@@ -92,6 +92,9 @@ class DraftWorker:
         self._tree_s = None
         self._serial = spans_processes(sharding.mesh)
         self._sampling = (None, None)  # (host values, the SamplingParams placed on the draft mesh)
+        self._values = (None, None)  # (call, its seed and request ids placed on the draft mesh)
+        self._sampling_of = None  # (the SamplingParams object last placed, the batch)
+        self.counters = None  # SSD's lookup counters of the call (device loop)
 
     def width_times(self, widths: tuple[int, ...] = (1, 8), context: int = 128,
                     repeats: int = 3) -> dict[int, float]:
@@ -112,18 +115,33 @@ class DraftWorker:
         return out
 
     def _put(self, x):
-        x = np.asarray(x)
+        """x (host or device values) on the draft mesh: per-row arrays `[B, ...]` with the
+        rows' sharding, anything else replicated; a device array moves device to device."""
+        if not isinstance(x, jax.Array):
+            x = np.asarray(x)
         per_row = x.ndim >= 1 and x.shape[0] == self._batch
         return to_mesh(x, self.rows if per_row else self.sharding)
+
+    def _call_values(self, run: DraftRun):
+        """(seed, request ids `[B]`) of the call on the draft mesh, placed once per call."""
+        key = (self._batch, run.seed, run.request_ids)
+        if self._values[0] != key:
+            self._values = (key, (to_mesh(np.int32(run.seed), self.sharding),
+                                  self._put(np.asarray(run.request_ids, np.int32))))
+        return self._values[1]
 
     def _placed_sampling(self, sp):
         """`sp` (a SamplingParams of host values) on the draft mesh, placed once per new value or
         batch: its values are traced arguments of the draft's steps, so a new value recompiles
         nothing and the same one is not sent again every round."""
+        if self._sampling_of is not None and self._sampling_of[0] is sp \
+                and self._sampling_of[1] == self._batch:  # the same object again: this call's
+            return self._sampling[1]
         key = (self._batch,) + tuple(np.asarray(v).tobytes() + np.asarray(v).dtype.str.encode()
                                      for v in (sp.temperature, sp.top_k, sp.top_p))
         if self._sampling[0] != key:
             self._sampling = (key, jax.tree_util.tree_map(self._put, sp))
+        self._sampling_of = (sp, self._batch)
         return self._sampling[1]
 
     def _fit_rows(self, rows):
@@ -153,11 +171,13 @@ class DraftWorker:
                 saguaro_c: float = 1.0, draft_rows: np.ndarray | None = None):
         """K draft tokens from each row's bonus (SD drafting; also the neural backup, for the
         `draft_rows` [B] that missed: the others' draft KV stays untouched)."""
+        seed, rids = self._call_values(run)
         spec, rows, self.cache = steps.draft_chain(
             self.params, self.cfg, self.cache, self._put(s.prev), self._put(s.bonus), self._put(s.n),
-            jnp.int32(run.seed), self._put(run.request_ids), self._placed_sampling(run.sampling),
+            seed, rids, self._placed_sampling(run.sampling),
             self.vocab_size, run.k, saguaro_top_n, np.float32(saguaro_c), run.row_dtype, ops=self.ops,
-            draft_rows=None if draft_rows is None else self._put(np.asarray(draft_rows, bool)))
+            draft_rows=None if draft_rows is None else self._put(
+                draft_rows if isinstance(draft_rows, jax.Array) else np.asarray(draft_rows, bool)))
         return settle((spec, self._fit_rows(rows)), self._serial)
 
     def backup(self, s: RoundState, run: DraftRun, draft_rows: np.ndarray | None = None):
@@ -168,7 +188,7 @@ class DraftWorker:
             top_n = tuple(f + 1 for f in run.fanout_backup[:-1])
             rows = s.active if draft_rows is None else draft_rows
             return self.propose(s, run, top_n, run.saguaro_c, draft_rows=rows)
-        seed, rids, n = jnp.int32(run.seed), self._put(run.request_ids), self._put(s.n)
+        (seed, rids), n = self._call_values(run), self._put(s.n)
         kw = dict(k=run.k, vocab_size=self.vocab_size, row_vocab=self.row_vocab,
                   row_dtype=run.row_dtype)
         if run.backup == "random":
@@ -185,9 +205,16 @@ class DraftWorker:
         nothing else to do meanwhile, so this measures T_p without serialising anything)."""
         t0 = time.perf_counter()
         top_n = tuple(f + 1 for f in run.fanout_hit[:-1])
-        args = (self.params, self.cfg, self.cache, self._put(s.bonus), to_mesh(spec, self.rows),
-                self._put(s.n), self._put(s.active), self._put(from_backup), jnp.int32(run.seed),
-                self._put(run.request_ids), self._placed_sampling(run.sampling), self.vocab_size,
+        seed, rids = self._call_values(run)
+        if isinstance(s.bonus, jax.Array):  # the device loop: every per-row array in one move
+            bonus, spec, n, active, from_backup = self._put_rows(
+                (s.bonus, spec, s.n, s.active, from_backup))
+        else:
+            bonus, spec, n, active, from_backup = (
+                self._put(s.bonus), to_mesh(spec, self.rows), self._put(s.n),
+                self._put(s.active), self._put(from_backup))
+        args = (self.params, self.cfg, self.cache, bonus, spec, n, active, from_backup, seed,
+                rids, self._placed_sampling(run.sampling), self.vocab_size,
                 run.fanout_hit, run.fanout_backup, top_n, np.float32(run.saguaro_c), run.row_dtype)
         try:
             self._tree, self.cache = draft_tree(*args, ops=self.ops)
@@ -232,6 +259,45 @@ class DraftWorker:
         if self._tree_s is not None:
             times["tree_s"] = self._tree_s
         return spec, rows, hit, times
+
+    def start_counters(self, k: int) -> None:
+        """Zero SSD's lookup counters for a call at lookahead k (the device loop's)."""
+        self.counters = to_mesh(round_steps.LookupCounters.zeros(k), self.sharding)
+
+    def resolve_on_device(self, outcome, run: DraftRun):
+        """`resolve` for the device loop: the verify's packed `Outcome` (on the target mesh;
+        moved here device to device) -> (spec `[B, K]`, rows `[B, K, V]`, missed `[B]`, the
+        round's report with its hit column, the outcome unpacked here), all on the draft mesh and
+        nothing waited for; the call's counters are updated in place (`self.counters`)."""
+        seed, rids = self._call_values(run)
+        outcome = self._put_rows(outcome)
+        kw = dict(vocab_size=self.vocab_size, row_vocab=self.row_vocab, k=run.k,
+                  backup=run.backup, row_dtype=run.row_dtype,
+                  saguaro_top_n=tuple(f + 1 for f in run.fanout_backup[:-1]))
+
+        def call():
+            return round_steps.resolve(self.params, self.cfg, self.cache, self._tree, outcome,
+                                       self.counters, seed, rids,
+                                       self._placed_sampling(run.sampling),
+                                       np.float32(run.saguaro_c), ops=self.ops, **kw)
+        try:
+            spec, rows, missed, self.cache, self.counters, rep, view = call()
+        except Exception as e:  # noqa: BLE001 - a kernel that fails to compile at these shapes
+            fallback = backends.without_kernels(self.ops, ("cache_gather",), f"{type(e).__name__}: {e}")
+            if fallback is self.ops:
+                raise
+            self.ops = fallback  # compile errors raise before anything runs: the cache is intact
+            spec, rows, missed, self.cache, self.counters, rep, view = call()
+        self._tree = None
+        return spec, rows, missed, rep, view
+
+    def _put_rows(self, tree):
+        """Per-row device arrays (a pytree of `[B, ...]`) onto the draft mesh in one move; each
+        leaf already there is kept as is."""
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        if all(isinstance(x, jax.Array) and _placed(x, self.rows) for x in leaves):
+            return tree
+        return to_mesh(tree, self.rows)
 
     def finish(self):
         """End of a generate call (a remote worker is told to stop waiting for outcomes)."""

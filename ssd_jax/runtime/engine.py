@@ -29,6 +29,7 @@ from ssd_jax.runtime.chat import chat_prompts
 from ssd_jax.runtime import stream as streaming
 from ssd_jax.runtime.compile_cache import enable_compilation_cache
 from ssd_jax.runtime.config import MODES, SSDConfig, check_pair, check_request
+from ssd_jax.runtime.device_loop import DeviceLoop
 from ssd_jax.runtime.draft_worker import DraftRun, DraftWorker, RoundState
 from ssd_jax.runtime.fallback import DraftDown, Guarded, fall_back, restart
 from ssd_jax.runtime.metrics import CompileTimer, Metrics, RoundTimes, mean_tokens
@@ -141,7 +142,7 @@ class Engine:
                  chat: bool = False, eos_ids: Sequence[int] | None = None,
                  request_ids: Sequence[int] | None = None,
                  on_tokens: Callable[[int, list[int]], None] | None = None,
-                 verifier: Callable | None = None) -> GenerationResult:
+                 verifier: Callable | None = None, timeline: bool = False) -> GenerationResult:
         """Generate up to `max_new_tokens` tokens for each prompt; every mode samples exactly the
         target's distribution (docs/ALGORITHM.md §3), modes differ only in speed.
 
@@ -169,6 +170,11 @@ class Engine:
         verifier: a function with `ssd_jax.rejection_sample`'s signature (p [B, K+1, V],
             q [B, K, V], tokens [B, K], accept keys, residual keys) -> VerifyResult, e.g. a
             planted bug for the exactness harness.
+        timeline: run the host loop, which waits between a round's phases to time them
+            (`metrics.timeline`'s verify / draft / backup seconds, `predicted_speedup`, what
+            `fanout="plan"` plans from): same tokens, slower rounds. By default the round runs
+            on the device (`ssd_jax.runtime.device_loop`: one small read per round) and the
+            timeline has each round's wall time and counts only.
 
         Returns a `GenerationResult`: texts [B], token_ids [B][n_b], logprobs [B][n_b] (the
         target's raw log-probabilities of the emitted tokens), finish reasons and `metrics`
@@ -209,24 +215,63 @@ class Engine:
                        sampling if draft_sampling is None else draft_sampling, batch.size),
                    k=int(k), verifier=verifier or _default_verifier())
         self._timer = timer = CompileTimer()
-        draft = Guarded(self.worker) if mode != "ar" else None  # its failures: DraftDown
+        device = self._on_device(mode, ssd, timeline)
+        # its failures: DraftDown (the host loop waits for each draft call; the device loop reads
+        # the draft's last array of each round instead, `device_loop`)
+        draft = Guarded(self.worker, wait=not device) if mode != "ar" else None
         with timer.measure():
-            try:
-                self._prefill(batch, rids, cache_len, run, draft, metrics)
-                if mode == "ar":
-                    self._run_ar(batch, rids, run, metrics)
-                elif mode == "sd":
-                    self._run_sd(batch, rids, run, metrics, draft)
-                else:
-                    self._run_ssd(batch, rids, run, metrics, ssd, draft)
-            except DraftDown as down:  # go on with the target alone from the committed tokens
-                metrics.new_tokens = sum(len(g) for g in batch.generated)
-                fall_back(self, down, batch, metrics, self.strict)
-                self._run_ar(batch, rids, run, metrics, measure=False)
+            if device:
+                self._generate_on_device(batch, rids, cache_len, run, metrics, mode, ssd, draft)
+            else:
+                try:
+                    self._prefill(batch, rids, cache_len, run, draft, metrics)
+                    if mode == "ar":
+                        self._run_ar(batch, rids, run, metrics)
+                    elif mode == "sd":
+                        self._run_sd(batch, rids, run, metrics, draft)
+                    else:
+                        self._run_ssd(batch, rids, run, metrics, ssd, draft)
+                except DraftDown as down:  # go on with the target alone from the committed tokens
+                    metrics.new_tokens = sum(len(g) for g in batch.generated)
+                    fall_back(self, down, batch, metrics, self.strict)
+                    self._run_ar(batch, rids, run, metrics, measure=False)
         metrics.compile_s = timer.seconds
         metrics.backend = self.backend  # again: a kernel may have fallen back during the run
         metrics.new_tokens = sum(len(g) for g in batch.generated)
         return batch.result(metrics)
+
+    def _on_device(self, mode: str, ssd: SSDConfig, timeline: bool) -> bool:
+        """Whether a call runs the device loop: not when it asks for the timed host loop, not on
+        a mesh over several processes, and for SD / SSD only with an in-process draft model and
+        (SSD) a backup with a device form (neural, random)."""
+        if timeline or self._serial:
+            return False
+        if mode == "ar":
+            return True
+        if not isinstance(self.worker, DraftWorker):
+            return False
+        return mode == "sd" or ssd.backup in ("neural", "random")
+
+    def _generate_on_device(self, batch: Batch, rids, cache_len: int, run: dict, m: Metrics,
+                            mode: str, ssd: SSDConfig, draft) -> None:
+        loop = DeviceLoop(self, batch, rids, run, m, k=0 if mode == "ar" else run["k"])
+        try:
+            loop.prefill(cache_len, draft)
+            if mode == "ar":
+                loop.ar()
+            elif mode == "sd":
+                loop.sd(draft)
+            else:
+                run, drun, _ = self._ssd_setup(batch, rids, run, m, ssd)
+                loop.run = run
+                loop.ssd(draft, drun)
+        except DraftDown as down:  # go on with the target alone from the committed tokens
+            loop.sync_host()
+            loop.counters_into(m, None)
+            m.new_tokens = sum(len(g) for g in batch.generated)
+            fall_back(self, down, batch, m, self.strict)
+            loop.ar(measure=False)
+        loop.sync_host()
 
     def stream(self, prompts=None, *, messages=None, **kwargs) -> "streaming.TextStream":
         """`generate` as a generator of `ssd_jax.runtime.stream.StreamDelta`s (row, text,
@@ -262,8 +307,10 @@ class Engine:
             out.append(ids)
         return out
 
-    def _prefill(self, batch: Batch, rids, cache_len: int, run: dict, draft, m: Metrics):
-        t0, B = time.perf_counter(), batch.size
+    def _prefill_target(self, batch: Batch, rids, cache_len: int, run: dict):
+        """The target's cache for this call and its prefill (dispatched, not waited for):
+        returns (first token [B], its log-prob [B], the cache) on the target mesh."""
+        B = batch.size
         T = _prefill_bucket(int(batch.prompt_lens.max()))
         toks = np.zeros((B, T), np.int32)
         for b, h in enumerate(batch.history):
@@ -272,11 +319,19 @@ class Engine:
         cfg = self.tcfg
         self.tcache = (init_target_cache(cfg, B, cache_len, self.placement.target_mesh)
                        if is_builtin(cfg) else init_cache(cfg, B, cache_len, self.placement.target))
-        first, lp, self.tcache = settle(steps.prefill(
+        return settle(steps.prefill(
             self.tparams, cfg, self.tcache, to_mesh(toks, tgt), to_mesh(batch.prompt_lens, tgt),
             run["seed"], to_mesh(rids, tgt), run["sampling"], self.vocab_size, ops=self.tops),
             self._serial)
+
+    def _prefill(self, batch: Batch, rids, cache_len: int, run: dict, draft, m: Metrics):
+        t0, B = time.perf_counter(), batch.size
+        first, lp, self.tcache = self._prefill_target(batch, rids, cache_len, run)
         if draft is not None:
+            T = _prefill_bucket(int(batch.prompt_lens.max()))
+            toks = np.zeros((B, T), np.int32)
+            for b, h in enumerate(batch.history):
+                toks[b, : len(h)] = h
             draft.start(toks, batch.prompt_lens, cache_len)  # a failure raises at the next call
         first, lp = np.asarray(first), np.asarray(lp)
         for b in range(B):
@@ -364,7 +419,10 @@ class Engine:
                             draft_s=float(np.median([r.draft_s for r in steady])),
                             accept_hist=list(m.accept_hist))
 
-    def _run_ssd(self, batch: Batch, rids, run, m: Metrics, ssd: SSDConfig, draft):
+    def _ssd_setup(self, batch: Batch, rids, run: dict, m: Metrics, ssd: SSDConfig):
+        """SSD's per-call set-up, both loops: the fan-out lists (planned if asked), the cache
+        budget check, the histograms; returns (run with f_hit / f_backup, the DraftRun, the
+        BackupChooser of backup="auto" or None)."""
         k = run["k"]
         m.init_hist(k)
         if ssd.fanout == "plan":
@@ -373,11 +431,15 @@ class Engine:
         m.fanout = f_hit
         vocab_rows = self.target.cfg.vocab_size
         check_budget(batch.size, sum(f_hit), k, vocab_rows, ssd.row_dtype, ssd.cache_budget_bytes)
-        rids_t = to_mesh(rids, self.placement.target)
         run = dict(run, f_hit=f_hit, f_backup=f_backup)
         chooser = BackupChooser(batch.size) if ssd.backup == "auto" else None
         kind = "neural" if chooser else ssd.backup
-        drun = dataclasses.replace(DraftRun.of_call(rids, run, ssd), backup=kind)
+        return run, dataclasses.replace(DraftRun.of_call(rids, run, ssd), backup=kind), chooser
+
+    def _run_ssd(self, batch: Batch, rids, run, m: Metrics, ssd: SSDConfig, draft):
+        run, drun, chooser = self._ssd_setup(batch, rids, run, m, ssd)
+        kind = drun.backup
+        rids_t = to_mesh(rids, self.placement.target)
         # Round 1 has no cache: its speculation comes from the backup.
         spec, rows = draft.backup(RoundState.of(batch), drun)
         from_backup = np.ones(batch.size, bool)

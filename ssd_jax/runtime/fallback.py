@@ -49,10 +49,14 @@ _DEFERRED = ("start", "dispatch_tree")
 class Guarded:
     """The engine's view of its draft worker for one call: the same methods, each returning its
     value once computed (device arrays waited for), or raising DraftDown. A failure of `start` or
-    `dispatch_tree` (async: they return nothing) is raised by the next call instead."""
+    `dispatch_tree` (async: they return nothing) is raised by the next call instead.
+    wait=False (the device loop): calls return their arrays still in flight; only what raises
+    at dispatch becomes DraftDown here, and the loop's read of the round's last draft array
+    catches the rest (`DeviceLoop.read_draft`)."""
 
-    def __init__(self, worker):
+    def __init__(self, worker, wait: bool = True):
         self.worker = worker
+        self.wait = wait
         self.failed: DraftDown | None = None
 
     def __getattr__(self, name):
@@ -65,7 +69,7 @@ class Guarded:
                 raise self.failed
             try:
                 out = fn(*args, **kwargs)
-                if out is not None:
+                if out is not None and self.wait:
                     import jax
                     jax.block_until_ready([x for x in jax.tree_util.tree_leaves(out)
                                            if isinstance(x, jax.Array)])

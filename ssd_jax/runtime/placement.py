@@ -144,6 +144,8 @@ def to_mesh(tree, sharding: NamedSharding):
     in one process; with several processes an array whose devices differ goes through the host
     (`to_host`), and on the CPU everything in flight finishes first."""
     if jax.process_count() == 1:
+        if isinstance(tree, jax.Array) and _placed(tree, sharding):
+            return tree  # the device loop's arrays, mostly: a device_put costs ~50 Python calls
         return jax.device_put(tree, sharding)
     # Multi-controller (jax.distributed): a device array moves between meshes on different device
     # sets through the host (every process runs the same round loop, so every process supplies the
@@ -160,6 +162,12 @@ def to_mesh(tree, sharding: NamedSharding):
         return jax.device_put(x, sharding)
 
     return jax.tree_util.tree_map(one, tree)
+
+
+def _placed(x: jax.Array, sharding: NamedSharding) -> bool:
+    """Whether `x` already has `sharding` (the same mesh too: jit wants one mesh per call)."""
+    have = x.sharding
+    return have is sharding or have == sharding
 
 
 def to_host(x) -> np.ndarray:

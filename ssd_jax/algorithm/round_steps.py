@@ -1,0 +1,192 @@
+"""The jitted steps of a round on the device: commit on the target mesh, resolve on the draft mesh.
+
+They sit between `ssd_jax.algorithm.steps` (prefill, decode, verify, draft_chain, the model
+passes) and the engine's device loop (`ssd_jax.runtime.device_loop`): each takes the call's
+`DecodeState` or the draft's side of a round and returns the next, so the host dispatches a round
+without reading anything but one `report` (docs/ARCHITECTURE.md, "The round on the device").
+
+- `commit_tokens` (target): the prefill's or a decode step's token into the state.
+- `commit_verify` (target): a verify's outcome into the state and the accept histograms; returns
+  what the draft needs of it (`Outcome`).
+- `resolve` (draft): the speculation-cache lookup for the outcome, the backup for the rows that
+  missed (a neural draft chain under `lax.cond`, only when a row missed, or the random backup),
+  the hit counters, and the report with its hit column.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from ssd_jax.models.ops import XLA, Ops
+from ssd_jax.algorithm import backups, steps
+from ssd_jax.algorithm import decode_state as ds
+from ssd_jax.algorithm.speculation_cache import SpeculationCache, lookup
+
+
+@struct.dataclass
+class Outcome:
+    """What the draft mesh needs of a verified round.
+
+    num_accepted `[B]`, bonus_out `[B]` (the verify's bonus: the outcome looked up); n, prev,
+    bonus `[B]` and active `[B]` bool: the rows after the commit (where a backup drafts from, and
+    the next tree's round state); report: the round's `decode_state.report`. It crosses meshes
+    packed as one int32 array `[B, 6 + R]` (`pack` / `unpack`): one transfer, not seven."""
+    num_accepted: jax.Array
+    bonus_out: jax.Array
+    n: jax.Array
+    prev: jax.Array
+    bonus: jax.Array
+    active: jax.Array
+    report: jax.Array
+
+    def pack(self) -> jax.Array:
+        """`[B, 6 + R]` int32: the six per-row fields, then the report's columns."""
+        cols = [self.num_accepted, self.bonus_out, self.n, self.prev, self.bonus,
+                self.active.astype(jnp.int32)]
+        return jnp.concatenate([jnp.stack(cols, 1).astype(jnp.int32), self.report], axis=1)
+
+    @classmethod
+    def unpack(cls, packed: jax.Array) -> "Outcome":
+        """The inverse of `pack`."""
+        c = [packed[:, i] for i in range(6)]
+        return cls(num_accepted=c[0], bonus_out=c[1], n=c[2], prev=c[3], bonus=c[4],
+                   active=c[5] > 0, report=packed[:, 6:])
+
+
+@struct.dataclass
+class LookupCounters:
+    """SSD's lookup counters on the draft mesh: lookups_by_accept / hits_by_accept `[K+1]` by the
+    accepted count looked up; backups `[2]`: rows served by the neural / random backup."""
+    lookups_by_accept: jax.Array
+    hits_by_accept: jax.Array
+    backups: jax.Array
+
+    @classmethod
+    def zeros(cls, k: int) -> "LookupCounters":
+        """Zero counters for lookahead k (host arrays, placed by the caller)."""
+        import numpy as np
+        z = np.zeros(k + 1, np.int32)
+        return cls(lookups_by_accept=z, hits_by_accept=z.copy(), backups=np.zeros(2, np.int32))
+
+
+BACKUP_INDEX = {"neural": 0, "random": 1}
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def commit_tokens(state: ds.DecodeState, tokens: jax.Array, logprobs: jax.Array):
+    """One token per row (`[B]`, log-probs `[B]`: the prefill's or a decode step's) into `state`
+    (donated). Returns (state, active `[B]` after it, report)."""
+    active = state.active
+    tokens, logprobs = tokens[:, None], logprobs[:, None]
+    new, kept = ds.commit(state, tokens, logprobs, jnp.ones(tokens.shape[0], jnp.int32))
+    return new, new.active, ds.report(active, kept, new, tokens, logprobs)
+
+
+@jax.jit
+def round_view(state: ds.DecodeState, report: jax.Array) -> jax.Array:
+    """The rows' round state and a report packed as an `Outcome` (no outcome: zeros), to move
+    to the draft mesh in one transfer (the prefill's first round)."""
+    z = jnp.zeros_like(state.n)
+    return Outcome(num_accepted=z, bonus_out=z, n=state.n, prev=state.prev, bonus=state.bonus,
+                   active=state.active, report=report).pack()
+
+
+@jax.jit
+def unpack(packed: jax.Array) -> Outcome:
+    """`Outcome.unpack` as a step, on the mesh `packed` is on (the draft's)."""
+    return Outcome.unpack(packed)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def commit_verify(state: ds.DecodeState, num_accepted: jax.Array, bonus_out: jax.Array,
+                  tokens: jax.Array, logprobs: jax.Array, from_backup: jax.Array | None = None):
+    """A verify's outcome into `state` (donated): num_accepted `[B]`, bonus_out `[B]`, tokens
+    `[B, K+1]` (accepted run, bonus, -1 padding), their log-probs `[B, K+1]`; from_backup `[B]`
+    bool for SSD's after-hit / after-miss histograms (None: SD). Returns (state, active `[B]`
+    after it, the `Outcome` for the draft mesh, packed)."""
+    active = state.active
+    new = ds.count_accepts(state, num_accepted, active, from_backup)
+    new, kept = ds.commit(new, tokens, logprobs, num_accepted + 1)
+    rep = ds.report(active, kept, new, tokens, logprobs)
+    return new, new.active, Outcome(num_accepted=num_accepted, bonus_out=bonus_out, n=new.n,
+                                    prev=new.prev, bonus=new.bonus, active=new.active,
+                                    report=rep).pack()
+
+
+@functools.partial(jax.jit, static_argnames=("code",), donate_argnames=("state",))
+def end_rows(state: ds.DecodeState, rows: jax.Array, code: int):
+    """`decode_state.end_rows` as a step: rows `[B]` bool the host ended get finish `code`."""
+    return ds.end_rows(state, rows, code)
+
+
+def fit_rows(rows: jax.Array, row_vocab: int) -> jax.Array:
+    """Proposal rows `[..., V]` padded or cut to the target's `row_vocab` entries."""
+    V = rows.shape[-1]
+    if V == row_vocab:
+        return rows
+    if V > row_vocab:
+        return rows[..., :row_vocab]
+    return jnp.pad(rows, [(0, 0)] * (rows.ndim - 1) + [(0, row_vocab - V)])
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "vocab_size", "row_vocab", "k", "backup",
+                                             "saguaro_top_n", "row_dtype", "ops"),
+                   donate_argnames=("cache",))
+def resolve(params, cfg, cache, tree: SpeculationCache, outcome: jax.Array,
+            counters: LookupCounters, seed, request_ids, sampling, saguaro_c, *, vocab_size: int,
+            row_vocab: int, k: int, backup: str, saguaro_top_n: tuple[int, ...] = (),
+            row_dtype: str = "float32", ops: Ops = XLA):
+    """The next round's speculation from the realised outcome (docs/ALGORITHM.md §2, step 3).
+
+    Looks `outcome` up in `tree` (the speculation cache drafted during the verify); rows that are
+    still active and missed get a backup: `backup` "neural" drafts them with
+    `steps.draft_chain(draft_rows=missed)` from their committed bonus — under `lax.cond`, so a
+    round where every row hit drafts nothing — and "random" draws uniform tokens
+    (`backups.random_speculation`). Returns (spec `[B, K]`, rows `[B, K, V]` with V = row_vocab,
+    missed `[B]` bool (the next round's from_backup), the draft cache (donated), counters, the
+    round's report with its hit column, the outcome unpacked on the draft mesh (its n, prev,
+    bonus, active: the next tree's round state)). outcome: an `Outcome`, packed. Static: the draft's `cfg`, `vocab_size` (its real
+    rows), `row_vocab` (the target's), `k`, `backup`, Saguaro's per-step `saguaro_top_n` for the
+    backup, `row_dtype` and the draft's op table `ops`; seed, request_ids `[B]`, the draft's
+    `sampling` and `saguaro_c` are traced.
+    """
+    o = Outcome.unpack(outcome)
+    hit, spec, rows = lookup(tree, o.num_accepted, o.bonus_out, ops=ops)
+    rows = fit_rows(rows, row_vocab)
+    missed = ~hit & o.active
+    if backup == "neural":
+        def chain(c):
+            bspec, brows, c = steps.draft_chain(
+                params, cfg, c, o.prev, o.bonus, o.n, seed, request_ids, sampling, vocab_size, k,
+                saguaro_top_n, saguaro_c, row_dtype, ops=ops, draft_rows=missed)
+            return bspec, fit_rows(brows, row_vocab).astype(rows.dtype), c
+
+        bspec, brows, cache = jax.lax.cond(jnp.any(missed), chain,
+                                           lambda c: (spec, rows, c), cache)
+    elif backup == "random":
+        bspec, brows = backups.random_speculation(seed, request_ids, o.n, k=k,
+                                                  vocab_size=vocab_size, row_vocab=row_vocab,
+                                                  row_dtype=row_dtype)
+    else:
+        raise ValueError(f"backup {backup!r} has no device form (neural, random)")
+    spec = jnp.where(missed[:, None], bspec, spec)
+    rows = jnp.where(missed[:, None, None], brows.astype(rows.dtype), rows)
+    onehot = jax.nn.one_hot(o.num_accepted, k + 1, dtype=jnp.int32)
+    looked = o.active[:, None].astype(jnp.int32)
+    counters = LookupCounters(
+        lookups_by_accept=counters.lookups_by_accept + (onehot * looked).sum(0),
+        hits_by_accept=counters.hits_by_accept + (onehot * looked * hit[:, None]).sum(0),
+        backups=counters.backups.at[BACKUP_INDEX[backup]].add(missed.sum(dtype=jnp.int32)))
+    return (spec, rows, missed, cache, counters, ds.with_hits(o.report, hit, o.active),
+            o.replace(report=jnp.zeros((), jnp.int32)))
+
+
+@jax.jit
+def pass_report(report: jax.Array, spec: jax.Array) -> jax.Array:
+    """SD: the round's report, made to wait for the next speculation `spec` `[B, K]` (drafted on
+    the draft mesh), so the host's one fetch of a round also surfaces a draft failure before the
+    next verify is dispatched. spec is never negative; the select keeps the dependency."""
+    return jnp.where(jnp.any(spec < -1), -1, report)

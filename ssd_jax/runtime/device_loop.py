@@ -1,0 +1,268 @@
+"""The round loop with the call's state on the device: one fetch per round, no per-row Python.
+
+`Engine.generate` runs here unless the call asks for the host loop (`timeline=True`, a draft in
+another process, a proposer, the n-gram or "auto" backup, a mesh over several processes). The
+call's per-row state is a `DecodeState` on the target mesh; the jitted steps advance it
+(`ssd_jax.algorithm.round_steps`); the draft's side of a round (lookup, backup, next tree) runs on
+the draft mesh from the verify's `Outcome`, moved device to device. The host dispatches each round
+and reads one small array, the round's `report`: it says which rows are still running and carries
+the round's tokens, which the host needs only for `on_tokens` / `stream()` and stop strings (then a
+row's tokens pass through `Batch.emit`, per row that committed). The round's last array read is
+the draft's, so a failure on the draft's device surfaces before the next verify is dispatched and
+the target's cache is never lost to it (`ssd_jax.runtime.fallback`).
+
+One SSD round, as the host dispatches it (nothing waits until the last line):
+
+    verify(T)            target: K+1-token pass + rejection sampling   (steps.verify)
+    tree(T)              draft: glue, fork, branch decode from the speculation in flight
+    commit_verify(T)     target: tokens into the state, accept counts, the Outcome
+    resolve(T)           draft: lookup, backup for the missed rows (lax.cond), counters, report
+    fetch report(T)      the one device->host read of the round
+
+SD: verify(T), commit_verify(T), draft_chain(T+1) from the new state, then the report (made to
+wait for that speculation) is read. AR: decode, commit_tokens, read.
+"""
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from ssd_jax.algorithm import decode_state as ds
+from ssd_jax.algorithm import round_steps as rs
+from ssd_jax.algorithm import steps
+from ssd_jax.runtime.batch import TokenSink
+from ssd_jax.runtime.draft_worker import DraftRun, RoundState
+from ssd_jax.runtime.metrics import Metrics, RoundTimes
+from ssd_jax.runtime.placement import to_mesh
+
+
+class DeviceLoop:
+    """One generate call's device state and its rounds (made by `Engine.generate`)."""
+
+    def __init__(self, engine, batch, rids, run: dict, metrics: Metrics, k: int):
+        self.e, self.batch, self.run, self.m = engine, batch, run, metrics
+        self.tgt = engine.placement.target
+        self.rids_np = rids
+        self.rids_t = to_mesh(rids, self.tgt)
+        # Tokens pass through the host per round only where the host has work for them.
+        self.mirror = batch.on_tokens is not None or bool(batch.stop)
+        self.state = to_mesh(ds.initial_state(batch.history, batch.max_new, sorted(batch.eos), k),
+                             self.tgt)
+        self.active = None  # [B] bool on the target mesh, after the last commit
+        self.running = True  # from the last report read
+        self.pending = None  # a target-side report not read yet (read if the draft fails)
+
+    # ------------------------------------------------------------------ reports
+    def read(self, rep) -> np.ndarray:
+        """Fetch one report (the round's one device->host read) and apply it on the host."""
+        r = np.asarray(rep)
+        self.pending = None
+        act, kept, fin, hit, toks, lps = ds.read_report(r)
+        tokens = int(kept.sum())
+        if self.mirror:
+            tokens = self._emit(kept, fin, toks, lps)
+        self.running = bool((fin == ds.RUNNING).any()) if not self.mirror else \
+            bool(self.batch.active.any())
+        self.last = dict(active=int(act.sum()), tokens=tokens, hit=int((hit > 0).sum()),
+                         lookups=int((hit >= 0).sum()))
+        return r
+
+    def read_draft(self, rep, during: str) -> None:
+        """`read` of an array the draft's work of the round feeds: an error raised by it is the
+        draft's (DraftDown, the call falls back) unless the target's own report of the round
+        fails too (then it is the target's, raised as is)."""
+        from ssd_jax.runtime.fallback import DraftDown
+        try:
+            self.read(rep)
+        except Exception as e:  # noqa: BLE001 - any failure of the draft's device work
+            if self.pending is not None:
+                try:
+                    jax.block_until_ready(self.pending)
+                except Exception:  # noqa: BLE001 - the target failed: not the draft's to contain
+                    raise e from None
+            down = DraftDown(during, e)
+            down.__cause__ = e
+            raise down from e
+
+    def _emit(self, kept, fin, toks, lps) -> int:
+        """Mirror mode: each committing row's tokens through `Batch.emit` (stop strings,
+        callbacks); rows it ended that the device still runs are ended on the device."""
+        b = self.batch
+        n = 0
+        for row in np.flatnonzero(kept):
+            n += b.emit(int(row), toks[row, :kept[row]], lps[row, :kept[row]])
+        host_active = b.active
+        for code in (ds.STOP, ds.CANCELLED):
+            name = ds.FINISH_NAMES[code]
+            ended = (fin == ds.RUNNING) & ~host_active & \
+                np.asarray([f == name for f in b.finish])
+            if ended.any():
+                self.state = rs.end_rows(self.state, to_mesh(ended, self.tgt), code)
+                self.active = self.state.active
+        return n
+
+    def sync_host(self) -> None:
+        """Bring the host's Batch up to the device state (the call's end, or a draft failure):
+        one fetch of the state; a report still unread is read first."""
+        if self.pending is not None:
+            self.read(self.pending)
+        if self.mirror:
+            return
+        st = jax.device_get(self.state)
+        b = self.batch
+        for row in range(b.size):
+            c = int(st.count[row])
+            got = st.tokens[row, :c].tolist()
+            b.generated[row] = got
+            b.history[row] = b.history[row][:int(b.prompt_lens[row])] + got
+            b.logprobs[row] = st.logprobs[row, :c].astype(float).tolist()
+            b.finish[row] = ds.FINISH_NAMES[int(st.finish[row])]
+
+    def counters_into(self, m: Metrics, lookups=None) -> None:
+        """The device counters of the call into `m` (one fetch)."""
+        st = self.state
+        hists = jax.device_get((st.accept_hist, st.accept_hist_after_hit, st.accept_hist_after_miss))
+        if m.k:
+            m.accept_hist = [int(x) for x in hists[0]]
+            if m.mode == "ssd":
+                m.accept_hist_after_hit = [int(x) for x in hists[1]]
+                m.accept_hist_after_miss = [int(x) for x in hists[2]]
+        if lookups is not None:
+            try:
+                c = jax.device_get(lookups)
+            except Exception:  # noqa: BLE001 - the draft failed: its counters are lost with it
+                return
+            m.lookups_by_accept = [int(x) for x in c.lookups_by_accept]
+            m.hits_by_accept = [int(x) for x in c.hits_by_accept]
+            m.lookups, m.hits = sum(m.lookups_by_accept), sum(m.hits_by_accept)
+            for kind, i in rs.BACKUP_INDEX.items():
+                if int(c.backups[i]):
+                    m.backups[kind] = int(c.backups[i])
+
+    def _round(self, t0, c0, **kw) -> None:
+        r = RoundTimes(**kw)
+        r.round_s = time.perf_counter() - t0
+        r.tokens = self.last["tokens"]
+        r.compiled = self.e._timer.seconds > c0
+        self.m.add_round(r)
+
+    # ------------------------------------------------------------------ prefill
+    def prefill(self, cache_len: int, draft) -> None:
+        """The target's prefill and its first token committed on the device; the draft's
+        prefill dispatched. The first token's report is read by the first round (SD / SSD) or
+        here (AR)."""
+        e, b = self.e, self.batch
+        t0 = time.perf_counter()
+        first, lp, e.tcache = e._prefill_target(b, self.rids_np, cache_len, self.run)
+        if draft is not None:
+            T = _bucket_tokens(b)
+            draft.start(T, b.prompt_lens, cache_len)
+        self.state, self.active, self.pending = rs.commit_tokens(self.state, first, lp)
+        try:
+            if draft is not None and hasattr(e.worker, "ready"):
+                draft.ready()
+            if draft is None:
+                self.read(self.pending)
+        finally:
+            self.m.prefill_s = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ loops
+    def ar(self, measure: bool = True) -> None:
+        """Plain decoding: decode + commit per token, one read each."""
+        e, run = self.e, self.run
+        if self.pending is not None:
+            self.read(self.pending)
+        while self.running:
+            t0, c0 = time.perf_counter(), e._timer.seconds
+            tok, lp, e.tcache = steps.decode(
+                e.tparams, e.tcfg, e.tcache, self.state.bonus, self.active, run["seed"],
+                self.rids_t, run["sampling"], e.vocab_size, ops=e.tops)
+            self.state, self.active, rep = rs.commit_tokens(self.state, tok, lp)
+            self.read(rep)
+            self._round(t0, c0, active=self.last["active"])
+        steady = [r.round_s for r in self.m.timeline if not r.compiled]
+        if steady and measure:
+            e._t1 = float(np.median(steady))
+
+    def _draft_view(self):
+        """The rows' round state and the unread report moved to the draft mesh in one transfer
+        (the prefill's: SD and SSD read it with their first speculation)."""
+        return rs.unpack(self.e.worker._put_rows(rs.round_view(self.state, self.pending)))
+
+    def _to_target(self, spec, rows):
+        e = self.e
+        return (to_mesh(spec, self.tgt),
+                to_mesh(rows, e.placement.target_rows(rows.shape[-1])))
+
+    def sd(self, draft) -> None:
+        """SD: the draft chain from the committed state, verify, commit; the report read waits
+        for the next speculation too."""
+        e, run = self.e, self.run
+        self.m.init_hist(run["k"])
+        drun = DraftRun.of_call(self.rids_np, run)
+        v = self._draft_view()
+        spec, rows = draft.propose(_round_state(v), drun)
+        self.read_draft(rs.pass_report(v.report, spec), "propose")
+        while self.running:
+            t0, c0 = time.perf_counter(), e._timer.seconds
+            tspec, trows = self._to_target(spec, rows)
+            res, lp, e.tcache = steps.verify(
+                e.tparams, e.tcfg, e.tcache, self.state.bonus, tspec, trows, self.active,
+                run["seed"], self.rids_t, run["sampling"], e.vocab_size, run["verifier"],
+                ops=e.tops)
+            self.state, self.active, self.pending = rs.commit_verify(
+                self.state, res.num_accepted, res.bonus, res.tokens, lp)
+            v = rs.unpack(e.worker._put_rows(self.pending))
+            spec, rows = draft.propose(_round_state(v), drun)
+            self.read_draft(rs.pass_report(v.report, spec), "propose")
+            self._round(t0, c0, active=self.last["active"])
+        draft.finish()
+        self.counters_into(self.m)
+
+    def ssd(self, draft, drun: DraftRun) -> None:
+        """SSD: verify and the tree overlap; the lookup and backup run on the draft mesh."""
+        e, run = self.e, self.run
+        worker = e.worker
+        worker.start_counters(run["k"])
+        v = self._draft_view()
+        spec, rows = draft.backup(_round_state(v), drun)  # round 1: no cache yet
+        self.read_draft(rs.pass_report(v.report, spec), "backup")
+        ones = np.ones(self.batch.size, bool)
+        from_backup, from_backup_d = to_mesh(ones, self.tgt), to_mesh(ones, worker.rows)
+        while self.running:
+            t0, c0 = time.perf_counter(), e._timer.seconds
+            tspec, trows = self._to_target(spec, rows)
+            res, lp, e.tcache = steps.verify(
+                e.tparams, e.tcfg, e.tcache, self.state.bonus, tspec, trows, self.active,
+                run["seed"], self.rids_t, run["sampling"], e.vocab_size, run["verifier"],
+                ops=e.tops)
+            draft.dispatch_tree(_round_state(v), spec, from_backup_d, drun)  # overlaps the verify
+            self.state, self.active, self.pending = rs.commit_verify(
+                self.state, res.num_accepted, res.bonus, res.tokens, lp, from_backup)
+            spec, rows, from_backup_d, rep, v = draft.resolve_on_device(self.pending, drun)
+            self.read_draft(rep, "resolve")
+            from_backup = to_mesh(from_backup_d, self.tgt)
+            self._round(t0, c0, active=self.last["active"], hit=self.last["hit"],
+                        lookups=self.last["lookups"])
+        draft.finish()
+        self.counters_into(self.m, worker.counters)
+
+
+def _round_state(v) -> RoundState:
+    """A `RoundState` of device arrays from an unpacked `Outcome` (no host history)."""
+    return RoundState(n=v.n, prev=v.prev, bonus=v.bonus, active=v.active, history=None)
+
+
+def _bucket_tokens(batch) -> np.ndarray:
+    """The prompts right-padded to the prefill bucket, as the target's prefill got them."""
+    from ssd_jax.runtime.engine import _prefill_bucket
+    T = _prefill_bucket(int(batch.prompt_lens.max()))
+    toks = np.zeros((batch.size, T), np.int32)
+    for b, h in enumerate(batch.history):
+        toks[b, : len(h)] = h
+    return toks
+
+
+__all__ = ["DeviceLoop", "TokenSink"]
