@@ -252,6 +252,12 @@ def rounds_of(out, mode: str) -> int:
     return r
 
 
+def _hit_rate(out):
+    """SSD's speculation-cache hit rate where the metrics report one (else None)."""
+    h = getattr(out.metrics, "hit_rate", None)
+    return None if h is None or h != h else round(float(h), 3)  # NaN: no lookups (AR, SD)
+
+
 def measure(engine, target, mode: str, b: int, a) -> dict:
     """One table row (module docstring) for `mode` at batch `b`."""
     prompts = make_prompts(b, a.prompt_len, a.vocab)
@@ -265,7 +271,7 @@ def measure(engine, target, mode: str, b: int, a) -> dict:
     with SyncCounter() as s:
         out2 = gen()
     same = out2.token_ids == warm.token_ids == out.token_ids and rounds_of(out2, mode) == rounds
-    loop = MinimalLoop(target, b, a.prompt_len, a.tokens)
+    loop = MinimalLoop(target, b, a.prompt_len, a.tokens) if a.repeats > 0 else None
     per_round, minimal = [], []
     for i in range(a.repeats):  # alternated, so both see the same load
         order = ("engine", "loop") if i % 2 == 0 else ("loop", "engine")
@@ -276,19 +282,21 @@ def measure(engine, target, mode: str, b: int, a) -> dict:
                 t0 = time.perf_counter()
                 o = gen()
                 per_round.append((time.perf_counter() - t0) / rounds_of(o, mode))
-    ms, step_ms = statistics.median(per_round) * 1e3, statistics.median(minimal) * 1e3
+    ms = statistics.median(per_round) * 1e3 if per_round else None  # --repeats 0: counts only
+    step_ms = statistics.median(minimal) * 1e3 if minimal else None
     tokens = sum(len(t) for t in out.token_ids)
     return {"mode": mode, "batch": b, "rounds": rounds, "tokens": tokens,
             "tokens_per_round_per_row": round(tokens / b / rounds, 3),
+            "hit_rate": _hit_rate(out),
             "py_calls": py, "c_calls": c, "py_calls_per_round": round(py / rounds, 1),
             "c_calls_per_round": round(c / rounds, 1), "syncs": s.syncs,
             "syncs_per_round": round(s.syncs / rounds, 2), "arrays_fetched": s.arrays,
             "syncs_by_kind": dict(sorted(s.by_kind.items())),
-            "ms_per_round": round(ms, 3), "minimal_step_ms": round(step_ms, 3),
-            "ratio": round(ms / step_ms, 2),
+            "ms_per_round": ms and round(ms, 3), "minimal_step_ms": step_ms and round(step_ms, 3),
+            "ratio": ms and round(ms / step_ms, 2),
             "ms_per_round_all": [round(x * 1e3, 3) for x in per_round],
             "minimal_step_ms_all": [round(x * 1e3, 3) for x in minimal],
-            "minimal_fast_path": loop.fast_path, "same_tokens_every_call": bool(same)}
+            "minimal_fast_path": loop and loop.fast_path, "same_tokens_every_call": bool(same)}
 
 
 def _repo_frame(frame):
@@ -378,14 +386,18 @@ def _short(file: str) -> str:
 
 
 # ---------------------------------------------------------------------------------- the report
+def _num(x, fmt):
+    return "-" if x is None else format(x, fmt)
+
+
 def table(rows: list[dict]) -> str:
     out = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" if c == "mode" else "---:"
                                                            for c in COLUMNS) + "|"]
     for r in rows:
         out.append(f"| {r['mode'].upper()} | {r['batch']} | {r['rounds']} | "
                    f"{r['py_calls_per_round']:,.0f} | {r['c_calls_per_round']:,.0f} | "
-                   f"{r['syncs_per_round']:.2f} | {r['ms_per_round']:.2f} | "
-                   f"{r['minimal_step_ms']:.3f} | {r['ratio']:.1f}x |")
+                   f"{r['syncs_per_round']:.2f} | {_num(r['ms_per_round'], '.2f')} | "
+                   f"{_num(r['minimal_step_ms'], '.3f')} | {_num(r['ratio'], '.1f')}x |")
     return "\n".join(out)
 
 
@@ -438,7 +450,8 @@ def main(argv=None) -> int:
     ap.add_argument("--perturb", type=float, default=0.1,
                     help="the draft's relative perturbation (0.1: SD makes ~3 tokens a round)")
     ap.add_argument("--prompt-len", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=5, help="timed calls (and minimal loops)")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="timed calls (and minimal loops); 0: the counts only")
     ap.add_argument("--cprofile", default="ssd@16", help="mode@batch to cProfile ('' for none)")
     ap.add_argument("--top", type=int, default=25, help="rows of each profile breakdown")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "host_overhead.json"),
@@ -458,7 +471,8 @@ def main(argv=None) -> int:
             rows.append(r)
             print(f"{mode}@{b}: {r['rounds']} rounds, {r['py_calls_per_round']:,.0f} py calls, "
                   f"{r['syncs_per_round']:.2f} syncs {r['syncs_by_kind']}, "
-                  f"{r['ms_per_round']:.2f} ms / round vs {r['minimal_step_ms']:.3f} ms",
+                  f"{_num(r['ms_per_round'], '.2f')} ms / round vs "
+                  f"{_num(r['minimal_step_ms'], '.3f')} ms",
                   file=sys.stderr, flush=True)
     cpu = cpu_info()
     text = (f"K = {a.k}, {a.tokens} new tokens, tiny random models (vocab {a.vocab}, {a.layers} "
