@@ -11,14 +11,17 @@ import time
 
 
 def write_results(script: str, out: str, payload: dict, text: str, plot=None,
-                  name: str | None = None) -> str:
+                  name: str | None = None, stem: str | None = None) -> str:
     """Write the result files of benchmarks/`script`.py into `out`; returns their path stem.
 
     payload: the JSON's own keys beside `meta` and `report` (e.g. `results`); plot: a function of
-    the .png path, or None; name: the files' name before the time (default `script`)."""
+    the .png path, or None; name: the files' name before the time (default `script`); stem: the
+    files' own path without the extension instead of `out`/`name`-`time` (a result named once,
+    e.g. a commit's "before" numbers)."""
     from ssd_jax.runtime.defaults import cpu_features
-    os.makedirs(out, exist_ok=True)
-    stem = os.path.join(out, f"{name or script}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if stem is None:
+        stem = os.path.join(out, f"{name or script}-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
     meta = dict(command=f"python benchmarks/{script}.py " + " ".join(sys.argv[1:]),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 cpu_features=cpu_features(), loadavg=os.getloadavg())

@@ -133,3 +133,56 @@ def test_top_mass_report_by_hand():
     # 0.5 / (0.25 + 0.5) = 2/3: mean 5/6
     text = saguaro.report_mass({"n_top": 2, "mass": {"0.7": {"prompt": [1.0, 0.5]}}}, [0.5])
     assert "| 0.7 | prompt | 2 | 0.750 | 0.750 | 0.833 |" in text
+
+
+# ---------------------------------------------------------------------------- host_overhead
+def test_host_overhead_counts_one_sync_per_numpy_conversion():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    host = _script("host_overhead")
+    x, y = jnp.arange(3) + 1, jnp.float32(2.0) * 3
+    jax.block_until_ready((x, y))
+    cls = type(x)
+    before = {m: cls.__dict__.get(m) for m in host.SyncCounter.METHODS}
+    with host.SyncCounter() as s:
+        np.asarray(x)  # on CPU numpy would take the buffer protocol, which no Python sees
+    assert (s.syncs, s.arrays) == (1, 1) and s.by_kind == {"Array.__array__": 1}
+    with host.SyncCounter() as s:
+        jax.device_get((x, y))  # one wait for two arrays; its inner __array__ is not counted again
+        np.asarray(np.arange(3))  # a numpy array: no sync
+        _ = x + 1, x.shape, len(x)  # device work and metadata: no sync
+    assert (s.syncs, s.arrays) == (1, 2)
+    with host.SyncCounter() as s:
+        int(x[0]), float(y), x.tolist(), x.block_until_ready(), bool(x[0] > 0)
+    assert s.syncs == 5
+    # everything is put back: the methods and the buffer protocol
+    assert {m: cls.__dict__.get(m) for m in host.SyncCounter.METHODS} == before
+    assert bytes(memoryview(np.asarray(x))) == bytes(memoryview(x))
+    assert host.self_test()["np.asarray"] == 1
+
+
+def test_host_overhead_rows_on_a_tiny_case():
+    import argparse
+    host = _script("host_overhead")
+    from ssd_jax.runtime.engine import Engine
+    a = argparse.Namespace(vocab=32, prompt_len=4, tokens=4, k=2, repeats=0)  # counts only
+    target, draft = host.build_pair(a.vocab, 1, 0.3)
+    engine = Engine(target, draft, placement="colocated", backend="xla", compilation_cache=False)
+    row = host.measure(engine, target, "ar", 1, a)
+    # 4 tokens: the first comes with the prefill, then 3 decode steps, each fetching its token
+    assert row["rounds"] in (3, 4) and row["same_tokens_every_call"]
+    assert row["py_calls_per_round"] > 0 and row["c_calls_per_round"] > 0
+    assert row["syncs"] >= row["rounds"] and row["ratio"] is None
+    text = host.table([row])
+    assert text.splitlines()[0] == "| " + " | ".join(host.COLUMNS) + " |"
+    assert text.splitlines()[2].startswith("| AR | 1 | ")
+
+
+def test_host_overhead_cpu_line_from_cpuinfo():
+    host = _script("host_overhead")
+    c = host.cpu_info("model name\t: Some CPU\nflags\t\t: fpu avx2 avx512f amx_tile\n"
+                      "model name\t: other\nflags\t\t: fpu\n")
+    assert c["model"] == "Some CPU" and c["avx2"] and c["avx512f"] and c["amx"]
+    assert not c["avx512_bf16"] and not c["avx512_vnni"]
+    assert host.cpu_line(c).endswith("flags: avx2 avx512f amx")
