@@ -250,7 +250,7 @@ class EngineCosts:
         self._tv, self._td = {}, {}
         for k in ks:
             eng.generate([prompt], mode="sd", k=k, max_new_tokens=4, eos_ids=[])
-            m = eng.generate([prompt], mode="sd", k=k, **kw).metrics
+            m = eng.generate([prompt], mode="sd", k=k, timeline=True, **kw).metrics
             self._tv[k] = steady(m, "verify_s") * self.t_scale
             self._td[k] = steady(m, "draft_s") / k * self.d_scale
         self.td = float(np.mean(list(self._td.values())))

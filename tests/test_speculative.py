@@ -114,9 +114,13 @@ def test_planned_fanout_comes_from_the_engines_own_measurements(target, drafts, 
         eng.generate(PROMPTS, mode="ssd", k=3, ssd=SSDConfig(fanout="plan"))
     with pytest.raises(ValueError, match="'uniform'"):
         SSDConfig(fanout="uniform").lists(3)
+    eng.generate(PROMPTS, mode="ar", max_new_tokens=8)
+    eng.generate(PROMPTS, mode="sd", max_new_tokens=8, k=3)  # the device loop: no phase times
+    with pytest.raises(ValueError, match="timeline=True"):
+        eng.generate(PROMPTS, mode="ssd", k=3, ssd=SSDConfig(fanout="plan"))
     for mode in ("ar", "sd"):  # twice each: the first run compiles, its rounds are not timed
-        for _ in range(2):
-            eng.generate(PROMPTS, mode=mode, max_new_tokens=24, k=3)
+        for _ in range(2):  # SD's verify and draft times: the timed host loop
+            eng.generate(PROMPTS, mode=mode, max_new_tokens=24, k=3, timeline=mode == "sd")
     from ssd_jax.algorithm.policy import plan_from_sd
     sd = eng._sd
     slope = eng.draft_width_slope()  # timed on the draft once, then kept for every plan

@@ -53,6 +53,9 @@ class DeviceLoop:
         self.active = None  # [B] bool on the target mesh, after the last commit
         self.running = True  # from the last report read
         self.pending = None  # a target-side report not read yet (read if the draft fails)
+        self.backup = "neural"  # SSD's backup kind (the call's; set by `ssd`)
+        self.uncounted = dict(lookups_by_accept=np.zeros(k + 1, np.int64),
+                              hits_by_accept=np.zeros(k + 1, np.int64), backups=np.zeros(2, np.int64))
 
     # ------------------------------------------------------------------ reports
     def read(self, rep) -> np.ndarray:
@@ -62,12 +65,31 @@ class DeviceLoop:
         act, kept, fin, hit, toks, lps = ds.read_report(r)
         tokens = int(kept.sum())
         if self.mirror:
+            was = self.batch.active
             tokens = self._emit(kept, fin, toks, lps)
+            # A row the host ended this round (a stop string, a closed stream) was still running
+            # on the device when the draft looked its outcome up: the host loop never counts
+            # that lookup, so neither does this one.
+            ended = was & ~self.batch.active & (fin == ds.RUNNING) & (hit >= 0)
+            if ended.any():
+                self._uncount(ended, kept, hit)
+                hit = np.where(ended, -1, hit)
         self.running = bool((fin == ds.RUNNING).any()) if not self.mirror else \
             bool(self.batch.active.any())
         self.last = dict(active=int(act.sum()), tokens=tokens, hit=int((hit > 0).sum()),
                          lookups=int((hit >= 0).sum()))
         return r
+
+    def _uncount(self, rows, kept, hit) -> None:
+        """Take back the lookups of `rows` [B] bool (their accepted count is kept - 1: the device
+        kept the whole round for a row only the host ended) from the call's counters."""
+        c = self.uncounted
+        for row in np.flatnonzero(rows):
+            j = int(kept[row]) - 1
+            c["lookups_by_accept"][j] += 1
+            c["hits_by_accept"][j] += int(hit[row] > 0)
+            if hit[row] == 0:
+                c["backups"][rs.BACKUP_INDEX[self.backup]] += 1
 
     def read_draft(self, rep, during: str) -> None:
         """`read` of an array the draft's work of the round feeds: an error raised by it is the
@@ -134,12 +156,13 @@ class DeviceLoop:
                 c = jax.device_get(lookups)
             except Exception:  # noqa: BLE001 - the draft failed: its counters are lost with it
                 return
-            m.lookups_by_accept = [int(x) for x in c.lookups_by_accept]
-            m.hits_by_accept = [int(x) for x in c.hits_by_accept]
+            u = self.uncounted
+            m.lookups_by_accept = [int(x - y) for x, y in zip(c.lookups_by_accept, u["lookups_by_accept"])]
+            m.hits_by_accept = [int(x - y) for x, y in zip(c.hits_by_accept, u["hits_by_accept"])]
             m.lookups, m.hits = sum(m.lookups_by_accept), sum(m.hits_by_accept)
             for kind, i in rs.BACKUP_INDEX.items():
-                if int(c.backups[i]):
-                    m.backups[kind] = int(c.backups[i])
+                if int(c.backups[i] - u["backups"][i]):
+                    m.backups[kind] = int(c.backups[i] - u["backups"][i])
 
     def _round(self, t0, c0, **kw) -> None:
         r = RoundTimes(**kw)
@@ -226,6 +249,7 @@ class DeviceLoop:
         e, run = self.e, self.run
         worker = e.worker
         worker.start_counters(run["k"])
+        self.backup = drun.backup
         v = self._draft_view()
         spec, rows = draft.backup(_round_state(v), drun)  # round 1: no cache yet
         self.read_draft(rs.pass_report(v.report, spec), "backup")

@@ -495,7 +495,8 @@ class Engine:
         `ar` run (T_1) and `sd` run (T_v, draft time, accept histogram)."""
         if self._t1 is None or self._sd is None:
             raise ValueError("fanout='plan' needs this engine's measurements: run generate(..., "
-                             "mode='ar') and generate(..., mode='sd') first, or give F_0..F_K")
+                             "mode='ar') and generate(..., mode='sd', timeline=True) first (the "
+                             "device loop does not time a round's phases), or give F_0..F_K")
         sd = self._sd
         if sum(sd["accept_hist"]) == 0:
             raise ValueError("fanout='plan': the last SD run completed no timed round")
