@@ -143,19 +143,20 @@ class DeviceLoop:
             b.finish[row] = ds.FINISH_NAMES[int(st.finish[row])]
 
     def counters_into(self, m: Metrics, lookups=None) -> None:
-        """The device counters of the call into `m` (one fetch)."""
+        """The device counters of the call into `m` (one fetch; a draft that failed has lost
+        its lookup counters, and only the target's histograms are read)."""
         st = self.state
-        hists = jax.device_get((st.accept_hist, st.accept_hist_after_hit, st.accept_hist_after_miss))
+        hists = (st.accept_hist, st.accept_hist_after_hit, st.accept_hist_after_miss)
+        try:
+            hists, c = jax.device_get((hists, lookups))
+        except Exception:  # noqa: BLE001 - the draft failed: its counters are lost with it
+            hists, c = jax.device_get(hists), None
         if m.k:
             m.accept_hist = [int(x) for x in hists[0]]
             if m.mode == "ssd":
                 m.accept_hist_after_hit = [int(x) for x in hists[1]]
                 m.accept_hist_after_miss = [int(x) for x in hists[2]]
-        if lookups is not None:
-            try:
-                c = jax.device_get(lookups)
-            except Exception:  # noqa: BLE001 - the draft failed: its counters are lost with it
-                return
+        if c is not None:
             u = self.uncounted
             m.lookups_by_accept = [int(x - y) for x, y in zip(c.lookups_by_accept, u["lookups_by_accept"])]
             m.hits_by_accept = [int(x - y) for x, y in zip(c.hits_by_accept, u["hits_by_accept"])]

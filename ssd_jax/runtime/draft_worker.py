@@ -59,7 +59,7 @@ class DraftRun:
         if ssd is not None:
             kw = dict(fanout_hit=run["f_hit"], fanout_backup=run["f_backup"],
                       saguaro_c=ssd.saguaro_c, backup=ssd.backup, row_dtype=ssd.row_dtype)
-        return cls(seed=int(run["seed"]), request_ids=tuple(int(r) for r in rids),
+        return cls(seed=int(run.get("seed_host", run["seed"])), request_ids=tuple(int(r) for r in rids),
                    sampling=run["draft_sampling"], k=run["k"], **kw)
 
 

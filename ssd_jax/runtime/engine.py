@@ -208,7 +208,7 @@ class Engine:
         metrics = Metrics(mode=mode, backend=self.backend)
         # [B] values, traced by the steps (SamplingParams.per_request): the target's placed once
         # per call, the draft's sent as host values that the draft worker places itself
-        run = dict(seed=jnp.int32(seed),
+        run = dict(seed=jnp.int32(seed), seed_host=int(seed),
                    sampling=to_mesh(SamplingParams.per_request(sampling, batch.size),
                                     self.placement.target),
                    draft_sampling=SamplingParams.per_request(

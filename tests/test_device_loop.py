@@ -1,0 +1,117 @@
+"""The round loop on the device (ssd_jax.runtime.device_loop, issue #32).
+
+- `decode_state.commit`, the array form of `Batch.emit`, against `Batch.emit` itself on random
+  rounds (EOS ids, budgets, rows already ended, counts that run past the budget).
+- The host's work per round, counted (deterministic, unlike time): Python calls per round and
+  device->host reads per round at batch 1 and 8, for AR / SD / SSD, within the bounds the issue
+  set (AR <= 400 a token, SD / SSD <= 1,000 a round, one read a round plus a few per call) and
+  not growing with the batch. The counters are benchmarks/host_overhead.py's own.
+- The device loop and the timed host loop (`timeline=True`) give the same tokens and counters;
+  tests/test_golden_ids.py holds both to the ids of the engine before the rewrite.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ssd_jax.algorithm import decode_state as ds
+from ssd_jax.runtime.batch import Batch
+from ssd_jax.runtime.engine import Engine, SSDConfig
+from ssd_jax.algorithm.sampling import SamplingParams
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _host_overhead():
+    spec = importlib.util.spec_from_file_location(
+        "bench_host_overhead", os.path.join(ROOT, "benchmarks", "host_overhead.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_commit_is_batch_emit_as_array_code(seed):
+    rng = np.random.default_rng(seed)
+    B, V, max_new, M = 7, 6, int(rng.integers(1, 9)), int(rng.integers(1, 5))
+    eos = [int(x) for x in rng.choice(V, size=int(rng.integers(0, 3)), replace=False)]
+    prompts = [list(rng.integers(0, V, size=int(rng.integers(1, 4)))) for _ in range(B)]
+    batch = Batch(prompts, max_new, eos)
+    state = jax.device_put(ds.initial_state(batch.history, max_new, eos, k=2))
+    for _ in range(6):
+        toks = rng.integers(0, V, size=(B, M)).astype(np.int32)
+        lps = rng.normal(size=(B, M)).astype(np.float32)
+        num = rng.integers(0, M + 1, size=B).astype(np.int32)
+        want = [batch.emit(b, toks[b, :num[b]], lps[b, :num[b]]) if batch.active[b] else 0
+                for b in range(B)]
+        state, kept = ds.commit(state, jnp.asarray(toks), jnp.asarray(lps), jnp.asarray(num))
+        assert np.asarray(kept).tolist() == want
+    st = jax.device_get(state)
+    for b in range(B):
+        c = int(st.count[b])
+        assert st.tokens[b, :c].tolist() == batch.generated[b]
+        np.testing.assert_array_equal(st.logprobs[b, :c], np.float32(batch.logprobs[b]))
+        assert ds.FINISH_NAMES[int(st.finish[b])] == batch.finish[b]
+        assert int(st.n[b]) == batch.n[b] and int(st.bonus[b]) == batch.bonus[b]
+        assert int(st.prev[b]) == batch.prev[b]
+
+
+def test_report_round_trips_tokens_and_logprobs():
+    state = jax.device_put(ds.initial_state([[1, 2], [3]], 4, [], k=1))
+    toks = jnp.asarray([[5, 6], [7, -1]], jnp.int32)
+    lps = jnp.asarray([[-0.5, -1.25], [-2.0, 0.0]], jnp.float32)
+    active = state.active
+    new, kept = ds.commit(state, toks, lps, jnp.asarray([2, 1], jnp.int32))
+    act, k, fin, hit, t, lp = ds.read_report(np.asarray(ds.report(active, kept, new, toks, lps)))
+    assert act.tolist() == [True, True] and k.tolist() == [2, 1] and hit.tolist() == [-1, -1]
+    assert t.tolist() == [[5, 6], [7, -1]] and lp.tolist() == [[-0.5, -1.25], [-2.0, 0.0]]
+    assert fin.tolist() == [0, 0]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    host = _host_overhead()
+    target, draft = host.build_pair(64, 1, 0.1)
+    eng = Engine(target, draft, placement="colocated", backend="xla", compilation_cache=False,
+                 max_len=64)
+    return host, target, eng
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_host_work_per_round_is_bounded_and_flat_in_the_batch(tiny, mode):
+    host, target, eng = tiny
+    a = argparse.Namespace(vocab=64, prompt_len=4, tokens=24, k=2, repeats=0)
+    rows = {b: host.measure(eng, target, mode, b, a) for b in (1, 8)}
+    bound = 400 if mode == "ar" else 1000
+    for b, row in rows.items():
+        assert row["same_tokens_every_call"]
+        assert row["py_calls_per_round"] <= bound, (b, row["py_calls_per_round"])
+        # one read a round, plus the call's own: the draft's prefill, SD / SSD's first
+        # speculation, the results, the counters
+        assert row["syncs"] <= row["rounds"] + 4, (b, row["syncs"], row["rounds"])
+    per_call = {b: r["py_calls_per_round"] for b, r in rows.items()}
+    # the calls a round costs do not depend on B (a few per call may: prompts, results)
+    assert abs(rows[8]["py_calls_per_round"] - rows[1]["py_calls_per_round"]) <= \
+        0.15 * rows[1]["py_calls_per_round"], per_call
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_device_loop_and_timed_host_loop_agree(tiny, mode):
+    _, _, eng = tiny
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    kw = dict(mode=mode, max_new_tokens=12, k=2, sampling=SamplingParams(temperature=0.9),
+              seed=4, eos_ids=[3], ssd=SSDConfig(fanout=(2, 1, 1), backup="random"))
+    a = eng.generate(prompts, timeline=True, **kw)
+    b = eng.generate(prompts, **kw)
+    assert a.token_ids == b.token_ids and a.finish_reasons == b.finish_reasons
+    for key in ("accept_hist", "accept_hist_after_hit", "accept_hist_after_miss", "hits",
+                "lookups", "hits_by_accept", "lookups_by_accept", "backups", "rounds"):
+        assert getattr(a.metrics, key) == getattr(b.metrics, key), key
+    assert [r.active for r in a.metrics.timeline] == [r.active for r in b.metrics.timeline]
+    assert b.metrics.verify_s == 0 and a.metrics.verify_s > 0  # only the host loop times phases
