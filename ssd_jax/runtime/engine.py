@@ -12,6 +12,8 @@ every mode; modes differ only in speed.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -47,8 +49,37 @@ def _prefill_bucket(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
+def _one_call_at_a_time(method):
+    """Run an Engine method under the engine's lock (see `Engine`): a stream this thread left
+    running ends first, then the call waits for any other thread's call to finish."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        streaming.settle(self)  # a stream this thread left running on this engine ends first
+        if self._holder == threading.get_ident():
+            raise RuntimeError(f"Engine.{method.__name__} called from inside a call on the same "
+                               f"engine (e.g. from on_tokens): it would wait for itself; use "
+                               f"another Engine, or call after this one returns")
+        with self._lock:
+            self._holder = threading.get_ident()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self._holder = None
+    return call
+
+
 class Engine:
-    """Holds the loaded target and draft, placed on their meshes, and runs generate calls."""
+    """Holds the loaded target and draft, placed on their meshes, and runs generate calls.
+
+    One call at a time: an engine's calls (`generate`, `stream`, `restart_draft`) serialise on
+    one lock, held for the whole call (a stream's from its first delta to its last, on its worker
+    thread), so threads may share an engine and each call returns exactly what it returns run
+    alone; a second thread's call waits for the first to end. A call made from inside a call on
+    the same thread (from `on_tokens`) is a RuntimeError; a stream the calling thread stopped
+    iterating is ended first (see `stream`). Concurrency across calls needs one Engine per
+    caller (each its own cache and compiled steps). A two-process draft (`start_two_process`,
+    join mode) serves one target connection: the engine bound to it, one call at a time; two
+    engines must not share one `RemoteDraft`."""
 
     def __init__(self, target, draft=None, *, placement: str | Placement = "split",
                  max_len: int = 4096, compilation_cache: bool | str = True, remote_draft=None,
@@ -118,6 +149,8 @@ class Engine:
         self._t1: float | None = None  # last measured plain decode step (for the §6 prediction)
         self._sd: dict | None = None  # last SD run's verify / draft medians and accept histogram
         self._width_slope: float | None = None  # the local draft's, measured once (plan_fanout)
+        self._lock = threading.Lock()  # one call at a time (_one_call_at_a_time)
+        self._holder: int | None = None  # the thread whose call holds it
 
     @property
     def backend(self) -> dict[str, str]:
@@ -132,6 +165,7 @@ class Engine:
         return out
 
     # ------------------------------------------------------------------ public API
+    @_one_call_at_a_time
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str | None = None, *,
                  messages: Sequence[dict] | Sequence[Sequence[dict]] | None = None,
                  mode: str = "ssd", max_new_tokens: int = 64,
@@ -175,7 +209,6 @@ class Engine:
         (tokens/s, tokens per round, acceptance, hit rate, the per-round timeline, the backend).
         Raises ValueError, before any work, for an argument it cannot serve.
         """
-        streaming.settle(self)  # a stream left running on this engine ends first
         prompts, chat = chat_prompts(self.target.tokenizer, prompts, messages, chat)
         check_request(mode, max_new_tokens, k, sampling, draft_sampling, ssd, self.vocab_size,
                       seed=seed, stop=stop, eos_ids=eos_ids, on_tokens=on_tokens,
@@ -423,6 +456,7 @@ class Engine:
         draft.finish()
         m.predicted_speedup = m.ssd_prediction(self._t1)
 
+    @_one_call_at_a_time
     def restart_draft(self) -> float:
         """Bring the draft back after a failure (`ssd_jax.runtime.fallback.restart`); returns the
         seconds it took. The next SD / SSD call uses it."""
