@@ -534,6 +534,44 @@ def test_generate_checks_files_before_any_load(capsys, monkeypatch, tmp_path):
     assert_one_line_error(rc, err, "--cache-dir", "is a file, not a folder")
 
 
+def test_a_fanout_with_a_minus_gets_one_message_in_either_spelling(capsys, monkeypatch, tmp_path):
+    """Issue 35: `--fanout -1,2` was argparse's "expected one argument", `--fanout=-1,2` the
+    fan-out's own check; now both are the fan-out's message, before any load."""
+    import ssd_jax.models.load as load
+
+    monkeypatch.setattr(load, "load_model", lambda *a, **k: pytest.fail("loaded"))
+    errs = []
+    for spelling in (["--fanout=-1,2"], ["--fanout", "-1,2"]):
+        rc, _, err = run_cli(["generate", "--target", str(tmp_path / "bogus"), "--prompt", "x",
+                              *spelling], capsys)
+        assert_one_line_error(rc, err, "--fanout", "must be >= 0", "'-1,2'")
+        errs.append(err)
+    assert errs[0] == errs[1]
+    assert cli._join_dash_values(["--fanout", "-1,2", "--k", "3"]) == ["--fanout=-1,2", "--k", "3"]
+    assert cli._join_dash_values(["--fanout", "--k", "3"]) == ["--fanout", "--k", "3"]
+
+
+def test_file_errors_name_the_file_and_the_flag(capsys, monkeypatch, tmp_path):
+    """Issue 35: a non-UTF-8 --prompt-file named neither the file nor the flag; an HF folder with
+    only config.json, given as ".", named no path."""
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\xe9".encode("latin-1"))
+    base = ["generate", "--target", str(tmp_path / "bogus"), "--mode", "ar"]
+    rc, _, err = run_cli([*base, "--prompt-file", str(bad)], capsys)
+    assert_one_line_error(rc, err, "--prompt-file", str(bad), "not UTF-8", "offset 3")
+    rc, _, err = run_cli([*base, "--prompt-file", str(tmp_path / "absent.txt")], capsys)
+    assert_one_line_error(rc, err, "--prompt-file", str(tmp_path / "absent.txt"))
+    only_config = tmp_path / "only_config"
+    only_config.mkdir()
+    (only_config / "config.json").write_text(json.dumps(CFG.to_hf()))
+    monkeypatch.chdir(only_config)
+    rc, _, err = run_cli(["generate", "--target", ".", "--mode", "ar", "--prompt", "x"], capsys)
+    assert_one_line_error(rc, err, "--target", str(only_config), "no *.safetensors")
+    (only_config / "config.json").write_text("{}")
+    rc, _, err = run_cli(["generate", "--target", ".", "--mode", "ar", "--prompt", "x"], capsys)
+    assert_one_line_error(rc, err, "--target", str(only_config / "config.json"), "hidden_size")
+
+
 def test_only_ssd_lets_a_fanout_set_k():
     """`--fanout 1,1` alone is SSD at K=1 (it once failed after both models loaded); with
     --mode sd the fan-out is checked but K stays SD's default."""

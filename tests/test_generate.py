@@ -154,6 +154,35 @@ def test_bad_input_gets_a_clear_error(engine, call, match):
         engine.generate(prompts, **call)
 
 
+@pytest.mark.parametrize("call, match", [
+    (dict(prompts=[[1, "x", 2]]), r"prompts\[0\]\[1\] is 'x' \(str\)"),
+    (dict(prompts=[[1, 2], [3.0, 2.5]]), r"prompts\[1\]\[0\] is 3.0 \(float\)"),
+    (dict(prompts=[3.0, 2.0]), r"prompts\[0\]\[0\] is 3.0"),  # one prompt, no list around it
+    (dict(prompts=[[1, True]]), r"prompts\[0\]\[1\] is True \(bool\)"),
+    (dict(prompts=[np.array([1.0, 2.0])]), r"prompts\[0\] must be integer ids.*float64"),
+    (dict(prompts=["ab", 7]), r"prompts\[1\] must be a list of int ids, got int"),
+    (dict(prompts=[[1, 2]], request_ids=[2.0]), r"request_ids\[0\] is 2.0 \(float\)"),
+    (dict(prompts=[[1, 2]], request_ids=["a"]), r"request_ids\[0\] is 'a'"),
+    (dict(prompts=[[1, 2]], request_ids=np.array([0.5])), r"request_ids must be integer ids"),
+])
+def test_non_integer_ids_are_one_type_error_before_any_work(engine, monkeypatch, call, match):
+    """Issue 35: float ids were taken silently (int(3.0)), strings named no argument."""
+    def never(*a, **k):
+        raise AssertionError("work started before the ids were checked")
+    monkeypatch.setattr(Engine, "_prefill", never)
+    prompts = call.pop("prompts")
+    with pytest.raises(TypeError, match=match):
+        engine.generate(prompts, mode="ar", max_new_tokens=2, **call)
+
+
+def test_integer_arrays_are_ids(engine):
+    want = engine.generate([[1, 2, 3]], mode="ar", max_new_tokens=3).token_ids
+    for p in (np.array([1, 2, 3], np.int64), jax.numpy.array([1, 2, 3]), [np.int32(1), 2, 3],
+              np.array([[1, 2, 3]])):
+        assert engine.generate(p, mode="ar", max_new_tokens=3,
+                               request_ids=np.array([0])).token_ids == want
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(temperature=-1.0), "temperature"),
     (dict(temperature=float("nan")), "temperature"),

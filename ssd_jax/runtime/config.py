@@ -22,6 +22,30 @@ def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
+def int_ids(values, name: str) -> list[int]:
+    """`values` (a sequence of Python ints, or a 1-D integer numpy / jax array) as a list of ints;
+    a TypeError naming `name` (e.g. "prompts[2]") and the position of the first float, bool,
+    string or other non-integer, before any work. 3.0 is refused too: an id is never rounded."""
+    if hasattr(values, "dtype") and hasattr(values, "shape"):  # numpy / jax array
+        a = np.asarray(values)
+        if a.dtype == np.bool_ or not np.issubdtype(a.dtype, np.integer) or a.ndim != 1:
+            raise TypeError(f"{name} must be integer ids: a list of ints or a 1-D integer array, "
+                            f"got an array of {a.dtype} with shape {a.shape}")
+        return [int(x) for x in a]
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{name} must be a list of int ids, got {type(values).__name__} "
+                        f"{values!r:.40}")
+    out = []
+    for j, x in enumerate(values):
+        if hasattr(x, "dtype") and np.ndim(x) == 0 and not isinstance(x, np.generic):
+            x = np.asarray(x)[()]  # a 0-d numpy / jax array: its scalar
+        if not _is_int(x):
+            raise TypeError(f"{name}[{j}] is {x!r:.40} ({type(x).__name__}): ids must be Python "
+                            f"ints or integer numpy / jax arrays (no floats, bools or strings)")
+        out.append(int(x))
+    return out
+
+
 def _is_real(x) -> bool:
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
 
@@ -92,12 +116,13 @@ def check_request(mode: str, max_new_tokens: int, k: int, sampling=SamplingParam
                   draft_sampling=None, ssd: SSDConfig | None = SSDConfig(),
                   vocab: int | None = None, *, seed=0, stop=(), eos_ids=None,
                   on_tokens: Callable | None = None, verifier: Callable | None = None,
-                  chat: bool = False, max_len: int | None = None) -> None:
+                  chat: bool = False, max_len: int | None = None, request_ids=None) -> None:
     """A ValueError naming the first bad argument of a generate call, or None if all are good:
     mode, max_new_tokens, K (any mode: an int >= 1; plain decoding ignores it but takes none
     below 1 unless it is the engine's 0), the sampling parameters, for SSD the `SSDConfig` (fan-out
     lists, Saguaro C, backup, row dtype, budget), seed (an int32), stop (a list of strings, not
-    one string), eos_ids (ints in [0, vocab)), on_tokens / verifier (callables), chat (a bool) and,
+    one string), eos_ids (ints in [0, vocab)), on_tokens / verifier (callables), chat (a bool),
+    request_ids (ints in int32: a TypeError names a float, bool or string and its index) and,
     given max_len, whether even a one-token prompt fits it (prompt + max_new_tokens + K + 2).
 
     Needs no model (`vocab`, the vocabulary size, only adds the fan-out caps and the EOS range):
@@ -141,6 +166,10 @@ def check_request(mode: str, max_new_tokens: int, k: int, sampling=SamplingParam
             raise ValueError(f"{name} must be a function or None, got {type(fn).__name__}")
     if not isinstance(chat, (bool, np.bool_)):
         raise ValueError(f"chat must be True or False, got {chat!r}")
+    if request_ids is not None:
+        bad = [r for r in int_ids(request_ids, "request_ids") if not _INT32[0] <= r <= _INT32[1]]
+        if bad:
+            raise ValueError(f"request_ids must fit int32 [{_INT32[0]}, {_INT32[1]}], got {bad[0]}")
     if max_len is not None:
         need = 1 + int(max_new_tokens) + int(k) + 2
         if need > max_len:

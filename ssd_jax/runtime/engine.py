@@ -30,7 +30,7 @@ from ssd_jax.runtime.batch import Batch, GenerationResult
 from ssd_jax.runtime.chat import chat_prompts
 from ssd_jax.runtime import stream as streaming
 from ssd_jax.runtime.compile_cache import enable_compilation_cache
-from ssd_jax.runtime.config import MODES, SSDConfig, check_pair, check_request
+from ssd_jax.runtime.config import MODES, SSDConfig, check_pair, check_request, int_ids
 from ssd_jax.runtime.draft_worker import DraftRun, DraftWorker, RoundState
 from ssd_jax.runtime.fallback import DraftDown, Guarded, fall_back, restart
 from ssd_jax.runtime.metrics import CompileTimer, Metrics, RoundTimes, mean_tokens
@@ -212,7 +212,7 @@ class Engine:
         prompts, chat = chat_prompts(self.target.tokenizer, prompts, messages, chat)
         check_request(mode, max_new_tokens, k, sampling, draft_sampling, ssd, self.vocab_size,
                       seed=seed, stop=stop, eos_ids=eos_ids, on_tokens=on_tokens,
-                      verifier=verifier, chat=chat)
+                      verifier=verifier, chat=chat, request_ids=request_ids)
         if mode != "ar" and self.draft is None:
             raise ValueError(f"mode {mode!r} needs a draft model: Engine(target, draft)")
         if mode == "ssd" and isinstance(self.worker, Proposer) and not hasattr(self.worker, "resolve"):
@@ -273,9 +273,10 @@ class Engine:
 
     # ------------------------------------------------------------------ set-up
     def _encode(self, prompts, chat: bool) -> list[list[int]]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
-            prompts = [prompts]
-        if not prompts:
+        if isinstance(prompts, str) or getattr(prompts, "ndim", None) == 1 or (
+                isinstance(prompts, (list, tuple)) and prompts and _scalar(prompts[0])):
+            prompts = [prompts]  # one prompt: a string, or ids (any scalars: checked below)
+        if prompts is None or len(prompts) == 0:
             raise ValueError("no prompts given")
         tok = self.target.tokenizer
         out = []
@@ -286,8 +287,8 @@ class Engine:
                 if chat:
                     p = tok.apply_chat_template([{"role": "user", "content": p}])
                 ids = tok.encode(p)
-            else:
-                ids = [int(t) for t in p]
+            else:  # a TypeError naming the prompt and position of a float, bool or string
+                ids = int_ids(p, f"prompts[{len(out)}]")
             if not ids:
                 raise ValueError("empty prompt: every prompt needs at least one token")
             if max(ids) >= self.vocab_size or min(ids) < 0:
@@ -482,6 +483,11 @@ class Engine:
         if self._width_slope is None and isinstance(self.worker, DraftWorker):
             self._width_slope = width_slope_from_times(self.worker.width_times())
         return self._width_slope
+
+
+def _scalar(x) -> bool:
+    """One value (an id, or what a caller passed as one: a float, a bool), not a prompt."""
+    return isinstance(x, (int, float, complex, np.generic)) or getattr(x, "ndim", None) == 0
 
 
 def _default_verifier():
