@@ -498,6 +498,9 @@ def test_generate_bad_flags(pair, capsys, extra, needle):
     (["--draft-vocab", "0"], "draft head's vocabulary"),
     (["--placement", "two-process", "--mode", "ar"], "--mode sd or ssd"),
     (["--dtype", "fp8"], "dtype"),
+    (["--k", "100"], "K=100 is past the bound MAX_K=8"),  # issue 35: compiled for 600 s and more
+    (["--fanout", "1,1,1,1,1,1,1,1,1,1"], "MAX_K=8"),
+    (["--max-len", str(2 ** 20)], "--max-len must be in [2, MAX_LEN=131072]"),
 ])
 def test_generate_checks_arguments_before_any_load(capsys, monkeypatch, tmp_path, extra, needle):
     """A bad argument is the error even with a missing --target: nothing loads, nothing starts,
@@ -614,6 +617,8 @@ def test_generate_model_errors(pair, capsys, tmp_path):
     (["--cores", "0,4096"], "may only use CPUs"),
     (["--limit", "-2"], "limit"),
     (["--fanout", "plan", "--modes", "ar,ssd"], "--fanout plan needs"),
+    (["--k", "100"], "--k must be in [1, MAX_K=8]"),
+    (["--fanout", "-1,2"], "must be >= 0"),
 ])
 def test_bench_bad_flags(pair, capsys, tmp_path, extra, needle):
     rc, _, err = run_cli(["bench", "--target", pair["target"], "--draft", pair["draft"],

@@ -195,6 +195,11 @@ def test_invalid_sampling_values(bad, match):
         SamplingParams(**bad)
 
 
+def test_max_len_has_a_bound(models):
+    with pytest.raises(ValueError, match="MAX_LEN=131072"):
+        Engine(models[0], None, max_len=2 ** 18, compilation_cache=False)
+
+
 def test_ar_needs_no_draft_and_sd_needs_one(models):
     eng = Engine(models[0], None, compilation_cache=False)
     assert eng.generate(["ab"], mode="ar", max_new_tokens=2).token_ids[0]

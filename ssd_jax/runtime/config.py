@@ -16,6 +16,17 @@ MODES = ("ar", "sd", "ssd")
 BACKUPS = ("neural", "random", "ngram", "auto")
 ROW_DTYPES = ("float32", "bfloat16", "float16")  # what the proposal rows may be stored in
 _INT32 = (-(2 ** 31), 2 ** 31 - 1)
+# Bounds on what one call may ask for, so every accepted call compiles in bounded time and memory
+# (README, "Reliability"). MAX_K: the draft chain and the engine's tree are unrolled over K, so
+# their compile grows with K; at K = 8 the K-dependent steps (chain + tree + verify) compile in
+# 1.4x K = 4's time, at 16 in 2.8x (benchmarks/compile_vs_k.py, benchmarks/README.md).
+# MAX_FANOUT_WIDTH: tree branches per row (sum of F_0..F_K), the speculation cache's MQ.
+# MAX_NEW_TOKENS / MAX_LEN: the cache length is a compiled shape and a buffer of B * max_len
+# slots per layer; 2^17 is past every supported model's context.
+MAX_K = 8
+MAX_FANOUT_WIDTH = 64
+MAX_LEN = 2 ** 17
+MAX_NEW_TOKENS = MAX_LEN
 
 
 def _is_int(x) -> bool:
@@ -89,6 +100,9 @@ class SSDConfig:
         if sum(hit) != sum(backup) or sum(hit) < 1 or min(hit + backup) < 0:
             raise ValueError(f"fan-out lists must be >= 0 with equal positive sums (static MQ): "
                              f"{hit} vs {backup}")
+        if sum(hit) > MAX_FANOUT_WIDTH:
+            raise ValueError(f"fan-out {hit} has {sum(hit)} tree branches per row, past the "
+                             f"bound MAX_FANOUT_WIDTH={MAX_FANOUT_WIDTH} (ssd_jax.runtime.config)")
         if vocab is not None:
             cap = fo.caps(k, int(vocab))
             for f in (hit, backup):
@@ -131,8 +145,15 @@ def check_request(mode: str, max_new_tokens: int, k: int, sampling=SamplingParam
         raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if max_new_tokens > MAX_NEW_TOKENS:
+        raise ValueError(f"max_new_tokens={max_new_tokens} is past the bound "
+                         f"MAX_NEW_TOKENS={MAX_NEW_TOKENS} (ssd_jax.runtime.config)")
     if not _is_int(k) or (k < 1 and not (mode == "ar" and k == 0)):
         raise ValueError(f"lookahead K must be an int >= 1, got {k!r}")
+    if k > MAX_K:
+        raise ValueError(f"lookahead K={k} is past the bound MAX_K={MAX_K}: the draft's steps "
+                         f"are unrolled over K and compile in time growing with it "
+                         f"(ssd_jax.runtime.config)")
     for name, s in (("sampling", sampling), ("draft_sampling", draft_sampling)):
         each = s if isinstance(s, (list, tuple)) and s else [s]
         for one in each:
@@ -171,11 +192,19 @@ def check_request(mode: str, max_new_tokens: int, k: int, sampling=SamplingParam
         if bad:
             raise ValueError(f"request_ids must fit int32 [{_INT32[0]}, {_INT32[1]}], got {bad[0]}")
     if max_len is not None:
+        check_max_len(max_len)
         need = 1 + int(max_new_tokens) + int(k) + 2
         if need > max_len:
             raise ValueError(f"max_new_tokens ({max_new_tokens}) + K ({k}) + 2 + a one-token "
                              f"prompt = {need} exceeds the cache length max_len={max_len}: "
                              f"lower max_new_tokens or raise max_len")
+
+
+def check_max_len(max_len) -> None:
+    """A ValueError unless the cache length `max_len` is an int in [2, MAX_LEN]."""
+    if not _is_int(max_len) or not 2 <= max_len <= MAX_LEN:
+        raise ValueError(f"max_len must be an int in [2, MAX_LEN={MAX_LEN}] (a prompt token and a "
+                         f"new one at least), got {max_len!r}")
 
 
 def check_pair(target, draft) -> None:

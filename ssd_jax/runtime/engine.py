@@ -30,7 +30,8 @@ from ssd_jax.runtime.batch import Batch, GenerationResult
 from ssd_jax.runtime.chat import chat_prompts
 from ssd_jax.runtime import stream as streaming
 from ssd_jax.runtime.compile_cache import enable_compilation_cache
-from ssd_jax.runtime.config import MODES, SSDConfig, check_pair, check_request, int_ids
+from ssd_jax.runtime.config import (MODES, SSDConfig, check_max_len, check_pair, check_request,
+                                   int_ids)
 from ssd_jax.runtime.draft_worker import DraftRun, DraftWorker, RoundState
 from ssd_jax.runtime.fallback import DraftDown, Guarded, fall_back, restart
 from ssd_jax.runtime.metrics import CompileTimer, Metrics, RoundTimes, mean_tokens
@@ -120,6 +121,7 @@ class Engine:
                           else make_placement(placement))
         self.target = target
         self.draft = draft if draft is not None else remote_draft
+        check_max_len(max_len)
         self.max_len = int(max_len)
         self.strict, self._backend = bool(strict), backend
         if draft is not None:

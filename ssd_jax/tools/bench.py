@@ -240,8 +240,14 @@ def _validate(args) -> None:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.limit < 0:
         raise ValueError(f"--limit must be >= 0, got {args.limit}")
-    if args.k < 1:
-        raise ValueError(f"--k must be >= 1, got {args.k}")
+    from ssd_jax.runtime.config import MAX_K, MAX_NEW_TOKENS, check_max_len
+    if args.k < 1 or args.k > MAX_K:
+        raise ValueError(f"--k must be in [1, MAX_K={MAX_K}], got {args.k}")
+    if args.max_new_tokens is not None and args.max_new_tokens > MAX_NEW_TOKENS:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} is past the bound "
+                         f"MAX_NEW_TOKENS={MAX_NEW_TOKENS}")
+    if getattr(args, "max_len", None) is not None:
+        check_max_len(args.max_len)
     SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.fanout == "plan":
         if not {"ar", "sd", "ssd"} <= set(args.modes):

@@ -227,7 +227,7 @@ def _validate_generate(args) -> None:
     where the mode ignores it), but only --mode ssd lets --fanout set K."""
     from ssd_jax.algorithm.sampling import SamplingParams
     from ssd_jax.models import backends
-    from ssd_jax.runtime.config import SSDConfig, check_request
+    from ssd_jax.runtime.config import MAX_LEN, SSDConfig, check_request
 
     if args.fanout == "plan":  # one generate call has no earlier AR and SD runs to plan from
         raise ValueError("--fanout plan needs AR and SD runs to plan from: use it with "
@@ -238,8 +238,9 @@ def _validate_generate(args) -> None:
     if args.k is None:
         ssd_sets_k = args.mode == "ssd" and args.fanout is not None
         args.k = len(args.fanout) - 1 if ssd_sets_k else DEFAULT_K[args.mode]
-    if args.max_len < 2:
-        raise ValueError(f"--max-len must be >= 2 (prompt plus new tokens), got {args.max_len}")
+    if not 2 <= args.max_len <= MAX_LEN:
+        raise ValueError(f"--max-len must be in [2, MAX_LEN={MAX_LEN}] (prompt plus new tokens), "
+                         f"got {args.max_len}")
     if any(not s for s in args.stop):
         raise ValueError("--stop needs a non-empty string")
     if args.system is not None and not args.system.strip():
