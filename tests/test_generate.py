@@ -195,6 +195,35 @@ def test_invalid_sampling_values(bad, match):
         SamplingParams(**bad)
 
 
+def test_no_round_can_write_past_the_cache(engine, monkeypatch):
+    """Issue 35: a KV write past the cache is dropped in silence on the jit path, so the engine
+    proves at call start that none can happen (`_check_cache_room`). Forced here by shrinking the
+    cache the call gets: at the bound (every slot a round can write, no more) the call runs, every
+    verify writes inside the cache and the tokens are the roomy call's; one slot less is a
+    CacheOverflowError before any work."""
+    import ssd_jax.runtime.engine as engine_module
+    from ssd_jax.models.kv_cache import CacheOverflowError
+
+    call = dict(mode="sd", max_new_tokens=12, k=3)
+    prompts = [[1, 2, 3, 4, 5], [6, 7]]
+    want = engine.generate(prompts, **call).token_ids
+    room = 5 + 12 - 2 + 3 + 1  # slots 0 .. P + N - 2 + K
+    real_verify, ends = steps.verify, []
+
+    def recording(params, cfg, cache, bonus, spec, *a, **kw):
+        ends.append((int(np.max(np.asarray(cache.lengths))) + spec.shape[1] + 1, cache.max_len))
+        return real_verify(params, cfg, cache, bonus, spec, *a, **kw)
+
+    monkeypatch.setattr(steps, "verify", recording)
+    monkeypatch.setattr(engine_module, "_bucket", lambda n, q: room)
+    assert engine.generate(prompts, **call).token_ids == want
+    assert ends and all(end <= size == room for end, size in ends), ends
+    monkeypatch.setattr(engine_module, "_bucket", lambda n, q: room - 1)
+    monkeypatch.setattr(Engine, "_prefill", lambda *a, **k: pytest.fail("work started"))
+    with pytest.raises(CacheOverflowError, match=f"slot {room - 1} of a KV cache of {room - 1}"):
+        engine.generate(prompts, **call)
+
+
 def test_max_len_has_a_bound(models):
     with pytest.raises(ValueError, match="MAX_LEN=131072"):
         Engine(models[0], None, max_len=2 ** 18, compilation_cache=False)

@@ -234,6 +234,7 @@ class Engine:
             raise ValueError(f"{need} positions exceed the target's max_position_embeddings "
                              f"({self.target.cfg.max_position_embeddings})")
         cache_len = min(self.max_len, _bucket(need, 256))
+        _check_cache_room(batch.prompt_lens, max_new_tokens, k, cache_len)
         metrics = Metrics(mode=mode, backend=self.backend)
         # [B] values, traced by the steps (SamplingParams.per_request): the target's placed once
         # per call, the draft's sent as host values that the draft worker places itself
@@ -485,6 +486,22 @@ class Engine:
         if self._width_slope is None and isinstance(self.worker, DraftWorker):
             self._width_slope = width_slope_from_times(self.worker.width_times())
         return self._width_slope
+
+
+def _check_cache_room(prompt_lens, max_new_tokens: int, k: int, cache_len: int) -> None:
+    """Prove, before any work, that no round of this call writes past a KV cache of `cache_len`
+    slots; a CacheOverflowError otherwise (never a write dropped in silence on the jit path).
+
+    A row with P prompt tokens and g < max_new_tokens generated ones is active with n = P + g - 1
+    tokens in the cache; its round writes slots n..n+K (verify: bonus + K drafts; SSD's glue pass
+    the same on the draft; the chain n-1..n+K-1; plain decoding slot n). So the last slot any
+    round writes is max(P) + max_new_tokens - 2 + K, for every mode and every outcome."""
+    last = int(np.max(prompt_lens)) + int(max_new_tokens) - 2 + max(int(k), 0)
+    if last >= cache_len:
+        from ssd_jax.models.kv_cache import CacheOverflowError
+        raise CacheOverflowError(f"a round could write slot {last} of a KV cache of {cache_len} "
+                                 f"slots (prompt {int(np.max(prompt_lens))} + max_new_tokens "
+                                 f"{max_new_tokens} + K {k}): refused before any work")
 
 
 def _scalar(x) -> bool:
