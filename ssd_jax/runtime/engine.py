@@ -80,7 +80,9 @@ class Engine:
     iterating is ended first (see `stream`). Concurrency across calls needs one Engine per
     caller (each its own cache and compiled steps). A two-process draft (`start_two_process`,
     join mode) serves one target connection: the engine bound to it, one call at a time; two
-    engines must not share one `RemoteDraft`."""
+    engines must not share one `RemoteDraft`. A draft in this process that hangs (never returns)
+    is not detected: XLA cannot cancel a running computation, so the draft process, which can be
+    stopped, is the layout for that (README, "Reliability")."""
 
     def __init__(self, target, draft=None, *, placement: str | Placement = "split",
                  max_len: int = 4096, compilation_cache: bool | str = True, remote_draft=None,
