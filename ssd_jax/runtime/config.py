@@ -19,7 +19,8 @@ _INT32 = (-(2 ** 31), 2 ** 31 - 1)
 # Bounds on what one call may ask for, so every accepted call compiles in bounded time and memory
 # (README, "Reliability"). MAX_K: the draft chain and the engine's tree are unrolled over K, so
 # their compile grows with K; at K = 8 the K-dependent steps (chain + tree + verify) compile in
-# 1.4x K = 4's time, at 16 in 2.8x (benchmarks/compile_vs_k.py, benchmarks/README.md).
+# 1.97x K = 4's CPU time at the default pair's shapes, at K = 12 in 2.2x on tiny ones
+# (benchmarks/compile_vs_k.py, benchmarks/README.md "Compile time against K").
 # MAX_FANOUT_WIDTH: tree branches per row (sum of F_0..F_K), the speculation cache's MQ.
 # MAX_NEW_TOKENS / MAX_LEN: the cache length is a compiled shape and a buffer of B * max_len
 # slots per layer; 2^17 is past every supported model's context.
