@@ -86,7 +86,7 @@ def add_arguments(b: argparse.ArgumentParser, fanout_type) -> None:
     b.add_argument("--max-new-tokens", type=int, default=None,
                    help="default ssd_jax.tools.benchmark_set.MAX_NEW_TOKENS (128)")
     b.add_argument("--k", type=int, default=4,
-                   help="lookahead K (draft tokens per round; default 4)")
+                   help="lookahead K (draft tokens per round, 1..8; default 4)")
     b.add_argument("--fanout", type=fanout_type, default=None,
                    help="SSD F_0..F_K, e.g. 2,2,1,1,1, or 'plan' (from this layout's AR and SD runs; "
                         "default: one candidate per position, 1,1,...,1)")

@@ -163,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "bytes per draft step; output stays exact, acceptance may change "
                         "(default: the whole head)")
     g.add_argument("--k", type=int, default=None,
-                   help=f"lookahead K, draft tokens per round (>= 1; default {DEFAULT_K['sd']} "
+                   help=f"lookahead K, draft tokens per round (1..8, the bound "
+                        f"ssd_jax.runtime.config.MAX_K; default {DEFAULT_K['sd']} "
                         f"for sd, {DEFAULT_K['ssd']} for ssd)")
     g.add_argument("--fanout", type=_fanout, default=None,
                    help="SSD fan-out F_0..F_K: candidates pre-drafted per outcome position, K+1 "
