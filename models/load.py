@@ -28,9 +28,8 @@ def _read(path: Path):
 def _read_config(path: Path) -> dict:
     """The HF-style config alone (no weights read), as `_read` would return it."""
     if path.is_dir():
-        import json
-        from ssd_jax.models.loading.hf import normalize_config
-        return normalize_config(json.loads((path / "config.json").read_text()))
+        from ssd_jax.models.loading.hf import read_config
+        return read_config(path)
     from ssd_jax.models.loading.gguf import load_gguf_config
     return load_gguf_config(path)
 

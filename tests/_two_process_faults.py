@@ -5,7 +5,8 @@ A fault is armed by writing "KIND M" to a file: the M-th draft tree dispatched f
 the tree executes on the draft's device, so the error surfaces where a real one would (the next
 lookup); KIND "malformed": the M-th "resolved" reply of a draft process goes out as a frame that
 claims dtype "object" for its rows and carries a pickle. The file is removed when the fault fires,
-so each arming fires once.
+so each arming fires once. `install_slow_compile`: with SSD_JAX_TEST_SLOW_COMPILE=S set, every
+XLA compile of the draft's chain or tree takes S seconds longer (a big draft on a slow machine).
 """
 import json
 import os
@@ -88,3 +89,22 @@ def install_malformed_reply(path) -> None:
         return real(self, msg, timeout)
 
     wire.Channel.send = send
+
+
+def install_slow_compile() -> None:
+    """In a draft process: every backend compile of a module named like the draft's chain or
+    tree sleeps $SSD_JAX_TEST_SLOW_COMPILE seconds first (nothing without it)."""
+    seconds = float(os.environ.get("SSD_JAX_TEST_SLOW_COMPILE", "0"))
+    if not seconds:
+        return
+    from jax._src import compiler
+
+    real = compiler.backend_compile_and_load
+
+    def slow(backend, module, *args, **kwargs):
+        name = str(module.operation.attributes["sym_name"])
+        if "draft_chain" in name or "draft_tree" in name:
+            time.sleep(seconds)
+        return real(backend, module, *args, **kwargs)
+
+    compiler.backend_compile_and_load = slow

@@ -1,5 +1,5 @@
 """A draft process with planted faults (tests/_two_process_faults.py), armed through the file named
-by SSD_JAX_TEST_FAULT_FILE; otherwise `python -m ssd_jax.runtime.draft_process`."""
+by SSD_JAX_TEST_FAULT_FILE (and slow compiles under SSD_JAX_TEST_SLOW_COMPILE); otherwise `python -m ssd_jax.runtime.draft_process`."""
 import os
 import sys
 
@@ -13,4 +13,5 @@ if __name__ == "__main__":
     path = os.environ["SSD_JAX_TEST_FAULT_FILE"]
     faults.install_tree_fault(path)
     faults.install_malformed_reply(path)
+    faults.install_slow_compile()
     draft_process.main()

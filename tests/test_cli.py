@@ -498,6 +498,9 @@ def test_generate_bad_flags(pair, capsys, extra, needle):
     (["--draft-vocab", "0"], "draft head's vocabulary"),
     (["--placement", "two-process", "--mode", "ar"], "--mode sd or ssd"),
     (["--dtype", "fp8"], "dtype"),
+    (["--k", "100"], "K=100 is past the bound MAX_K=8"),  # issue 35: compiled for 600 s and more
+    (["--fanout", "1,1,1,1,1,1,1,1,1,1"], "MAX_K=8"),
+    (["--max-len", str(2 ** 20)], "--max-len must be in [2, MAX_LEN=131072]"),
 ])
 def test_generate_checks_arguments_before_any_load(capsys, monkeypatch, tmp_path, extra, needle):
     """A bad argument is the error even with a missing --target: nothing loads, nothing starts,
@@ -532,6 +535,44 @@ def test_generate_checks_files_before_any_load(capsys, monkeypatch, tmp_path):
     assert_one_line_error(rc, err, "the prompt is empty")
     rc, _, err = run_cli([*base, "--prompt", "x", "--cache-dir", str(a_file)], capsys)
     assert_one_line_error(rc, err, "--cache-dir", "is a file, not a folder")
+
+
+def test_a_fanout_with_a_minus_gets_one_message_in_either_spelling(capsys, monkeypatch, tmp_path):
+    """Issue 35: `--fanout -1,2` was argparse's "expected one argument", `--fanout=-1,2` the
+    fan-out's own check; now both are the fan-out's message, before any load."""
+    import ssd_jax.models.load as load
+
+    monkeypatch.setattr(load, "load_model", lambda *a, **k: pytest.fail("loaded"))
+    errs = []
+    for spelling in (["--fanout=-1,2"], ["--fanout", "-1,2"]):
+        rc, _, err = run_cli(["generate", "--target", str(tmp_path / "bogus"), "--prompt", "x",
+                              *spelling], capsys)
+        assert_one_line_error(rc, err, "--fanout", "must be >= 0", "'-1,2'")
+        errs.append(err)
+    assert errs[0] == errs[1]
+    assert cli._join_dash_values(["--fanout", "-1,2", "--k", "3"]) == ["--fanout=-1,2", "--k", "3"]
+    assert cli._join_dash_values(["--fanout", "--k", "3"]) == ["--fanout", "--k", "3"]
+
+
+def test_file_errors_name_the_file_and_the_flag(capsys, monkeypatch, tmp_path):
+    """Issue 35: a non-UTF-8 --prompt-file named neither the file nor the flag; an HF folder with
+    only config.json, given as ".", named no path."""
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\xe9".encode("latin-1"))
+    base = ["generate", "--target", str(tmp_path / "bogus"), "--mode", "ar"]
+    rc, _, err = run_cli([*base, "--prompt-file", str(bad)], capsys)
+    assert_one_line_error(rc, err, "--prompt-file", str(bad), "not UTF-8", "offset 3")
+    rc, _, err = run_cli([*base, "--prompt-file", str(tmp_path / "absent.txt")], capsys)
+    assert_one_line_error(rc, err, "--prompt-file", str(tmp_path / "absent.txt"))
+    only_config = tmp_path / "only_config"
+    only_config.mkdir()
+    (only_config / "config.json").write_text(json.dumps(CFG.to_hf()))
+    monkeypatch.chdir(only_config)
+    rc, _, err = run_cli(["generate", "--target", ".", "--mode", "ar", "--prompt", "x"], capsys)
+    assert_one_line_error(rc, err, "--target", str(only_config), "no *.safetensors")
+    (only_config / "config.json").write_text("{}")
+    rc, _, err = run_cli(["generate", "--target", ".", "--mode", "ar", "--prompt", "x"], capsys)
+    assert_one_line_error(rc, err, "--target", str(only_config / "config.json"), "hidden_size")
 
 
 def test_only_ssd_lets_a_fanout_set_k():
@@ -576,6 +617,8 @@ def test_generate_model_errors(pair, capsys, tmp_path):
     (["--cores", "0,4096"], "may only use CPUs"),
     (["--limit", "-2"], "limit"),
     (["--fanout", "plan", "--modes", "ar,ssd"], "--fanout plan needs"),
+    (["--k", "100"], "--k must be in [1, MAX_K=8]"),
+    (["--fanout", "-1,2"], "must be >= 0"),
 ])
 def test_bench_bad_flags(pair, capsys, tmp_path, extra, needle):
     rc, _, err = run_cli(["bench", "--target", pair["target"], "--draft", pair["draft"],

@@ -69,3 +69,26 @@ def test_good_arguments_pass():
     check_request("sd", 8, 2, ssd=None)  # SD takes no SSD knobs
     with pytest.raises(ValueError, match="temperature"):  # SamplingParams checks itself
         SamplingParams(temperature=-1.0)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(mode="sd", k=100), "K=100 is past the bound MAX_K=8"),
+    (dict(mode="ssd", k=9), "MAX_K=8"),
+    (dict(mode="ssd", k=2, ssd=SSDConfig(fanout=(40, 20, 5))), "MAX_FANOUT_WIDTH=64"),
+    (dict(max_new_tokens=2 ** 17 + 1), "MAX_NEW_TOKENS"),
+    (dict(max_len=2 ** 17 + 1), r"max_len must be an int in \[2, MAX_LEN=131072\]"),
+    (dict(max_len=4.0), "max_len must be an int"),
+])
+def test_each_bound_is_named_before_any_load(kw, match):
+    """Issue 35: `k=100` was accepted and still compiling after 600 s; every size a call asks for
+    has a documented maximum (ssd_jax.runtime.config), checked from plain values."""
+    args = dict(mode="ssd", max_new_tokens=8, k=4, ssd=SSDConfig())
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        check_request(args.pop("mode"), args.pop("max_new_tokens"), args.pop("k"), **args)
+
+
+def test_the_bounds_themselves_are_accepted():
+    from ssd_jax.runtime.config import MAX_FANOUT_WIDTH, MAX_K, MAX_LEN, MAX_NEW_TOKENS
+    check_request("ssd", 8, MAX_K, ssd=SSDConfig(fanout=(MAX_FANOUT_WIDTH - MAX_K,) + (1,) * MAX_K))
+    check_request("ar", MAX_NEW_TOKENS - 12, MAX_K, max_len=MAX_LEN)

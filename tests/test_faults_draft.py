@@ -225,6 +225,40 @@ def test_hung_draft_process_times_out(remote, reference, clock):
                               f"{first_s:.1f} s (compiles)"))
 
 
+def test_a_compile_is_not_a_hang(pair, reference, monkeypatch, tmp_path):
+    """Issue 35: `reply_timeout` counted the draft's compile, so a fresh draft whose compile
+    outlasted it fell back on every first call. Now the draft process sends "compiling"
+    heartbeats: with a 3 s reply timeout and compiles 4 s longer than usual, the first call is
+    SSD, exact, with no fallback; a compile past `warmup_timeout` is a hang again."""
+    root, target, _ = pair
+    monkeypatch.setenv("SSD_JAX_TEST_SLOW_COMPILE", "4")
+    monkeypatch.setenv("SSD_JAX_TEST_FAULT_FILE", str(tmp_path / "never_armed"))
+    t0 = time.perf_counter()
+    rd = start_two_process(str(root / "draft"), cores=None, reply_timeout=3.0,
+                           compilation_cache=False,
+                           draft_main=os.path.join(HERE, "_two_process_faulty_draft.py"))
+    try:
+        eng = Engine(target, remote_draft=rd, compilation_cache=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DraftFallbackWarning)
+            out = eng.generate(PROMPTS, **CALL)
+        first_s = time.perf_counter() - t0
+        assert out.metrics.fallback is None and out.token_ids == reference["ar"]
+        assert out.metrics.hits == reference["ssd"].metrics.hits
+        rd.warmup_timeout = 3.0  # a new batch size compiles anew: past the cap, a hang
+        with pytest.warns(DraftFallbackWarning):
+            out = eng.generate(PROMPTS[:1], **CALL)
+        fb = out.metrics.fallback
+        assert "still compiling after 3 s (warmup_timeout)" in fb["error"], fb
+        assert out.token_ids == [reference["ar"][0]]
+    finally:
+        rd.close()
+    TABLE.append(dict(fault="a fresh draft compiles 4 s longer than reply_timeout=3 s",
+                      saw="nothing: SSD from the first call (\"compiling\" heartbeats); a compile "
+                          "past warmup_timeout=3 s: one DraftFallbackWarning",
+                      lost=0, recover=f"first call {first_s:.1f} s from the draft's start"))
+
+
 def test_draft_process_error_is_contained_and_the_next_call_is_ssd(remote, reference, clock):
     eng, fault_file = remote
     ensure_up(eng)

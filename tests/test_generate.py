@@ -154,6 +154,35 @@ def test_bad_input_gets_a_clear_error(engine, call, match):
         engine.generate(prompts, **call)
 
 
+@pytest.mark.parametrize("call, match", [
+    (dict(prompts=[[1, "x", 2]]), r"prompts\[0\]\[1\] is 'x' \(str\)"),
+    (dict(prompts=[[1, 2], [3.0, 2.5]]), r"prompts\[1\]\[0\] is 3.0 \(float\)"),
+    (dict(prompts=[3.0, 2.0]), r"prompts\[0\]\[0\] is 3.0"),  # one prompt, no list around it
+    (dict(prompts=[[1, True]]), r"prompts\[0\]\[1\] is True \(bool\)"),
+    (dict(prompts=[np.array([1.0, 2.0])]), r"prompts\[0\] must be integer ids.*float64"),
+    (dict(prompts=["ab", 7]), r"prompts\[1\] must be a list of int ids, got int"),
+    (dict(prompts=[[1, 2]], request_ids=[2.0]), r"request_ids\[0\] is 2.0 \(float\)"),
+    (dict(prompts=[[1, 2]], request_ids=["a"]), r"request_ids\[0\] is 'a'"),
+    (dict(prompts=[[1, 2]], request_ids=np.array([0.5])), r"request_ids must be integer ids"),
+])
+def test_non_integer_ids_are_one_type_error_before_any_work(engine, monkeypatch, call, match):
+    """Issue 35: float ids were taken silently (int(3.0)), strings named no argument."""
+    def never(*a, **k):
+        raise AssertionError("work started before the ids were checked")
+    monkeypatch.setattr(Engine, "_prefill", never)
+    prompts = call.pop("prompts")
+    with pytest.raises(TypeError, match=match):
+        engine.generate(prompts, mode="ar", max_new_tokens=2, **call)
+
+
+def test_integer_arrays_are_ids(engine):
+    want = engine.generate([[1, 2, 3]], mode="ar", max_new_tokens=3).token_ids
+    for p in (np.array([1, 2, 3], np.int64), jax.numpy.array([1, 2, 3]), [np.int32(1), 2, 3],
+              np.array([[1, 2, 3]])):
+        assert engine.generate(p, mode="ar", max_new_tokens=3,
+                               request_ids=np.array([0])).token_ids == want
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(temperature=-1.0), "temperature"),
     (dict(temperature=float("nan")), "temperature"),
@@ -164,6 +193,40 @@ def test_bad_input_gets_a_clear_error(engine, call, match):
 def test_invalid_sampling_values(bad, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**bad)
+
+
+def test_no_round_can_write_past_the_cache(engine, monkeypatch):
+    """Issue 35: a KV write past the cache is dropped in silence on the jit path, so the engine
+    proves at call start that none can happen (`_check_cache_room`). Forced here by shrinking the
+    cache the call gets: at the bound (every slot a round can write, no more) the call runs, every
+    verify writes inside the cache and the tokens are the roomy call's; one slot less is a
+    CacheOverflowError before any work."""
+    import ssd_jax.runtime.engine as engine_module
+    from ssd_jax.models.kv_cache import CacheOverflowError
+
+    call = dict(mode="sd", max_new_tokens=12, k=3)
+    prompts = [[1, 2, 3, 4, 5], [6, 7]]
+    want = engine.generate(prompts, **call).token_ids
+    room = 5 + 12 - 2 + 3 + 1  # slots 0 .. P + N - 2 + K
+    real_verify, ends = steps.verify, []
+
+    def recording(params, cfg, cache, bonus, spec, *a, **kw):
+        ends.append((int(np.max(np.asarray(cache.lengths))) + spec.shape[1] + 1, cache.max_len))
+        return real_verify(params, cfg, cache, bonus, spec, *a, **kw)
+
+    monkeypatch.setattr(steps, "verify", recording)
+    monkeypatch.setattr(engine_module, "_bucket", lambda n, q: room)
+    assert engine.generate(prompts, **call).token_ids == want
+    assert ends and all(end <= size == room for end, size in ends), ends
+    monkeypatch.setattr(engine_module, "_bucket", lambda n, q: room - 1)
+    monkeypatch.setattr(Engine, "_prefill", lambda *a, **k: pytest.fail("work started"))
+    with pytest.raises(CacheOverflowError, match=f"slot {room - 1} of a KV cache of {room - 1}"):
+        engine.generate(prompts, **call)
+
+
+def test_max_len_has_a_bound(models):
+    with pytest.raises(ValueError, match="MAX_LEN=131072"):
+        Engine(models[0], None, max_len=2 ** 18, compilation_cache=False)
 
 
 def test_ar_needs_no_draft_and_sd_needs_one(models):

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["load_hf_folder", "read_safetensors", "normalize_config"]
+__all__ = ["load_hf_folder", "read_safetensors", "normalize_config", "read_config"]
 
 _DTYPES = {
     "F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2",
@@ -85,20 +85,30 @@ def normalize_config(config: dict[str, Any]) -> dict[str, Any]:
     return c
 
 
+def read_config(folder: str | os.PathLike) -> dict[str, Any]:
+    """The folder's config.json, normalized; a ValueError naming the file (by its absolute path)
+    if it is not JSON or lacks the model's dimensions."""
+    config_file = Path(folder).absolute() / "config.json"
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            return normalize_config(json.load(f))
+    except ValueError as e:  # not JSON, not UTF-8, or lacking the model's dimensions
+        raise ValueError(f"{config_file}: {e}") from e
+
+
 def load_hf_folder(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """(config.json as a dict with defaults filled in, HF-named float32 tensors) of a HF model folder.
 
     Reads `model.safetensors.index.json` when present (only the shards it names), otherwise every
     `*.safetensors` in the folder. Raises FileNotFoundError naming what is missing.
     """
-    folder = Path(path)
+    folder = Path(path).absolute()  # errors name the folder, even when given as "."
     if not folder.is_dir():
         raise FileNotFoundError(f"HF model folder not found: {folder}")
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{folder} has no config.json; it is not a HF model folder")
-    with open(config_file, encoding="utf-8") as f:
-        config = normalize_config(json.load(f))
+    config = read_config(folder)
 
     index_file = folder / "model.safetensors.index.json"
     if index_file.is_file():

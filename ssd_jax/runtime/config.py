@@ -16,10 +16,46 @@ MODES = ("ar", "sd", "ssd")
 BACKUPS = ("neural", "random", "ngram", "auto")
 ROW_DTYPES = ("float32", "bfloat16", "float16")  # what the proposal rows may be stored in
 _INT32 = (-(2 ** 31), 2 ** 31 - 1)
+# Bounds on what one call may ask for, so every accepted call compiles in bounded time and memory
+# (README, "Reliability"). MAX_K: the draft chain and the engine's tree are unrolled over K, so
+# their compile grows with K; at K = 8 the K-dependent steps (chain + tree + verify) compile in
+# 1.97x K = 4's CPU time at the default pair's shapes, at K = 12 in 2.2x on tiny ones
+# (benchmarks/compile_vs_k.py, benchmarks/README.md "Compile time against K").
+# MAX_FANOUT_WIDTH: tree branches per row (sum of F_0..F_K), the speculation cache's MQ.
+# MAX_NEW_TOKENS / MAX_LEN: the cache length is a compiled shape and a buffer of B * max_len
+# slots per layer; 2^17 is past every supported model's context.
+MAX_K = 8
+MAX_FANOUT_WIDTH = 64
+MAX_LEN = 2 ** 17
+MAX_NEW_TOKENS = MAX_LEN
 
 
 def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def int_ids(values, name: str) -> list[int]:
+    """`values` (a sequence of Python ints, or a 1-D integer numpy / jax array) as a list of ints;
+    a TypeError naming `name` (e.g. "prompts[2]") and the position of the first float, bool,
+    string or other non-integer, before any work. 3.0 is refused too: an id is never rounded."""
+    if hasattr(values, "dtype") and hasattr(values, "shape"):  # numpy / jax array
+        a = np.asarray(values)
+        if a.dtype == np.bool_ or not np.issubdtype(a.dtype, np.integer) or a.ndim != 1:
+            raise TypeError(f"{name} must be integer ids: a list of ints or a 1-D integer array, "
+                            f"got an array of {a.dtype} with shape {a.shape}")
+        return [int(x) for x in a]
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{name} must be a list of int ids, got {type(values).__name__} "
+                        f"{values!r:.40}")
+    out = []
+    for j, x in enumerate(values):
+        if hasattr(x, "dtype") and np.ndim(x) == 0 and not isinstance(x, np.generic):
+            x = np.asarray(x)[()]  # a 0-d numpy / jax array: its scalar
+        if not _is_int(x):
+            raise TypeError(f"{name}[{j}] is {x!r:.40} ({type(x).__name__}): ids must be Python "
+                            f"ints or integer numpy / jax arrays (no floats, bools or strings)")
+        out.append(int(x))
+    return out
 
 
 def _is_real(x) -> bool:
@@ -65,6 +101,9 @@ class SSDConfig:
         if sum(hit) != sum(backup) or sum(hit) < 1 or min(hit + backup) < 0:
             raise ValueError(f"fan-out lists must be >= 0 with equal positive sums (static MQ): "
                              f"{hit} vs {backup}")
+        if sum(hit) > MAX_FANOUT_WIDTH:
+            raise ValueError(f"fan-out {hit} has {sum(hit)} tree branches per row, past the "
+                             f"bound MAX_FANOUT_WIDTH={MAX_FANOUT_WIDTH} (ssd_jax.runtime.config)")
         if vocab is not None:
             cap = fo.caps(k, int(vocab))
             for f in (hit, backup):
@@ -92,12 +131,13 @@ def check_request(mode: str, max_new_tokens: int, k: int, sampling=SamplingParam
                   draft_sampling=None, ssd: SSDConfig | None = SSDConfig(),
                   vocab: int | None = None, *, seed=0, stop=(), eos_ids=None,
                   on_tokens: Callable | None = None, verifier: Callable | None = None,
-                  chat: bool = False, max_len: int | None = None) -> None:
+                  chat: bool = False, max_len: int | None = None, request_ids=None) -> None:
     """A ValueError naming the first bad argument of a generate call, or None if all are good:
     mode, max_new_tokens, K (any mode: an int >= 1; plain decoding ignores it but takes none
     below 1 unless it is the engine's 0), the sampling parameters, for SSD the `SSDConfig` (fan-out
     lists, Saguaro C, backup, row dtype, budget), seed (an int32), stop (a list of strings, not
-    one string), eos_ids (ints in [0, vocab)), on_tokens / verifier (callables), chat (a bool) and,
+    one string), eos_ids (ints in [0, vocab)), on_tokens / verifier (callables), chat (a bool),
+    request_ids (ints in int32: a TypeError names a float, bool or string and its index) and,
     given max_len, whether even a one-token prompt fits it (prompt + max_new_tokens + K + 2).
 
     Needs no model (`vocab`, the vocabulary size, only adds the fan-out caps and the EOS range):
@@ -106,8 +146,15 @@ def check_request(mode: str, max_new_tokens: int, k: int, sampling=SamplingParam
         raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if max_new_tokens > MAX_NEW_TOKENS:
+        raise ValueError(f"max_new_tokens={max_new_tokens} is past the bound "
+                         f"MAX_NEW_TOKENS={MAX_NEW_TOKENS} (ssd_jax.runtime.config)")
     if not _is_int(k) or (k < 1 and not (mode == "ar" and k == 0)):
         raise ValueError(f"lookahead K must be an int >= 1, got {k!r}")
+    if k > MAX_K:
+        raise ValueError(f"lookahead K={k} is past the bound MAX_K={MAX_K}: the draft's steps "
+                         f"are unrolled over K and compile in time growing with it "
+                         f"(ssd_jax.runtime.config)")
     for name, s in (("sampling", sampling), ("draft_sampling", draft_sampling)):
         each = s if isinstance(s, (list, tuple)) and s else [s]
         for one in each:
@@ -141,12 +188,24 @@ def check_request(mode: str, max_new_tokens: int, k: int, sampling=SamplingParam
             raise ValueError(f"{name} must be a function or None, got {type(fn).__name__}")
     if not isinstance(chat, (bool, np.bool_)):
         raise ValueError(f"chat must be True or False, got {chat!r}")
+    if request_ids is not None:
+        bad = [r for r in int_ids(request_ids, "request_ids") if not _INT32[0] <= r <= _INT32[1]]
+        if bad:
+            raise ValueError(f"request_ids must fit int32 [{_INT32[0]}, {_INT32[1]}], got {bad[0]}")
     if max_len is not None:
+        check_max_len(max_len)
         need = 1 + int(max_new_tokens) + int(k) + 2
         if need > max_len:
             raise ValueError(f"max_new_tokens ({max_new_tokens}) + K ({k}) + 2 + a one-token "
                              f"prompt = {need} exceeds the cache length max_len={max_len}: "
                              f"lower max_new_tokens or raise max_len")
+
+
+def check_max_len(max_len) -> None:
+    """A ValueError unless the cache length `max_len` is an int in [2, MAX_LEN]."""
+    if not _is_int(max_len) or not 2 <= max_len <= MAX_LEN:
+        raise ValueError(f"max_len must be an int in [2, MAX_LEN={MAX_LEN}] (a prompt token and a "
+                         f"new one at least), got {max_len!r}")
 
 
 def check_pair(target, draft) -> None:

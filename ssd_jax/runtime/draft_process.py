@@ -14,13 +14,14 @@ import argparse
 import os
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
-from ssd_jax.runtime.wire import (MAX_STR, REQUESTS, ROWS, Channel, Message, TransportError,
-                                  handshake_draft, parse_address, read_secret)
+from ssd_jax.runtime.wire import (HEARTBEAT_S, MAX_STR, REQUESTS, ROWS, Channel, Message,
+                                  TransportError, handshake_draft, parse_address, read_secret)
 
 BACKUPS = ("neural", "random", "ngram")
 MAX_K = 256
@@ -83,6 +84,28 @@ def decode_run(f: dict, batch: int):
                     saguaro_c=f["saguaro_c"], backup=f["backup"], row_dtype=f["row_dtype"])
 
 
+_COMPILING = [False]  # this process is lowering or compiling a step (JAX's compile events)
+_STARTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration")
+_ENDS = ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_retrieval_time_sec")
+
+
+def _watch_compiles() -> None:
+    """Follow JAX's compile events (once per process): a trace or lowering has ended, so a
+    lowering or XLA compile is under way until the backend compile (or the persistent cache's
+    read) ends. The trace itself is not covered (seconds, where a compile takes minutes)."""
+    if getattr(_watch_compiles, "done", False):
+        return
+    from jax import monitoring
+
+    def event(name, duration, **kw):
+        if name in _STARTS:
+            _COMPILING[0] = True
+        elif name in _ENDS:
+            _COMPILING[0] = False
+    monitoring.register_event_duration_secs_listener(event)
+    _watch_compiles.done = True
+
+
 class DraftServer:
     """The draft process's side of the exchange: `handle` answers one request (and says what to
     do after the reply is sent: dispatch the next tree); `serve` loops over requests."""
@@ -91,6 +114,23 @@ class DraftServer:
         self.channel, self.model = channel, model
         self.worker = None
         self.pending: Exception | None = None  # raised after the last reply (a tree): told next
+        self._send_lock = threading.Lock()  # replies and heartbeats: one frame at a time
+        self._stop = threading.Event()
+
+    def send(self, msg: Message) -> None:
+        """Send one frame (replies from the serving thread, heartbeats from their own)."""
+        with self._send_lock:
+            self.channel.send(msg)
+
+    def _heartbeat(self) -> None:
+        """While a step lowers or compiles, a "compiling" frame every HEARTBEAT_S: the target's
+        reply timeout then measures answers, never compiles (transport.RemoteDraft)."""
+        while not self._stop.wait(HEARTBEAT_S):
+            if _COMPILING[0]:
+                try:
+                    self.send(Message("compiling"))
+                except TransportError:
+                    return
 
     def _spec(self, spec, rows) -> Message:
         return Message("spec", {}, {"spec": np.asarray(spec), "rows": np.asarray(rows)})
@@ -139,7 +179,18 @@ class DraftServer:
         return reply, lambda: w.dispatch_tree(s, spec, ~hit & s.active, run, wait=True)
 
     def serve(self) -> None:
-        """Answer requests until "shutdown" or until the target goes away."""
+        """Answer requests until "shutdown" or until the target goes away; a "compiling"
+        heartbeat goes out while a step compiles."""
+        _watch_compiles()
+        beat = threading.Thread(target=self._heartbeat, name="ssd_jax-draft-heartbeat", daemon=True)
+        beat.start()
+        try:
+            self._serve()
+        finally:
+            self._stop.set()
+            _COMPILING[0] = False
+
+    def _serve(self) -> None:
         while True:
             try:
                 msg = self.channel.recv(REQUESTS)
@@ -149,7 +200,7 @@ class DraftServer:
                 raise
             t0 = time.perf_counter()
             if msg.kind == "shutdown":
-                self.channel.send(Message("ok"))
+                self.send(Message("ok"))
                 return
             if msg.kind in ("start", "finish"):
                 self.pending = None
@@ -164,14 +215,16 @@ class DraftServer:
                                           "during": msg.kind})
                 if self.worker is not None:
                     self.worker._tree = None
+            _COMPILING[0] = False  # a trace that no compile followed (eval_shape) ends here
             if reply.kind == "resolved":
                 reply.fields["times"]["handle_s"] = time.perf_counter() - t0
-            self.channel.send(reply)
+            self.send(reply)
             if after is not None:
                 try:
                     after()
                 except Exception as e:  # noqa: BLE001 - answered at the next request
                     self.pending = e
+                _COMPILING[0] = False
 
 
 def connect(address: str, key: bytes, timeout: float) -> Channel:

@@ -12,6 +12,8 @@ every mode; modes differ only in speed.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -28,7 +30,8 @@ from ssd_jax.runtime.batch import Batch, GenerationResult
 from ssd_jax.runtime.chat import chat_prompts
 from ssd_jax.runtime import stream as streaming
 from ssd_jax.runtime.compile_cache import enable_compilation_cache
-from ssd_jax.runtime.config import MODES, SSDConfig, check_pair, check_request
+from ssd_jax.runtime.config import (MODES, SSDConfig, check_max_len, check_pair, check_request,
+                                   int_ids)
 from ssd_jax.runtime.device_loop import DeviceLoop
 from ssd_jax.runtime.draft_worker import DraftRun, DraftWorker, RoundState
 from ssd_jax.runtime.fallback import DraftDown, Guarded, fall_back, restart
@@ -48,8 +51,39 @@ def _prefill_bucket(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
+def _one_call_at_a_time(method):
+    """Run an Engine method under the engine's lock (see `Engine`): a stream this thread left
+    running ends first, then the call waits for any other thread's call to finish."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        streaming.settle(self)  # a stream this thread left running on this engine ends first
+        if self._holder == threading.get_ident():
+            raise RuntimeError(f"Engine.{method.__name__} called from inside a call on the same "
+                               f"engine (e.g. from on_tokens): it would wait for itself; use "
+                               f"another Engine, or call after this one returns")
+        with self._lock:
+            self._holder = threading.get_ident()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self._holder = None
+    return call
+
+
 class Engine:
-    """Holds the loaded target and draft, placed on their meshes, and runs generate calls."""
+    """Holds the loaded target and draft, placed on their meshes, and runs generate calls.
+
+    One call at a time: an engine's calls (`generate`, `stream`, `restart_draft`) serialise on
+    one lock, held for the whole call (a stream's from its first delta to its last, on its worker
+    thread), so threads may share an engine and each call returns exactly what it returns run
+    alone; a second thread's call waits for the first to end. A call made from inside a call on
+    the same thread (from `on_tokens`) is a RuntimeError; a stream the calling thread stopped
+    iterating is ended first (see `stream`). Concurrency across calls needs one Engine per
+    caller (each its own cache and compiled steps). A two-process draft (`start_two_process`,
+    join mode) serves one target connection: the engine bound to it, one call at a time; two
+    engines must not share one `RemoteDraft`. A draft in this process that hangs (never returns)
+    is not detected: XLA cannot cancel a running computation, so the draft process, which can be
+    stopped, is the layout for that (README, "Reliability")."""
 
     def __init__(self, target, draft=None, *, placement: str | Placement = "split",
                  max_len: int = 4096, compilation_cache: bool | str = True, remote_draft=None,
@@ -90,6 +124,7 @@ class Engine:
                           else make_placement(placement))
         self.target = target
         self.draft = draft if draft is not None else remote_draft
+        check_max_len(max_len)
         self.max_len = int(max_len)
         self.strict, self._backend = bool(strict), backend
         if draft is not None:
@@ -119,6 +154,8 @@ class Engine:
         self._t1: float | None = None  # last measured plain decode step (for the §6 prediction)
         self._sd: dict | None = None  # last SD run's verify / draft medians and accept histogram
         self._width_slope: float | None = None  # the local draft's, measured once (plan_fanout)
+        self._lock = threading.Lock()  # one call at a time (_one_call_at_a_time)
+        self._holder: int | None = None  # the thread whose call holds it
 
     @property
     def backend(self) -> dict[str, str]:
@@ -133,6 +170,7 @@ class Engine:
         return out
 
     # ------------------------------------------------------------------ public API
+    @_one_call_at_a_time
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]] | str | None = None, *,
                  messages: Sequence[dict] | Sequence[Sequence[dict]] | None = None,
                  mode: str = "ssd", max_new_tokens: int = 64,
@@ -181,11 +219,10 @@ class Engine:
         (tokens/s, tokens per round, acceptance, hit rate, the per-round timeline, the backend).
         Raises ValueError, before any work, for an argument it cannot serve.
         """
-        streaming.settle(self)  # a stream left running on this engine ends first
         prompts, chat = chat_prompts(self.target.tokenizer, prompts, messages, chat)
         check_request(mode, max_new_tokens, k, sampling, draft_sampling, ssd, self.vocab_size,
                       seed=seed, stop=stop, eos_ids=eos_ids, on_tokens=on_tokens,
-                      verifier=verifier, chat=chat)
+                      verifier=verifier, chat=chat, request_ids=request_ids)
         if mode != "ar" and self.draft is None:
             raise ValueError(f"mode {mode!r} needs a draft model: Engine(target, draft)")
         if mode == "ssd" and isinstance(self.worker, Proposer) and not hasattr(self.worker, "resolve"):
@@ -205,6 +242,7 @@ class Engine:
             raise ValueError(f"{need} positions exceed the target's max_position_embeddings "
                              f"({self.target.cfg.max_position_embeddings})")
         cache_len = min(self.max_len, _bucket(need, 256))
+        _check_cache_room(batch.prompt_lens, max_new_tokens, k, cache_len)
         metrics = Metrics(mode=mode, backend=self.backend)
         # [B] values, traced by the steps (SamplingParams.per_request): the target's placed once
         # per call, the draft's sent as host values that the draft worker places itself
@@ -285,9 +323,10 @@ class Engine:
 
     # ------------------------------------------------------------------ set-up
     def _encode(self, prompts, chat: bool) -> list[list[int]]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
-            prompts = [prompts]
-        if not prompts:
+        if isinstance(prompts, str) or getattr(prompts, "ndim", None) == 1 or (
+                isinstance(prompts, (list, tuple)) and prompts and _scalar(prompts[0])):
+            prompts = [prompts]  # one prompt: a string, or ids (any scalars: checked below)
+        if prompts is None or len(prompts) == 0:
             raise ValueError("no prompts given")
         tok = self.target.tokenizer
         out = []
@@ -298,8 +337,8 @@ class Engine:
                 if chat:
                     p = tok.apply_chat_template([{"role": "user", "content": p}])
                 ids = tok.encode(p)
-            else:
-                ids = [int(t) for t in p]
+            else:  # a TypeError naming the prompt and position of a float, bool or string
+                ids = int_ids(p, f"prompts[{len(out)}]")
             if not ids:
                 raise ValueError("empty prompt: every prompt needs at least one token")
             if max(ids) >= self.vocab_size or min(ids) < 0:
@@ -485,6 +524,7 @@ class Engine:
         draft.finish()
         m.predicted_speedup = m.ssd_prediction(self._t1)
 
+    @_one_call_at_a_time
     def restart_draft(self) -> float:
         """Bring the draft back after a failure (`ssd_jax.runtime.fallback.restart`); returns the
         seconds it took. The next SD / SSD call uses it."""
@@ -511,6 +551,27 @@ class Engine:
         if self._width_slope is None and isinstance(self.worker, DraftWorker):
             self._width_slope = width_slope_from_times(self.worker.width_times())
         return self._width_slope
+
+
+def _check_cache_room(prompt_lens, max_new_tokens: int, k: int, cache_len: int) -> None:
+    """Prove, before any work, that no round of this call writes past a KV cache of `cache_len`
+    slots; a CacheOverflowError otherwise (never a write dropped in silence on the jit path).
+
+    A row with P prompt tokens and g < max_new_tokens generated ones is active with n = P + g - 1
+    tokens in the cache; its round writes slots n..n+K (verify: bonus + K drafts; SSD's glue pass
+    the same on the draft; the chain n-1..n+K-1; plain decoding slot n). So the last slot any
+    round writes is max(P) + max_new_tokens - 2 + K, for every mode and every outcome."""
+    last = int(np.max(prompt_lens)) + int(max_new_tokens) - 2 + max(int(k), 0)
+    if last >= cache_len:
+        from ssd_jax.models.kv_cache import CacheOverflowError
+        raise CacheOverflowError(f"a round could write slot {last} of a KV cache of {cache_len} "
+                                 f"slots (prompt {int(np.max(prompt_lens))} + max_new_tokens "
+                                 f"{max_new_tokens} + K {k}): refused before any work")
+
+
+def _scalar(x) -> bool:
+    """One value (an id, or what a caller passed as one: a float, a bool), not a prompt."""
+    return isinstance(x, (int, float, complex, np.generic)) or getattr(x, "ndim", None) == 0
 
 
 def _default_verifier():

@@ -12,7 +12,9 @@ len(stop) - 1 characters, so the deltas' texts join to exactly `GenerationResult
 The call runs `Engine.generate` on a worker thread (the engine's round loop is not a generator);
 deltas pass through a queue. Closing the stream (a `with` block, `close()`, or the generator
 being dropped) ends every row at its next commit (finish reason "cancelled") and waits for the
-call to end, at most one round; a new generate or stream on the same engine does that first.
+call to end, at most one round; a new generate or stream on the same engine, from the thread
+that iterates the stream, does that first. The worker's call holds the engine's lock (one call at a
+time, `Engine`) from start to end; a call from another thread waits for it.
 """
 from __future__ import annotations
 
@@ -26,16 +28,17 @@ from typing import Iterator, Sequence
 
 from ssd_jax.runtime.batch import GenerationResult, TokenSink
 
-# engine -> its stream whose call is still running (removed when the call ends, so an abandoned
-# stream keeps neither its engine nor its deltas alive)
-_RUNNING: "weakref.WeakKeyDictionary[object, TextStream]" = weakref.WeakKeyDictionary()
+# engine -> its streams whose calls are still running (each removed when its call ends, so an
+# abandoned stream keeps neither its engine nor its deltas alive)
+_RUNNING: "weakref.WeakKeyDictionary[object, list[TextStream]]" = weakref.WeakKeyDictionary()
 _RUNNING_LOCK = threading.Lock()
 
 
 def _forget(stream: "TextStream") -> None:
     with _RUNNING_LOCK:
-        if _RUNNING.get(stream.engine) is stream:
-            del _RUNNING[stream.engine]
+        running = _RUNNING.get(stream.engine, [])
+        if stream in running:
+            running.remove(stream)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +175,7 @@ class TextStream:
         self.result: GenerationResult | None = None
         self._cancel = threading.Event()
         self._thread: threading.Thread | None = None
+        self._owner: threading.Thread | None = None  # the thread iterating it
         self._gen = self._run()
 
     def __iter__(self) -> Iterator[StreamDelta]:
@@ -198,6 +202,7 @@ class TextStream:
 
     def _run(self) -> Iterator[StreamDelta]:
         settle(self.engine)
+        self._owner = threading.current_thread()
         out: queue.SimpleQueue = queue.SimpleQueue()
         tok = self.engine.target.tokenizer
         sink = _Sink(out, self._cancel, tok, self._args.get("stop", ()) or ())
@@ -212,7 +217,7 @@ class TextStream:
 
         self._thread = threading.Thread(target=work, name="ssd_jax-stream", daemon=True)
         with _RUNNING_LOCK:
-            _RUNNING[self.engine] = self
+            _RUNNING.setdefault(self.engine, []).append(self)
         self._thread.start()
         try:
             while True:
@@ -247,9 +252,11 @@ def start(engine, prompts, messages, kwargs: dict) -> TextStream:
 
 
 def settle(engine) -> None:
-    """End a stream still running on `engine` (one the caller stopped iterating) before another
-    call uses the engine; nothing when called from that stream's own worker thread."""
+    """End the streams still running on `engine` that this thread iterates (ones it stopped
+    iterating) before it makes another call on the engine; another thread's stream is left to
+    run (the engine's lock makes the new call wait for it)."""
+    me = threading.current_thread()
     with _RUNNING_LOCK:
-        running = _RUNNING.get(engine)
-    if running is not None and running._thread is not threading.current_thread():
-        running.close()
+        mine = [s for s in _RUNNING.get(engine, []) if s._owner is me and s._thread is not me]
+    for s in mine:
+        s.close()

@@ -13,7 +13,8 @@ they exchange only token ids, outcome integers and proposal rows as typed numpy 
 while the target verifies that speculation.
 
 No runtime ties the two processes' lives together (this used to be jax.distributed, whose
-heartbeat aborts the survivor): a draft process that dies, hangs past `reply_timeout` or sends a
+heartbeat aborts the survivor): a draft process that dies, is silent past `reply_timeout` (its
+"compiling" heartbeats aside: a compile is not a hang, up to `warmup_timeout`) or sends a
 frame that fails its checks is a `TransportError` in the target, which the engine turns into a
 fallback to plain decoding (`ssd_jax.runtime.fallback`); `RemoteDraft.restart` brings it back.
 """
@@ -33,7 +34,8 @@ from ssd_jax.runtime.wire import (REPLIES, SECRET_ENV, SECRET_FILE_ENV, Channel,
                                   TransportError, handshake_target, new_secret, parse_address,
                                   read_secret)
 
-DEFAULT_REPLY_TIMEOUT = 120.0  # seconds the target waits for one answer (first calls compile)
+DEFAULT_REPLY_TIMEOUT = 120.0  # seconds of silence the target waits for one answer
+DEFAULT_WARMUP_TIMEOUT = 1800.0  # seconds it waits for an answer while the draft says "compiling"
 
 
 class TransportWarning(UserWarning):
@@ -112,7 +114,10 @@ class _Listener:
 class RemoteDraft:
     """Target-side proxy of the draft process (the methods the engine calls on a DraftWorker).
 
-    Every request has one reply, waited for at most `reply_timeout` seconds. A draft that goes
+    Every request has one reply, waited for at most `reply_timeout` seconds of silence: while the
+    draft process lowers or compiles a step it sends a "compiling" heartbeat about every
+    `wire.HEARTBEAT_S`, and each one restarts that clock, so a compile never counts as a hang; a
+    reply still compiling after `warmup_timeout` seconds counts as hung. A draft that goes
     away, hangs or sends a malformed frame marks this proxy down (`down` says why; a process this
     one spawned is killed) and raises TransportError; an error the draft process reports about its
     own computation raises TransportError("remote") and leaves the connection up (the next
@@ -122,9 +127,11 @@ class RemoteDraft:
     remote = True
 
     def __init__(self, cmd: list[str] | None, env: dict | None, listen: str, key: bytes,
-                 timeout: float, reply_timeout: float):
+                 timeout: float, reply_timeout: float,
+                 warmup_timeout: float = DEFAULT_WARMUP_TIMEOUT):
         self.cmd, self.env, self.listen, self.key = cmd, env, listen, key
         self.timeout, self.reply_timeout = float(timeout), float(reply_timeout)
+        self.warmup_timeout = float(warmup_timeout)
         self.proc: subprocess.Popen | None = None
         self.channel: Channel | None = None
         self.down: str | None = "not connected"
@@ -207,10 +214,18 @@ class RemoteDraft:
             raise TransportError("down", f"the draft process is down: {self.down}; "
                                          f"engine.restart_draft() starts it again")
         t = self.reply_timeout if timeout is None else timeout
+        expect = {reply: REPLIES[reply], "error": REPLIES["error"],
+                  "compiling": REPLIES["compiling"]}
         try:
             self.channel.send(Message(kind, fields, arrays), timeout=t)
-            msg = self.channel.recv({reply: REPLIES[reply], "error": REPLIES["error"]},
-                                    timeout=t, alive=self._alive)
+            cap = time.monotonic() + max(self.warmup_timeout, t)
+            while True:  # heartbeats while the draft compiles: each restarts the reply clock
+                msg = self.channel.recv(expect, timeout=t, alive=self._alive)
+                if msg.kind != "compiling":
+                    break
+                if time.monotonic() > cap:
+                    raise TransportError("timeout", f"still compiling after {self.warmup_timeout:g} "
+                                                    f"s (warmup_timeout) during {kind!r}")
         except TransportError as e:
             raise self._fail(e) from e
         except BaseException:  # e.g. KeyboardInterrupt: a reply may be half read or still due
@@ -316,6 +331,7 @@ def start_two_process(draft: str | None, *, dtype: str = "float32", quant: str =
                       draft_vocab: int | None = None,
                       cores: tuple[int, int] | None = (0, 1), cache_dir: str | None = None,
                       timeout: float = 300, reply_timeout: float = DEFAULT_REPLY_TIMEOUT,
+                      warmup_timeout: float = DEFAULT_WARMUP_TIMEOUT,
                       draft_main: str | None = None, listen: str | None = None,
                       secret: str | bytes | None = None,
                       secret_file: str | None = None,
@@ -329,9 +345,11 @@ def start_two_process(draft: str | None, *, dtype: str = "float32", quant: str =
     token ids [0, draft_vocab) there (models/draft_head.py). cores: (target core, draft core) to pin
     each process to (this one is pinned here: call before JAX starts its backend for the pin to
     cover XLA's threads), or None to leave placement to the OS. timeout: seconds for the draft to
-    join and load its model; reply_timeout: seconds the target waits for any later answer before
-    it counts the draft as hung (the first generate calls compile: raise it for a large draft on
-    a slow machine). draft_main: a script to run instead of `-m ssd_jax.runtime.draft_process`
+    join and load its model; reply_timeout: seconds of silence the target waits for any later
+    answer before it counts the draft as hung (a compile does not count: the draft process sends
+    a "compiling" heartbeat while it lowers or compiles a step); warmup_timeout: seconds an
+    answer may take while the draft keeps saying it is compiling (default 1800; a compile that
+    never ends is a hang too). draft_main: a script to run instead of `-m ssd_jax.runtime.draft_process`
     (same arguments; e.g. an instrumented draft in tests). compilation_cache: the spawned draft's
     persistent compilation cache, as `Engine`'s argument (True: the default directory, which
     SSD_JAX_COMPILE_CACHE overrides; a directory; False: off): the draft's steps are the largest
@@ -383,4 +401,5 @@ def start_two_process(draft: str | None, *, dtype: str = "float32", quant: str =
     parse_address(listen or "127.0.0.1:0")  # a bad address is an error before anything starts
     if cores is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {cores[0]})
-    return RemoteDraft(cmd, env, listen or "127.0.0.1:0", key, timeout, reply_timeout)
+    return RemoteDraft(cmd, env, listen or "127.0.0.1:0", key, timeout, reply_timeout,
+                       warmup_timeout)

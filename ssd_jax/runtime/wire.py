@@ -33,7 +33,7 @@ import time
 import numpy as np
 
 MAGIC = b"SSDJ"
-VERSION = 2  # 2: the run's temperature / top-k / top-p are lists, one per request
+VERSION = 3  # 2: the run's temperature / top-k / top-p are lists, one per request; 3: "compiling"
 _PREFIX = struct.Struct("!4sBI")
 MAX_HEADER = 1 << 16  # bytes of JSON header
 MAX_MESSAGE_BYTES = 1 << 30  # default cap on one message's array bytes (1 GiB)
@@ -96,7 +96,11 @@ REPLIES = {  # draft -> target
     "spec": ({}, _SPEC),
     "resolved": ({"times": "floats"}, {**_SPEC, "hit": (("bool",), 1)}),
     "error": ({"message": "str", "during": "str"}, {}),
+    # a heartbeat, about every HEARTBEAT_S while the draft lowers or compiles a step (so a reply
+    # timeout measures the answer, never a compile); the target skips it wherever it reads
+    "compiling": ({}, {}),
 }
+HEARTBEAT_S = 0.25
 SCHEMAS = {**REQUESTS, **REPLIES}
 
 

@@ -86,7 +86,7 @@ def add_arguments(b: argparse.ArgumentParser, fanout_type) -> None:
     b.add_argument("--max-new-tokens", type=int, default=None,
                    help="default ssd_jax.tools.benchmark_set.MAX_NEW_TOKENS (128)")
     b.add_argument("--k", type=int, default=4,
-                   help="lookahead K (draft tokens per round; default 4)")
+                   help="lookahead K (draft tokens per round, 1..8; default 4)")
     b.add_argument("--fanout", type=fanout_type, default=None,
                    help="SSD F_0..F_K, e.g. 2,2,1,1,1, or 'plan' (from this layout's AR and SD runs; "
                         "default: one candidate per position, 1,1,...,1)")
@@ -240,8 +240,14 @@ def _validate(args) -> None:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.limit < 0:
         raise ValueError(f"--limit must be >= 0, got {args.limit}")
-    if args.k < 1:
-        raise ValueError(f"--k must be >= 1, got {args.k}")
+    from ssd_jax.runtime.config import MAX_K, MAX_NEW_TOKENS, check_max_len
+    if args.k < 1 or args.k > MAX_K:
+        raise ValueError(f"--k must be in [1, MAX_K={MAX_K}], got {args.k}")
+    if args.max_new_tokens is not None and args.max_new_tokens > MAX_NEW_TOKENS:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} is past the bound "
+                         f"MAX_NEW_TOKENS={MAX_NEW_TOKENS}")
+    if getattr(args, "max_len", None) is not None:
+        check_max_len(args.max_len)
     SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.fanout == "plan":
         if not {"ar", "sd", "ssd"} <= set(args.modes):

@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import contextlib
 import os
+import re
 import sys
 
 from ssd_jax.models import registry
@@ -42,10 +44,33 @@ def _fanout(text: str) -> tuple[int, ...] | str:
     if text == "plan":  # SSDConfig(fanout="plan"): planned from the engine's own AR and SD runs
         return text
     try:
-        return tuple(int(x) for x in text.split(","))
+        f = tuple(int(x) for x in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"fan-out must be comma-separated integers or 'plan', "
                                          f"got {text!r}")
+    if min(f) < 0:
+        raise argparse.ArgumentTypeError(f"fan-out entries F_0,..,F_K must be >= 0, got {text!r}")
+    return f
+
+
+# Flags whose value may start with "-" ("--fanout -1,2": argparse would take "-1,2" for an option
+# and say only "expected one argument"); `_join_dash_values` hands it to the flag's own check.
+_DASH_VALUE_FLAGS = ("--fanout",)
+
+
+def _join_dash_values(argv: list[str]) -> list[str]:
+    """argv with `FLAG -VALUE` written `FLAG=-VALUE` for the flags above when VALUE looks like
+    numbers ("-1,2"), so both spellings give the flag's own message."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in _DASH_VALUE_FLAGS and i + 1 < len(argv) and \
+                re.fullmatch(r"-[0-9][0-9,\s-]*", argv[i + 1]):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
 
 
 def _version() -> str:
@@ -138,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "bytes per draft step; output stays exact, acceptance may change "
                         "(default: the whole head)")
     g.add_argument("--k", type=int, default=None,
-                   help=f"lookahead K, draft tokens per round (>= 1; default {DEFAULT_K['sd']} "
+                   help=f"lookahead K, draft tokens per round (1..8, the bound "
+                        f"ssd_jax.runtime.config.MAX_K; default {DEFAULT_K['sd']} "
                         f"for sd, {DEFAULT_K['ssd']} for ssd)")
     g.add_argument("--fanout", type=_fanout, default=None,
                    help="SSD fan-out F_0..F_K: candidates pre-drafted per outcome position, K+1 "
@@ -202,7 +228,7 @@ def _validate_generate(args) -> None:
     where the mode ignores it), but only --mode ssd lets --fanout set K."""
     from ssd_jax.algorithm.sampling import SamplingParams
     from ssd_jax.models import backends
-    from ssd_jax.runtime.config import SSDConfig, check_request
+    from ssd_jax.runtime.config import MAX_LEN, SSDConfig, check_request
 
     if args.fanout == "plan":  # one generate call has no earlier AR and SD runs to plan from
         raise ValueError("--fanout plan needs AR and SD runs to plan from: use it with "
@@ -213,8 +239,9 @@ def _validate_generate(args) -> None:
     if args.k is None:
         ssd_sets_k = args.mode == "ssd" and args.fanout is not None
         args.k = len(args.fanout) - 1 if ssd_sets_k else DEFAULT_K[args.mode]
-    if args.max_len < 2:
-        raise ValueError(f"--max-len must be >= 2 (prompt plus new tokens), got {args.max_len}")
+    if not 2 <= args.max_len <= MAX_LEN:
+        raise ValueError(f"--max-len must be in [2, MAX_LEN={MAX_LEN}] (prompt plus new tokens), "
+                         f"got {args.max_len}")
     if any(not s for s in args.stop):
         raise ValueError("--stop needs a non-empty string")
     if args.system is not None and not args.system.strip():
@@ -315,21 +342,48 @@ class _Printer(TokenSink):
         return True
 
 
+def _read_prompt_file(path: str) -> str:
+    """The text of --prompt-file; a ValueError naming the flag and the file if it cannot be read
+    as UTF-8 text."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompt-file {os.path.abspath(path)}: not UTF-8 text (byte "
+                         f"{e.object[e.start:e.start + 1]!r} at offset {e.start})") from e
+    except OSError as e:
+        raise ValueError(f"--prompt-file {os.path.abspath(path)}: "
+                         f"{e.strerror or type(e).__name__}") from e
+
+
+@contextlib.contextmanager
+def _flag(flag: str):
+    """Name `flag` in a file or model error raised inside (the path is in the error already)."""
+    try:
+        yield
+    except (ValueError, OSError) as e:
+        if str(e).startswith(flag):
+            raise
+        kind = ValueError if isinstance(e, ValueError) else OSError
+        raise kind(f"{flag}: {e}") from e
+
+
 def _generate(args) -> int:
     _validate_generate(args)
     prompt = args.prompt
     if args.prompt_file is not None:
-        with open(args.prompt_file, encoding="utf-8") as fh:
-            prompt = fh.read()
+        prompt = _read_prompt_file(args.prompt_file)
     if not prompt and not args.chat and args.system is None:
         raise ValueError("the prompt is empty (--prompt / --prompt-file): give at least one "
                          "character, or --chat for the template alone")
     from ssd_jax.models import hub
     from ssd_jax.tools.progress import Progress
 
-    hub.resolve(args.target, args.cache_dir)  # a missing / unfetched model: one line, now
+    with _flag("--target"):  # a missing / unfetched model: one line, now
+        hub.resolve(args.target, args.cache_dir)
     if args.mode != "ar":
-        hub.resolve(args.draft, args.cache_dir)
+        with _flag("--draft"):
+            hub.resolve(args.draft, args.cache_dir)
     progress = Progress(args.progress)
     placement, cores, line = _layout(args)
     remote = None
@@ -359,7 +413,8 @@ def _generate(args) -> int:
 
     dtype, quant = choice["dtype"], choice["draft_quant"]
     with progress.step(f"loading target {args.target} ({dtype})", "target loaded"):
-        target = load_model(args.target, dtype, cache_dir=args.cache_dir)
+        with _flag("--target"):
+            target = load_model(args.target, dtype, cache_dir=args.cache_dir)
     if remote is not None:
         engine = Engine(target, remote_draft=remote, max_len=args.max_len, backend=backend,
                         step_store=args.step_store)
@@ -367,8 +422,9 @@ def _generate(args) -> int:
         draft = None
         if args.mode != "ar":
             with progress.step(f"loading draft {args.draft} ({dtype}, {quant})", "draft loaded"):
-                draft = load_draft(args.draft, dtype, quant, args.draft_vocab,
-                                   cache_dir=args.cache_dir)
+                with _flag("--draft"):
+                    draft = load_draft(args.draft, dtype, quant, args.draft_vocab,
+                                       cache_dir=args.cache_dir)
         engine = Engine(target, draft, placement=placement, max_len=args.max_len, backend=backend,
                         step_store=args.step_store)
     if line:  # said once the layout runs (errors before this are one line each)
@@ -413,7 +469,7 @@ def main(argv=None) -> int:
 
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_join_dash_values(argv))
     args.argv = argv  # recorded by `bench`
     from ssd_jax.algorithm import aot
     store = aot.store_dir()  # process-wide: generate's step store must not outlive the call
