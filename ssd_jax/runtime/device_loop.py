@@ -53,6 +53,7 @@ class DeviceLoop:
         self.active = None  # [B] bool on the target mesh, after the last commit
         self.running = True  # from the last report read
         self.pending = None  # a target-side report not read yet (read if the draft fails)
+        self.pending_packed = False  # whether `pending` is a packed Outcome (SD, SSD rounds)
         self.backup = "neural"  # SSD's backup kind (the call's; set by `ssd`)
         self.uncounted = dict(lookups_by_accept=np.zeros(k + 1, np.int64),
                               hits_by_accept=np.zeros(k + 1, np.int64), backups=np.zeros(2, np.int64))
@@ -61,7 +62,7 @@ class DeviceLoop:
     def read(self, rep) -> np.ndarray:
         """Fetch one report (the round's one device->host read) and apply it on the host."""
         r = np.asarray(rep)
-        self.pending = None
+        self.pending, self.pending_packed = None, False
         act, kept, fin, hit, toks, lps = ds.read_report(r)
         tokens = int(kept.sum())
         if self.mirror:
@@ -79,6 +80,12 @@ class DeviceLoop:
         self.last = dict(active=int(act.sum()), tokens=tokens, hit=int((hit > 0).sum()),
                          lookups=int((hit >= 0).sum()))
         return r
+
+    def _pending_report(self):
+        """The unread report: SD and SSD keep the round's packed `Outcome` (its report after the
+        six outcome columns), AR and the prefill the report itself."""
+        p = self.pending
+        return p[:, 6:] if self.pending_packed else p
 
     def _uncount(self, rows, kept, hit) -> None:
         """Take back the lookups of `rows` [B] bool (their accepted count is kept - 1: the device
@@ -129,7 +136,7 @@ class DeviceLoop:
         """Bring the host's Batch up to the device state (the call's end, or a draft failure):
         one fetch of the state; a report still unread is read first."""
         if self.pending is not None:
-            self.read(self.pending)
+            self.read(self._pending_report())
         if self.mirror:
             return
         st = jax.device_get(self.state)
@@ -197,7 +204,7 @@ class DeviceLoop:
         """Plain decoding: decode + commit per token, one read each."""
         e, run = self.e, self.run
         if self.pending is not None:
-            self.read(self.pending)
+            self.read(self._pending_report())
         while self.running:
             t0, c0 = time.perf_counter(), e._timer.seconds
             tok, lp, e.tcache = steps.decode(
@@ -238,6 +245,7 @@ class DeviceLoop:
                 ops=e.tops)
             self.state, self.active, self.pending = rs.commit_verify(
                 self.state, res.num_accepted, res.bonus, res.tokens, lp)
+            self.pending_packed = True
             v = rs.unpack(e.worker._put_rows(self.pending))
             spec, rows = draft.propose(_round_state(v), drun)
             self.read_draft(rs.pass_report(v.report, spec), "propose")
@@ -266,6 +274,7 @@ class DeviceLoop:
             draft.dispatch_tree(_round_state(v), spec, from_backup_d, drun)  # overlaps the verify
             self.state, self.active, self.pending = rs.commit_verify(
                 self.state, res.num_accepted, res.bonus, res.tokens, lp, from_backup)
+            self.pending_packed = True
             spec, rows, from_backup_d, rep, v = draft.resolve_on_device(self.pending, drun)
             self.read_draft(rep, "resolve")
             from_backup = to_mesh(from_backup_d, self.tgt)
