@@ -20,7 +20,7 @@ from ssd_jax.algorithm.sampling import (STREAM_ACCEPT, STREAM_DRAFT, STREAM_RESI
 from ssd_jax.testing import (ALL_PLANTED_BUGS, PLANTED_BUG_VERIFIERS, PLANTED_PROPOSER_BUGS,
                              correct_proposal_rows, detection_power,
                              detection_power_by_alternative, distribution_test,
-                             enumerate_window_distribution, window_counts)
+                             enumerate_window_distribution, reference_probs, window_counts)
 from ssd_jax.algorithm.verify import rejection_sample
 
 V = 4            # real vocabulary
@@ -242,3 +242,129 @@ def test_planted_proposer_bug_fails():
                       proposal_rows=PLANTED_PROPOSER_BUGS["verify_q_not_q_prime"])
     print("verify_q_not_q_prime", result)
     assert not result.passed, f"verify_q_not_q_prime went undetected: {result}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The independent reference (ssd_jax.testing.reference) against probs_from_logits
+# ---------------------------------------------------------------------------------------------
+def _log(*p):
+    return [float(np.log(x)) if x > 0 else -np.inf for x in p]
+
+
+NEG = -np.inf
+# name -> (logits [V], SamplingParams, vocab_size, the support the contract's text gives)
+ADVERSARIAL_ROWS = {
+    "topk2-tie-at-kth": ([1.0, 2.0, 2.0, 3.0], SamplingParams(1.0, top_k=2), None, {1, 2, 3}),
+    "topk3-tie-at-kth": ([1.0, 2.0, 2.0, 3.0], SamplingParams(0.7, top_k=3), None, {1, 2, 3}),
+    "topk1-tied-top": ([3.0, 3.0, 1.0, 0.0], SamplingParams(1.0, top_k=1), None, {0, 1}),
+    "topp-just-above-first": (_log(0.5, 0.3, 0.2), SamplingParams(1.0, top_p=0.5001), None, {0, 1}),
+    "topp-just-below-first": (_log(0.5, 0.3, 0.2), SamplingParams(1.0, top_p=0.4999), None, {0}),
+    "topp-just-above-two": (_log(0.5, 0.3, 0.2), SamplingParams(1.0, top_p=0.8001), None, {0, 1, 2}),
+    "topp-just-below-two": (_log(0.5, 0.3, 0.2), SamplingParams(1.0, top_p=0.7999), None, {0, 1}),
+    "topp-tie-at-last-kept": (_log(0.4, 0.3, 0.3), SamplingParams(1.0, top_p=0.5), None, {0, 1, 2}),
+    # top-p acts on the top-k-renormalised row: after top-k 2 the row is (4/7, 3/7), so top-p 0.5
+    # keeps one token (on the raw row it would keep two)
+    "topk-then-topp": (_log(0.4, 0.3, 0.2, 0.1), SamplingParams(1.0, top_k=2, top_p=0.5), None, {0}),
+    # the temperature acts before top-p: at T 0.5 the row is (0.64, 0.36) over two, top-p 0.6 keeps
+    # one (at T 1 it would keep two)
+    "temperature-then-topp": (_log(0.8, 0.6), SamplingParams(0.5, top_p=0.6), None, {0}),
+    "neg-inf-fewer-finite-than-k": ([NEG, 0.0, 1.0, NEG], SamplingParams(1.0, top_k=3), None, {1, 2}),
+    "neg-inf-with-topp": ([NEG, 0.0, 0.5, NEG], SamplingParams(1.0, top_p=0.9), None, {1, 2}),
+    "all-neg-inf": ([NEG, NEG, NEG, NEG], SamplingParams(1.0), None, {0}),
+    "huge-logits": ([1e30, 1e30, -1e30, 0.0], SamplingParams(0.5), None, {0, 1}),
+    "huge-spread-small-temperature": ([3e38, -3e38, 3e38, 0.0], SamplingParams(0.01), None, {0, 2}),
+    "close-logits-tiny-temperature": ([10.0, 10.001, 9.99, -5.0], SamplingParams(1e-3), None,
+                                      {0, 1, 2}),
+    "v2-equal": ([0.0, 0.0], SamplingParams(1.0), None, {0, 1}),
+    "v2-topp": ([0.0, 1.0], SamplingParams(1.0, top_p=0.5), None, {1}),
+    "v2-topk1-of-2": ([5.0, -5.0], SamplingParams(2.0, top_k=1), None, {0}),
+    "v2-topk2-is-off": ([5.0, -5.0], SamplingParams(2.0, top_k=2), None, {0, 1}),
+    "padded-row-largest": ([0.0, 1.0, 2.0, 9.0], SamplingParams(1.0), 3, {0, 1, 2}),
+    "padded-row-largest-greedy": ([0.0, 1.0, 2.0, 9.0], SamplingParams(0.0), 3, {2}),
+    "greedy-tie-first-max": ([2.0, 5.0, 5.0, 1.0], SamplingParams(0.0), None, {1}),
+}
+MIXED_ROWS = (np.array([[2.0, 5.0, 5.0, 1.0], [1.0, 2.0, 2.0, 3.0], _log(0.4, 0.3, 0.2, 0.1)]),
+              SamplingParams(temperature=[0.0, 0.7, 1.3], top_k=[0, 2, 3], top_p=[1.0, 0.9, 0.6]))
+
+
+def _disagreement(lib, ref) -> str:
+    """'' when the library's float32 rows `lib` match the reference's `ref` (same support; every
+    entry within 2e-6), else what differs. An entry the reference gives < 1e-30 may underflow to 0
+    in float32."""
+    lib, ref = np.asarray(lib, np.float64), np.asarray(ref, np.float64)
+    if np.any((lib > 0) & (ref == 0)) or np.any((lib == 0) & (ref > 1e-30)):
+        return f"support differs: {lib} vs {ref}"
+    if np.max(np.abs(lib - ref)) > 2e-6:
+        return f"values differ by {np.max(np.abs(lib - ref)):.2g}: {lib} vs {ref}"
+    return ""
+
+
+@pytest.mark.parametrize("name", list(ADVERSARIAL_ROWS))
+def test_the_reference_follows_the_documented_contract(name):
+    """The reference's support on each adversarial row is the one the contract's text gives
+    (typed here from SamplingParams' docstring, not from either implementation)."""
+    logits, params, vocab, support = ADVERSARIAL_ROWS[name]
+    ref = reference_probs(np.asarray([logits]), params, vocab)[0]
+    assert set(np.flatnonzero(ref)) == support, ref
+    assert abs(ref.sum() - 1) < 1e-12
+
+
+@pytest.mark.parametrize("name", list(ADVERSARIAL_ROWS))
+def test_probs_from_logits_matches_the_reference(name):
+    logits, params, vocab, _ = ADVERSARIAL_ROWS[name]
+    x = np.asarray([logits], np.float32)  # both see the same numbers
+    lib = probs_from_logits(jnp.asarray(x), params, vocab)[0]
+    ref = reference_probs(x, params, vocab)[0]
+    assert _disagreement(lib, ref) == "", name
+
+
+def test_probs_from_logits_matches_the_reference_per_request_and_on_random_rows():
+    logits, params = MIXED_ROWS
+    logits = logits.astype(np.float32)
+    assert _disagreement(probs_from_logits(jnp.asarray(logits), params),
+                         reference_probs(logits, params)) == ""
+    rng = np.random.default_rng(0)
+    for V_ in (2, 3, 7):
+        x = (3 * rng.normal(size=(64, V_))).astype(np.float32)
+        x[rng.random(x.shape) < 0.1] = -np.inf
+        params = SamplingParams(temperature=rng.uniform(0.05, 2.0, 64).astype(np.float32),
+                                top_k=rng.integers(0, V_ + 1, 64).astype(np.int32),
+                                top_p=rng.uniform(0.05, 1.0, 64).astype(np.float32))
+        assert _disagreement(probs_from_logits(jnp.asarray(x), params), reference_probs(x, params)) == ""
+
+
+def _topp_before_topk(logits, params, vocab):
+    p = probs_from_logits(logits, SamplingParams(params.temperature, top_p=params.top_p), vocab)
+    keep = probs_from_logits(logits, SamplingParams(params.temperature, top_k=params.top_k), vocab) > 0
+    p = jnp.where(keep, p, 0.0)
+    return p / p.sum(-1, keepdims=True)
+
+
+def _temperature_after_topp(logits, params, vocab):
+    keep = probs_from_logits(logits, SamplingParams(1.0, params.top_k, params.top_p), vocab) > 0
+    p = jnp.where(keep, probs_from_logits(logits, SamplingParams(params.temperature), vocab), 0.0)
+    return p / p.sum(-1, keepdims=True)
+
+
+def _top_k_drops_ties(logits, params, vocab):
+    k = int(params.top_k)
+    if not 0 < k < logits.shape[-1] or params.greedy:
+        return probs_from_logits(logits, params, vocab)
+    idx = jnp.argsort(-logits, axis=-1, stable=True)[..., :k]
+    mask = jnp.zeros(logits.shape, bool).at[jnp.arange(logits.shape[0])[:, None], idx].set(True)
+    return probs_from_logits(jnp.where(mask, logits, -jnp.inf), SamplingParams(params.temperature, 0, params.top_p), vocab)
+
+
+def _padding_not_masked(logits, params, vocab):
+    return probs_from_logits(logits, params, None)
+
+
+@pytest.mark.parametrize("mutant", [_topp_before_topk, _temperature_after_topp, _top_k_drops_ties,
+                                    _padding_not_masked])
+def test_a_wrong_probs_from_logits_disagrees_with_the_reference(mutant):
+    """Each plausible one-rule slip in the sampling distribution shows on some adversarial row,
+    so the comparison above (and the window distributions built from the reference) would catch it."""
+    failing = [name for name, (logits, params, vocab, _) in ADVERSARIAL_ROWS.items()
+               if _disagreement(mutant(jnp.asarray([logits], jnp.float32), params, vocab)[0],
+                                reference_probs(np.asarray([logits], np.float32), params, vocab)[0])]
+    assert failing, f"{mutant.__name__} agrees with the reference on every adversarial row"

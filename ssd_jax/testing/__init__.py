@@ -2,7 +2,10 @@
 
 Point it at any target / draft / proposal rule:
   1. `enumerate_window_distribution(logits_fn, prompt, window, params, vocab_size)` — the exact
-     distribution of the next `window` tokens under plain sampling from the target (tiny vocab).
+     distribution of the next `window` tokens under plain sampling from the target (tiny vocab),
+     each step's row from `reference_probs`: float64 numpy written from the sampling contract,
+     sharing no code with the `probs_from_logits` the verifier uses (so a temperature / top-k /
+     top-p bug cannot move the reference and the decoder together).
   2. Run your decoder on N independent requests (distinct request ids, position-indexed keys) and
      collect the first `window` generated tokens of each: `window_counts(tokens, vocab_size)`.
   3. `distribution_test(counts, exact)` — passes iff the counts are consistent with `exact` at the
@@ -37,7 +40,8 @@ probability pooled into groups of >= 1%, n = 100k-175k per case, which gives pow
 docstring has the table; a test asserts it). A longer window spreads the same n over V times more
 cells and catches a given TV less often.
 
-Layout: windows.py (the exact window distribution, window counts), stats.py (the test, its
+Layout: reference.py (the target's row distribution in float64), windows.py (the exact window
+distribution, window counts), stats.py (the test, its
 calibration and power), planted.py (the planted bugs); everything public is re-exported here.
 """
 from __future__ import annotations
@@ -57,11 +61,14 @@ from ssd_jax.testing.stats import (
     detection_power_by_alternative,
     distribution_test,
 )
+from ssd_jax.testing.reference import reference_probs, reference_row
 from ssd_jax.testing.windows import enumerate_window_distribution, window_counts
 
 __all__ = [
     "enumerate_window_distribution",
     "window_counts",
+    "reference_probs",
+    "reference_row",
     "DistributionTestResult",
     "distribution_test",
     "detection_power",

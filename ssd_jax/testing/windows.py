@@ -1,7 +1,8 @@
 """The exact window distribution of a target, and the empirical one of a decoder's samples.
 
 `enumerate_window_distribution` gives the exact `[V ** window]` distribution of the next `window`
-tokens under plain sampling from the target; `window_counts` histograms `[N, window]` generated
+tokens under plain sampling from the target, its rows computed by the independent float64
+reference (ssd_jax.testing.reference), not by the `probs_from_logits` the verifier uses; `window_counts` histograms `[N, window]` generated
 windows over the same cells (base-V index, first token most significant). `distribution_test`
 (ssd_jax.testing.stats) compares the two.
 """
@@ -12,7 +13,8 @@ from typing import Callable
 import jax.numpy as jnp
 import numpy as np
 
-from ssd_jax.algorithm.sampling import SamplingParams, probs_from_logits
+from ssd_jax.algorithm.sampling import SamplingParams
+from ssd_jax.testing.reference import reference_probs
 
 __all__ = ["enumerate_window_distribution", "window_counts"]
 
@@ -35,8 +37,8 @@ def enumerate_window_distribution(
         (V_model >= vocab_size; extra rows are padding and get probability 0).
       prompt: the context, a list of token ids.
       window: number of generated tokens to enumerate.
-      params: the user's sampling parameters, applied per step by `probs_from_logits` exactly as in
-        decoding.
+      params: the user's sampling parameters (numbers, one setting for every prefix), applied per
+        step by `reference_probs` (float64, sharing no code with the decoder's `probs_from_logits`).
       vocab_size: the real vocabulary size V.
       batch_size: prefixes per `logits_fn` call.
     Returns:
@@ -48,6 +50,8 @@ def enumerate_window_distribution(
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     V = int(vocab_size)
+    if any(np.ndim(getattr(params, f)) for f in ("temperature", "top_k", "top_p")):
+        raise ValueError("enumerate_window_distribution takes one setting (numbers), not per-request arrays")
     prompt_arr = np.asarray(prompt, np.int32)[None, :]
     if prompt_arr.shape[1] < 1:
         raise ValueError("prompt must hold at least one token")
@@ -63,12 +67,8 @@ def enumerate_window_distribution(
             last = jnp.asarray(logits)[:, -1, :]
             if last.shape[-1] < V:
                 raise ValueError(f"logits_fn gave {last.shape[-1]} rows, fewer than vocab_size={V}")
-            rows = np.asarray(probs_from_logits(last, params, vocab_size=V), np.float64)
-            if np.any(rows[:, V:] != 0):
-                raise AssertionError("probs_from_logits gave padded rows non-zero probability")
-            rows = rows[:, :V]
-            # Renormalise in float64 so the exact distribution sums to 1 to ~1e-15.
-            next_rows[start:start + chunk.shape[0]] = rows / rows.sum(axis=1, keepdims=True)
+            rows = reference_probs(np.asarray(last, np.float64), params, vocab_size=V)
+            next_rows[start:start + chunk.shape[0]] = rows[:, :V]
         mass = (mass[:, None] * next_rows).reshape(-1)
         prefixes = np.concatenate(
             [np.repeat(prefixes, V, axis=0), np.tile(np.arange(V, dtype=np.int32), N)[:, None]], axis=1)
