@@ -13,13 +13,92 @@ from ssd_jax.models.transformer import forward
 
 
 def test_tied_tokens_are_those_within_the_tolerance_of_the_top():
-    # max |logit| 10, rel_tol 1e-5: tolerance 1e-4 below the top logit 10
+    # top logit 10, rel_tol 1e-5: tolerance 1e-4 below it
     row = np.array([10.0 - 5e-5, 3.0, 10.0, 10.0 - 1e-3, 10.0 - 1e-4, -2.0])
     assert near_tie.tied_tokens(row, 1e-5) == (2, 0, 4)  # highest first; the edge counts
     assert near_tie.tied_tokens(row, 1e-7) == (2,)  # only the argmax
     assert near_tie.tied_tokens(row, 1e-3) == (2, 0, 4, 3)
-    # the tolerance is relative to the largest |logit|, also when that is a negative one
-    assert near_tie.tied_tokens(np.array([1.0, 1.0 - 1e-4, -100.0]), 1e-5) == (0, 1)
+    # a negative top logit: |top| = 10 scales the tolerance the same way
+    assert near_tie.tied_tokens(row - 20.0, 1e-5) == (2, 0, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Each way the tolerance could be fooled: a row whose top-2 gap is clearly not a near-tie must
+# not pass because of something elsewhere in the row
+# ---------------------------------------------------------------------------------------------
+NOT_A_TIE = np.array([1.0, 1.0 - 1e-3, 0.5, 0.0])  # gap 1e-3, 100x the tolerance 1e-5
+
+
+def _extended(*extra):
+    return np.concatenate([NOT_A_TIE, np.asarray(extra, np.float64)])
+
+
+@pytest.mark.parametrize("extra", [(), (-100.0,), (-1e30,), (-np.inf,), (-np.inf,) * 60,
+                                   (-np.inf, -1e30, -5.0)],
+                         ids=["plain", "a-logit-at-minus-100", "a-logit-at-minus-1e30",
+                              "one-minus-inf", "a-cut-head-of-minus-infs", "all-of-them"])
+def test_far_away_and_minus_inf_logits_do_not_widen_the_tolerance(extra):
+    row = _extended(*extra)
+    assert near_tie.tied_tokens(row) == (0,)
+    assert near_tie.tolerance(row) == pytest.approx(1e-5)
+    with pytest.raises(AssertionError, match="not a near-tie"):
+        near_tie.near_tie_verdict(row, 1, 0)
+
+
+def test_a_minus_inf_token_is_never_tied():
+    # the emitted token is one the row scores -inf (a cut head's id): never a near-tie, also when
+    # every other logit is far below (no finite logit near it can excuse it)
+    row = _extended(-np.inf)
+    with pytest.raises(AssertionError, match="got token 4"):
+        near_tie.near_tie_verdict(row, 4, 0)
+    assert near_tie.tied_tokens(np.full(5, -np.inf)) == ()
+    with pytest.raises(AssertionError):
+        near_tie.near_tie_verdict(np.full(5, -np.inf), 1, 0)
+
+
+def test_a_top_logit_near_zero_keeps_a_floor():
+    # |top| ~ 0 must not shrink the tolerance to nothing (float noise there is still ~1e-7), and
+    # the floor must not grow it past rel_tol
+    assert near_tie.tied_tokens(np.array([1e-9, 1e-9 - 1e-7, -3.0])) == (0, 1)
+    assert near_tie.tied_tokens(np.array([1e-9, 1e-9 - 1e-3, -3.0])) == (0,)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_nan_or_plus_inf_in_the_row_fails(bad):
+    row = _extended(bad)
+    with pytest.raises(AssertionError, match="NaN or \\+inf"):
+        near_tie.near_tie_verdict(row, 1, 0)
+
+
+def test_a_cut_head_model_cannot_excuse_a_divergence():
+    """End to end through `assert_greedy_agreement`: the 'plain decoding' model's head is cut (its
+    forward writes -inf for the cut ids, as a cut draft head does). A divergence to the
+    second-best token, far from a tie, must fail (the old rule scaled by max|logit| = inf)."""
+    from ssd_jax.models.draft_head import truncate_model_head
+    from ssd_jax.models.model import Model
+    cut = truncate_model_head(Model(CFG, random_params(CFG, 0, scale=1.0)), CFG.vocab_size // 2)
+    row = _row(cut.params, PROMPT)
+    assert np.isneginf(row).sum() == CFG.vocab_size // 2  # the head really writes -inf
+    want = _greedy(cut.params, PROMPT, 2)
+    second = int(np.argsort(row)[-2])
+    assert row.max() - row[second] > 1e-4 * max(abs(row.max()), 1)  # no tie here
+    with pytest.raises(AssertionError, match="not a near-tie"):
+        near_tie.assert_greedy_agreement(cut.params, CFG, PROMPT, [second, want[1]], want)
+
+
+def test_the_documents_state_the_rule_the_code_applies():
+    """README and ALGORITHM.md §3 give the tolerance as 1e-5 · max(|top|, 1); the code's default
+    rel_tol is that 1e-5 and its scale is max(|top|, 1) (checked on rows above)."""
+    import inspect
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[1]
+    assert "1e-5 · max(|top logit|, 1)" in (root / "README.md").read_text()
+    assert "1e-5 · max(|top|, 1)" in (root / "docs" / "ALGORITHM.md").read_text()
+    for fn in (near_tie.tolerance, near_tie.tied_tokens, near_tie.near_tie_verdict,
+               near_tie.greedy_agreement, near_tie.assert_greedy_agreement):
+        assert inspect.signature(fn).parameters["rel_tol"].default == 1e-5, fn
+    assert near_tie.tolerance(np.array([-250.0, -300.0])) == pytest.approx(2.5e-3)
+    assert near_tie.tolerance(np.array([0.25, -300.0, -np.inf])) == pytest.approx(1e-5)
 
 
 def test_verdict_requires_both_tokens_among_the_tied():
