@@ -15,8 +15,10 @@ tree planted by `plant_ssd_bug`) are what a broken implementation looks like; a 
 tell them from the real thing is too weak to trust.
 
 Statistic: Pearson chi-square over cells pooled so that every pooled cell has expected count
->= `min_expected` (default 5; the smallest cells are merged together, in order of probability), plus a hard check that no sample
-falls in a cell of exact probability 0 (top-k / top-p / temperature 0 make many such cells; one sample
+>= `min_expected` (default 5; the smallest cells are merged together, in order of probability),
+plus, when that pools more coarsely, 1/4 of the chi-square over cells pooled only to expected
+count 5 (so mass moved between cells of one pooled group is seen: stats.py), plus a hard check
+that no sample falls in a cell of exact probability 0 (top-k / top-p / temperature 0 make many such cells; one sample
 there is a certain failure). The rejection threshold is the (1 - false_alarm) quantile of the same
 statistic over Monte-Carlo multinomial draws from the exact distribution (fixed numpy seed), so the
 false-alarm rate is the one asked for, not an asymptotic approximation. Chi-square is used rather than
@@ -26,8 +28,9 @@ shift) does.
 
 Pooling is the caller's choice (`min_expected`); the threshold is calibrated for whatever pooling
 is used, so any fixed choice keeps the false-alarm rate. A coarser pooling (fewer, heavier cells)
-has more power against deviations spread over many cells and less against one confined to a few
-rare cells.
+has more power against deviations spread over many cells; the fine term keeps the power against
+one confined to a few rare cells, or moved among them (the `within_tail` and
+`within_pooled_group` alternatives of the power simulation).
 
 Chosen sizes. The synthetic SD (tests/test_exactness_harness.py): vocabulary 4 (+1 padded row),
 K = 2, window 4 (= K + 2, so every sample crosses at least one round boundary), 256 cells,
