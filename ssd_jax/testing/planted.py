@@ -2,8 +2,9 @@
 
 `PLANTED_BUG_VERIFIERS` are drop-in replacements for ssd_jax.algorithm.verify.rejection_sample, one
 wrong rule each; `PLANTED_PROPOSER_BUGS` holds the proposer's bug (verifying against q instead of
-the q' it sampled from); `PLANTED_SSD_BUGS` names four bugs of the speculation cache and the draft's
-tree, planted in the running process by `plant_ssd_bug(name)`. A harness that cannot tell them from
+the q' it sampled from); `PLANTED_SSD_BUGS` names seven bugs of the speculation cache and the
+draft's tree (three of them change only what a cache hit hands the verifier), planted in the
+running process by `plant_ssd_bug(name)`. A harness that cannot tell them from
 the real thing is too weak to trust; which test catches which, and why some cannot be caught by a
 distribution test at all: tests/test_engine_exactness.py.
 """
@@ -127,6 +128,36 @@ def _gather_next_branch(keys, valid, tokens, rows, outcome):
             jnp.where(hit[:, None, None], pick(rows, safe), 0).astype(rows.dtype))
 
 
+def _gather_rows_one_depth_late(gather):
+    """`gather` (cache_gather_reference, taken before the swap) with the rows' depth index off by
+    one: the hit branch's tokens, but the row handed on for drafted token d is the branch's row of
+    depth d - 1 (depth 0 keeps its own), as a refactor that shifts the rows to line up with the
+    verify's positions would."""
+    @jax.jit
+    def late(keys, valid, tokens, rows, outcome):
+        hit, index, next_tokens, next_rows = gather(keys, valid, tokens, rows, outcome)
+        return hit, index, next_tokens, jnp.concatenate([next_rows[:, :1], next_rows[:, :-1]], 1)
+    return late
+
+
+def _propose_rows_before_saguaro(logits, sampling, keys, *, vocab_size=None, saguaro_top_n=0,
+                                 saguaro_c=1.0, row_dtype=jnp.float32):
+    """saguaro.propose that draws from the Saguaro-scaled q' but returns (and so stores in the
+    speculation cache) the rows before the scaling: what the verifier is told about a token that
+    came out of the cache is the draft's row, not the one it was drawn from. A no-op at C = 1."""
+    from ssd_jax.algorithm import saguaro
+    tok, _ = saguaro.propose(logits, sampling, keys, vocab_size=vocab_size,
+                             saguaro_top_n=saguaro_top_n, saguaro_c=saguaro_c, row_dtype=row_dtype)
+    return tok, _sampling.probs_from_logits(logits, sampling, vocab_size).astype(row_dtype)
+
+
+def _keys_one_position_early(seed, request_ids, positions, stream):
+    """position_keys at the position before: the tree keys a drafted token by the position of
+    the token it follows (pos, not pos + 1), so its draw reuses the key of the draft draw one
+    position earlier."""
+    return _sampling.position_keys(seed, request_ids, jnp.asarray(positions) - 1, stream)
+
+
 def _sampling_with(**overrides):
     """The sampling module's public names with some replaced: what the tree sees as `smp`."""
     ns = {name: getattr(_sampling, name) for name in dir(_sampling) if not name.startswith("__")}
@@ -172,6 +203,23 @@ _SSD_BUGS: dict[str, tuple[str, list]] = {
         "rows are rounded to the cache's row dtype before the draw (§3): here the tree draws from "
         "the float32 rows and stores the rounded ones (a no-op unless row_dtype is not float32)",
         [("ssd_jax.algorithm.tree", "propose", lambda: _propose_drawn_before_rounding)]),
+    # Hit-path bugs: each changes only what comes out of the speculation cache
+    "lookup_rows_one_depth_late": (
+        "a hit hands the verifier, with each cached token, the row it was drawn from (§3): here "
+        "the lookup returns the branch's rows one depth late (token d verified against row d - 1)",
+        [("ssd_jax.pallas_kernels.cache_gather", "cache_gather_reference",
+          lambda: _gather_rows_one_depth_late(importlib.import_module(
+              "ssd_jax.pallas_kernels.cache_gather").cache_gather_reference))]),
+    "tree_rows_before_saguaro": (
+        "every proposal carries its true row, after Saguaro scaling (§3, §4): here the tree draws "
+        "from the scaled row but stores the unscaled one, so a hit is verified against q, not q' "
+        "(a no-op at C = 1)",
+        [("ssd_jax.algorithm.tree", "propose", lambda: _propose_rows_before_saguaro)]),
+    "tree_keys_one_position_early": (
+        "a tree branch draws each token with the key of its own position, as a direct draft "
+        "would (§3): here with the key of the position before",
+        [("ssd_jax.algorithm.tree", "smp",
+          lambda: _sampling_with(position_keys=_keys_one_position_early))]),
 }
 PLANTED_SSD_BUGS: dict[str, str] = {name: rule for name, (rule, _) in _SSD_BUGS.items()}
 
