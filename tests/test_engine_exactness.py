@@ -362,7 +362,37 @@ def test_every_speculated_token_is_drawn_from_the_rows_the_verifier_gets(pair, m
 # ---------------------------------------------------------------------------------------------
 def test_planted_ssd_bug_names():
     assert set(PLANTED_SSD_BUGS) == {"lookup_next_branch", "tree_keys_accept_stream",
-                                     "tree_keys_by_row", "tree_rows_rounded_after_draw"}
+                                     "tree_keys_by_row", "tree_rows_rounded_after_draw",
+                                     "lookup_rows_one_depth_late", "tree_rows_before_saguaro",
+                                     "tree_keys_one_position_early"}
+
+
+# The hit-path bugs (#34): each changes only what comes out of the speculation cache. With every
+# outcome cached (fan-out (3, 3, 4)) every round after the first verifies a hit. Saguaro needs a
+# fan-out that leaves a token out at j < K (with F_j = 3 of V = 4 it scales every candidate
+# alike). bug -> (SSD config, the least share of lookups that must hit). Each is caught here by
+# the deterministic check that every speculated token was drawn from the row the verifier got;
+# measured on the distribution test at 20k requests, tokens 5-8 (threshold 103; the correct
+# engine 63.5 at (3, 3, 4), 51 at (2, 2, 4)): lookup_rows_one_depth_late chi2 9597,
+# tree_rows_before_saguaro (C = 0.05) chi2 403, tree_keys_one_position_early chi2 56 (a bias
+# that n does not see; the draws check does: 5438 of 18,780 tokens).
+HIT_PATH_BUGS = {
+    "lookup_rows_one_depth_late": (FULL_FANOUT, 0.9),
+    "tree_rows_before_saguaro": (SSDConfig(fanout=(2, 2, 4), saguaro_c=0.05), 0.3),
+    "tree_keys_one_position_early": (FULL_FANOUT, 0.9),
+}
+
+
+@slow
+@pytest.mark.parametrize("bug", list(HIT_PATH_BUGS))
+def test_planted_hit_path_bugs_are_caught(pair, monkeypatch, bug):
+    ssd, hit_share = HIT_PATH_BUGS[bug]
+    with plant_ssd_bug(bug):
+        with recorded_verifies(monkeypatch) as log:
+            _, m = _generate(pair, "ssd", range(1000, 1000 + DET_BATCH), ssd=ssd)
+    bad, checked = draws_not_from_their_rows(log)
+    assert m.hits > hit_share * m.lookups, (m.hits, m.lookups)
+    assert bad > 0.01 * checked, (bad, checked)
 
 
 @slow
