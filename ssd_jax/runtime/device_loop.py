@@ -222,10 +222,16 @@ class DeviceLoop:
         (the prefill's: SD and SSD read it with their first speculation)."""
         return rs.unpack(self.e.worker._put_rows(rs.round_view(self.state, self.pending)))
 
-    def _to_target(self, spec, rows):
-        e = self.e
-        return (to_mesh(spec, self.tgt),
-                to_mesh(rows, e.placement.target_rows(rows.shape[-1])))
+    def _verify(self, spec, rows):
+        """Dispatch the verify of the speculation (spec `[B, K]`, rows `[B, K, V]`, on the draft
+        mesh) against the state's bonus: returns (VerifyResult, log-probs), in flight."""
+        e, run = self.e, self.run
+        tspec = to_mesh(spec, self.tgt)
+        trows = to_mesh(rows, e.placement.target_rows(rows.shape[-1]))
+        res, lp, e.tcache = steps.verify(
+            e.tparams, e.tcfg, e.tcache, self.state.bonus, tspec, trows, self.active,
+            run["seed"], self.rids_t, run["sampling"], e.vocab_size, run["verifier"], ops=e.tops)
+        return res, lp
 
     def sd(self, draft) -> None:
         """SD: the draft chain from the committed state, verify, commit; the report read waits
@@ -238,11 +244,7 @@ class DeviceLoop:
         self.read_draft(rs.pass_report(v.report, spec), "propose")
         while self.running:
             t0, c0 = time.perf_counter(), e._timer.seconds
-            tspec, trows = self._to_target(spec, rows)
-            res, lp, e.tcache = steps.verify(
-                e.tparams, e.tcfg, e.tcache, self.state.bonus, tspec, trows, self.active,
-                run["seed"], self.rids_t, run["sampling"], e.vocab_size, run["verifier"],
-                ops=e.tops)
+            res, lp = self._verify(spec, rows)
             self.state, self.active, self.pending = rs.commit_verify(
                 self.state, res.num_accepted, res.bonus, res.tokens, lp)
             self.pending_packed = True
@@ -266,11 +268,7 @@ class DeviceLoop:
         from_backup, from_backup_d = to_mesh(ones, self.tgt), to_mesh(ones, worker.rows)
         while self.running:
             t0, c0 = time.perf_counter(), e._timer.seconds
-            tspec, trows = self._to_target(spec, rows)
-            res, lp, e.tcache = steps.verify(
-                e.tparams, e.tcfg, e.tcache, self.state.bonus, tspec, trows, self.active,
-                run["seed"], self.rids_t, run["sampling"], e.vocab_size, run["verifier"],
-                ops=e.tops)
+            res, lp = self._verify(spec, rows)
             draft.dispatch_tree(_round_state(v), spec, from_backup_d, drun)  # overlaps the verify
             self.state, self.active, self.pending = rs.commit_verify(
                 self.state, res.num_accepted, res.bonus, res.tokens, lp, from_backup)
