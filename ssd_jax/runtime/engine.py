@@ -280,13 +280,18 @@ class Engine:
 
     def _on_device(self, mode: str, ssd: SSDConfig, timeline: bool) -> bool:
         """Whether a call runs the device loop: not when it asks for the timed host loop, not on
-        a mesh over several processes, and for SD / SSD only with an in-process draft model and
-        (SSD) a backup with a device form (neural, random)."""
+        a mesh over several processes, and for SD / SSD only with an in-process draft model on
+        one device (not data-parallel) and (SSD) a backup with a device form (neural, random)."""
         if timeline or self._serial:
             return False
         if mode == "ar":
             return True
         if not isinstance(self.worker, DraftWorker):
+            return False
+        if self.placement.dp > 1:
+            # a data-parallel draft never communicates (tests/test_sharding.py); the device
+            # resolve's any-miss condition and counters reduce over the batch, a collective
+            # across its shards: the host loop keeps each shard's work local
             return False
         return mode == "sd" or ssd.backup in ("neural", "random")
 
