@@ -28,6 +28,7 @@ file changed on disk after this module was imported turns the store off for the 
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -50,6 +51,19 @@ _TRACE_FLAGS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_numpy_dty
                 "jax_numpy_rank_promotion", "jax_default_prng_impl", "jax_threefry_partitionable",
                 "jax_enable_checks", "jax_debug_nans", "jax_debug_infs")
 _PRIMITIVES = (bool, int, float, str, bytes, type(None))
+_EXPORTING = [0]  # > 0 while a step of ours traces a stored step into itself (`inside_step`)
+
+
+@contextlib.contextmanager
+def inside_step():
+    """While a step of the library traces a stored step into its own program (an export, or the
+    device loop's `round_steps.resolve` drafting its backup), that call is part of the outer step,
+    not a plain call the store let pass: `plain_calls` does not count it."""
+    _EXPORTING[0] += 1
+    try:
+        yield
+    finally:
+        _EXPORTING[0] -= 1
 
 
 def set_store(path: str | os.PathLike | None) -> None:
@@ -225,7 +239,8 @@ class StoredJit:
         dyn = tuple(bound.arguments[n] for n in names)
         leaves, tree = jax.tree_util.tree_flatten(dyn)
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
-            self.plain_calls += 1
+            if not _EXPORTING[0]:  # inside a stored step's export it is part of that step
+                self.plain_calls += 1
             return self.jit(*args, **kwargs)  # inside someone's trace (checkify, vmap, jit)
         key = (store, static, tree, tuple(_leaf_key(x) for x in leaves))
         entry = self._entries.get(key, False)
@@ -307,7 +322,8 @@ class StoredJit:
             specs.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type,
                                               sharding=getattr(x, "sharding", None)))
         with traced_checks_off():
-            return jax.export.export(jax.jit(flat), disabled_checks=allowed)(*specs)
+            with inside_step():
+                return jax.export.export(jax.jit(flat), disabled_checks=allowed)(*specs)
 
 
 def stored_jit(fun: Callable | None = None, *, static_argnames: Sequence[str] = (),

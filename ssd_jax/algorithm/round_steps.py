@@ -22,6 +22,7 @@ from flax import struct
 
 from ssd_jax.models.ops import XLA, Ops
 from ssd_jax.algorithm import backups, steps
+from ssd_jax.algorithm.aot import inside_step
 from ssd_jax.algorithm import decode_state as ds
 from ssd_jax.algorithm.speculation_cache import SpeculationCache, lookup
 
@@ -159,9 +160,10 @@ def resolve(params, cfg, cache, tree: SpeculationCache, outcome: jax.Array,
     missed = ~hit & o.active
     if backup == "neural":
         def chain(c):
-            bspec, brows, c = steps.draft_chain(
-                params, cfg, c, o.prev, o.bonus, o.n, seed, request_ids, sampling, vocab_size, k,
-                saguaro_top_n, saguaro_c, row_dtype, ops=ops, draft_rows=missed)
+            with inside_step():  # traced into this step, not a call of its own
+                bspec, brows, c = steps.draft_chain(
+                    params, cfg, c, o.prev, o.bonus, o.n, seed, request_ids, sampling, vocab_size,
+                    k, saguaro_top_n, saguaro_c, row_dtype, ops=ops, draft_rows=missed)
             return bspec, fit_rows(brows, row_vocab).astype(rows.dtype), c
 
         bspec, brows, cache = jax.lax.cond(jnp.any(missed), chain,
