@@ -32,7 +32,6 @@ import numpy as np
 from ssd_jax.algorithm import decode_state as ds
 from ssd_jax.algorithm import round_steps as rs
 from ssd_jax.algorithm import steps
-from ssd_jax.runtime.batch import TokenSink
 from ssd_jax.runtime.draft_worker import DraftRun, RoundState
 from ssd_jax.runtime.metrics import Metrics, RoundTimes
 from ssd_jax.runtime.placement import to_mesh
@@ -186,10 +185,9 @@ class DeviceLoop:
         here (AR)."""
         e, b = self.e, self.batch
         t0 = time.perf_counter()
-        first, lp, e.tcache = e._prefill_target(b, self.rids_np, cache_len, self.run)
+        first, lp, e.tcache, toks = e._prefill_target(b, self.rids_np, cache_len, self.run)
         if draft is not None:
-            T = _bucket_tokens(b)
-            draft.start(T, b.prompt_lens, cache_len)
+            draft.start(toks, b.prompt_lens, cache_len)
         self.state, self.active, self.pending = rs.commit_tokens(self.state, first, lp)
         try:
             if draft is not None and hasattr(e.worker, "ready"):
@@ -285,16 +283,3 @@ class DeviceLoop:
 def _round_state(v) -> RoundState:
     """A `RoundState` of device arrays from an unpacked `Outcome` (no host history)."""
     return RoundState(n=v.n, prev=v.prev, bonus=v.bonus, active=v.active, history=None)
-
-
-def _bucket_tokens(batch) -> np.ndarray:
-    """The prompts right-padded to the prefill bucket, as the target's prefill got them."""
-    from ssd_jax.runtime.engine import _prefill_bucket
-    T = _prefill_bucket(int(batch.prompt_lens.max()))
-    toks = np.zeros((batch.size, T), np.int32)
-    for b, h in enumerate(batch.history):
-        toks[b, : len(h)] = h
-    return toks
-
-
-__all__ = ["DeviceLoop", "TokenSink"]

@@ -145,12 +145,7 @@ class DraftWorker:
         return self._sampling[1]
 
     def _fit_rows(self, rows):
-        V = rows.shape[-1]
-        if V == self.row_vocab:
-            return rows
-        if V > self.row_vocab:
-            return rows[..., : self.row_vocab]
-        return jnp.pad(rows, [(0, 0)] * (rows.ndim - 1) + [(0, self.row_vocab - V)])
+        return round_steps.fit_rows(rows, self.row_vocab)
 
     def start(self, prompt_tokens: np.ndarray, prompt_lens: np.ndarray, cache_len: int):
         """Prefill the draft's cache with the prompts [B, T] (lengths [B]) in a cache of

@@ -353,7 +353,8 @@ class Engine:
 
     def _prefill_target(self, batch: Batch, rids, cache_len: int, run: dict):
         """The target's cache for this call and its prefill (dispatched, not waited for):
-        returns (first token [B], its log-prob [B], the cache) on the target mesh."""
+        returns (first token [B], its log-prob [B], the cache) on the target mesh, and the
+        prompts right-padded to the prefill bucket [B, T] (host), which the draft's prefill takes."""
         B = batch.size
         T = _prefill_bucket(int(batch.prompt_lens.max()))
         toks = np.zeros((B, T), np.int32)
@@ -363,19 +364,16 @@ class Engine:
         cfg = self.tcfg
         self.tcache = (init_target_cache(cfg, B, cache_len, self.placement.target_mesh)
                        if is_builtin(cfg) else init_cache(cfg, B, cache_len, self.placement.target))
-        return settle(steps.prefill(
+        first, lp, cache = settle(steps.prefill(
             self.tparams, cfg, self.tcache, to_mesh(toks, tgt), to_mesh(batch.prompt_lens, tgt),
             run["seed"], to_mesh(rids, tgt), run["sampling"], self.vocab_size, ops=self.tops),
             self._serial)
+        return first, lp, cache, toks
 
     def _prefill(self, batch: Batch, rids, cache_len: int, run: dict, draft, m: Metrics):
         t0, B = time.perf_counter(), batch.size
-        first, lp, self.tcache = self._prefill_target(batch, rids, cache_len, run)
+        first, lp, self.tcache, toks = self._prefill_target(batch, rids, cache_len, run)
         if draft is not None:
-            T = _prefill_bucket(int(batch.prompt_lens.max()))
-            toks = np.zeros((B, T), np.int32)
-            for b, h in enumerate(batch.history):
-                toks[b, : len(h)] = h
             draft.start(toks, batch.prompt_lens, cache_len)  # a failure raises at the next call
         first, lp = np.asarray(first), np.asarray(lp)
         for b in range(B):
