@@ -315,7 +315,8 @@ def test_the_cli_prints_a_full_disk_as_one_line(hf_model, monkeypatch, capsys):
                    "--cache-dir", str(cache), "--backend", "xla", "--dtype", "fp32"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and len(err) == 1
-    assert err[0].startswith("ssd-jax: error: no space for the conversion cache at ")
+    # The error names the flag whose load ran out of space (issue 35 item 4).
+    assert err[0].startswith("ssd-jax: error: --target: no space for the conversion cache at ")
 
 
 # ----------------------------------------------------------------- (c) a fetch cut off mid-stream
