@@ -115,6 +115,12 @@ def make_placement(kind: str = "split", devices=None, *, target_devices: int | N
         if len(devices) < max(t, d):
             raise ValueError(f"colocated {t}+{d} needs {max(t, d)} devices, found {len(devices)}")
         tgt, drf = devices[:t], devices[:d]
+    if tgt == drf and len(tgt) == 1:
+        # Both on one device (colocated, or split on a single device): one mesh, so an array
+        # moving between them already has the other side's sharding and `to_mesh` skips the
+        # device_put (jit refuses two meshes in one call, even over the same device).
+        mesh = _mesh(tgt, "model")
+        return Placement(mesh, mesh)
     return Placement(_mesh(tgt, "model"), _mesh(drf, "data"))
 
 
@@ -165,7 +171,8 @@ def to_mesh(tree, sharding: NamedSharding):
 
 
 def _placed(x: jax.Array, sharding: NamedSharding) -> bool:
-    """Whether `x` already has `sharding` (the same mesh too: jit wants one mesh per call)."""
+    """Whether `x` already has `sharding` (the same mesh too: jit wants one mesh per call; a
+    single-device placement gives target and draft one mesh, so their arrays pass as they are)."""
     have = x.sharding
     return have is sharding or have == sharding
 
