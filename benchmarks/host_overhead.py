@@ -31,6 +31,12 @@ For each (mode, batch), after one identical warm-up call (its compiles excluded)
   library offers that, so it takes jit's C++ fast path) plus one np.asarray fetch of the token,
   in a Python loop of `--tokens` steps. The two are timed alternately `--repeats` times in one
   run; medians and their ratio are reported. The counts are deterministic, the times are noisy.
+- host ms per round: the timed calls run inside the sync counter, which also clocks each
+  outermost sync; wall minus that waiting, / rounds, is what the host itself spends on a round
+  (Python, dispatch, transfers set up; the counter's own wrapper is in it, a few microseconds a
+  sync). On a CPU the device's compute fills most of the rest; on a GPU the waiting becomes the
+  verify's and the tree's device time, and the host ms is what a round adds to them unless it
+  overlaps. "host / minimal" compares it with the minimal loop's whole step.
 
 Prints the table and writes the JSON (+ .md) to --out (default
 benchmarks/results/host_overhead.json) with the CPU, jax version and git commit.
@@ -53,7 +59,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 COLUMNS = ("mode", "batch", "rounds", "py calls/round", "c calls/round", "syncs/round",
-           "ms/round", "minimal step ms", "ratio")
+           "ms/round", "host ms/round", "minimal step ms", "ratio", "host / minimal")
 
 
 # ------------------------------------------------------------------------------------ the counters
@@ -105,20 +111,25 @@ class SyncCounter:
         import jax.numpy as jnp
         self.jax, self.cls = jax, type(jnp.zeros(1))
         self.syncs = self.arrays = 0
+        self.wait_s = 0.0  # seconds inside outermost syncs
         self.by_kind: dict[str, int] = {}
         self._depth = 0
 
     def _wrap(self, name, fn, leaves):
         def counted(*a, **k):
-            if self._depth == 0:
+            outer = self._depth == 0
+            if outer:
                 self.syncs += 1
                 self.by_kind[name] = self.by_kind.get(name, 0) + 1
                 self.arrays += leaves(a)
+                t0 = time.perf_counter()
             self._depth += 1
             try:
                 return fn(*a, **k)
             finally:
                 self._depth -= 1
+                if outer:
+                    self.wait_s += time.perf_counter() - t0
         counted.__name__ = getattr(fn, "__name__", name)
         return counted
 
@@ -272,17 +283,21 @@ def measure(engine, target, mode: str, b: int, a) -> dict:
         out2 = gen()
     same = out2.token_ids == warm.token_ids == out.token_ids and rounds_of(out2, mode) == rounds
     loop = MinimalLoop(target, b, a.prompt_len, a.tokens) if a.repeats > 0 else None
-    per_round, minimal = [], []
+    per_round, host, minimal = [], [], []
     for i in range(a.repeats):  # alternated, so both see the same load
         order = ("engine", "loop") if i % 2 == 0 else ("loop", "engine")
         for which in order:
             if which == "loop":
                 minimal.append(loop.run())
             else:
-                t0 = time.perf_counter()
-                o = gen()
-                per_round.append((time.perf_counter() - t0) / rounds_of(o, mode))
+                with SyncCounter() as timed:
+                    t0 = time.perf_counter()
+                    o = gen()
+                    wall = time.perf_counter() - t0
+                per_round.append(wall / rounds_of(o, mode))
+                host.append((wall - timed.wait_s) / rounds_of(o, mode))
     ms = statistics.median(per_round) * 1e3 if per_round else None  # --repeats 0: counts only
+    host_ms = statistics.median(host) * 1e3 if host else None
     step_ms = statistics.median(minimal) * 1e3 if minimal else None
     tokens = sum(len(t) for t in out.token_ids)
     return {"mode": mode, "batch": b, "rounds": rounds, "tokens": tokens,
@@ -294,6 +309,9 @@ def measure(engine, target, mode: str, b: int, a) -> dict:
             "syncs_by_kind": dict(sorted(s.by_kind.items())),
             "ms_per_round": ms and round(ms, 3), "minimal_step_ms": step_ms and round(step_ms, 3),
             "ratio": ms and round(ms / step_ms, 2),
+            "host_ms_per_round": host_ms and round(host_ms, 3),
+            "host_ratio": host_ms and round(host_ms / step_ms, 2),
+            "host_ms_per_round_all": [round(x * 1e3, 3) for x in host],
             "ms_per_round_all": [round(x * 1e3, 3) for x in per_round],
             "minimal_step_ms_all": [round(x * 1e3, 3) for x in minimal],
             "minimal_fast_path": loop and loop.fast_path, "same_tokens_every_call": bool(same)}
@@ -397,7 +415,9 @@ def table(rows: list[dict]) -> str:
         out.append(f"| {r['mode'].upper()} | {r['batch']} | {r['rounds']} | "
                    f"{r['py_calls_per_round']:,.0f} | {r['c_calls_per_round']:,.0f} | "
                    f"{r['syncs_per_round']:.2f} | {_num(r['ms_per_round'], '.2f')} | "
-                   f"{_num(r['minimal_step_ms'], '.3f')} | {_num(r['ratio'], '.1f')}x |")
+                   f"{_num(r.get('host_ms_per_round'), '.2f')} | "
+                   f"{_num(r['minimal_step_ms'], '.3f')} | {_num(r['ratio'], '.1f')}x | "
+                   f"{_num(r.get('host_ratio'), '.1f')}x |")
     return "\n".join(out)
 
 
@@ -471,7 +491,8 @@ def main(argv=None) -> int:
             rows.append(r)
             print(f"{mode}@{b}: {r['rounds']} rounds, {r['py_calls_per_round']:,.0f} py calls, "
                   f"{r['syncs_per_round']:.2f} syncs {r['syncs_by_kind']}, "
-                  f"{_num(r['ms_per_round'], '.2f')} ms / round vs "
+                  f"{_num(r['ms_per_round'], '.2f')} ms / round "
+                  f"(host {_num(r.get('host_ms_per_round'), '.2f')}) vs "
                   f"{_num(r['minimal_step_ms'], '.3f')} ms",
                   file=sys.stderr, flush=True)
     cpu = cpu_info()

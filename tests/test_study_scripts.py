@@ -156,6 +156,22 @@ def test_host_overhead_counts_one_sync_per_numpy_conversion():
     with host.SyncCounter() as s:
         int(x[0]), float(y), x.tolist(), x.block_until_ready(), bool(x[0] > 0)
     assert s.syncs == 5
+    # the wait clock counts time blocked in a sync, not the host's own time between syncs
+    import time
+    heavy = jax.jit(lambda a: jnp.tanh(a @ a).sum())
+    a = jnp.ones((1500, 1500))
+    heavy(a).block_until_ready()  # compiled
+    t0 = time.perf_counter()
+    heavy(a).block_until_ready()
+    alone = time.perf_counter() - t0
+    with host.SyncCounter() as s:
+        z = heavy(a)  # dispatched: the host goes on while the device computes
+        np.asarray(z)
+    assert s.wait_s >= 0.3 * alone, (s.wait_s, alone)
+    with host.SyncCounter() as s:
+        time.sleep(0.2)
+        np.asarray(x)
+    assert s.wait_s < 0.1, s.wait_s
     # everything is put back: the methods and the buffer protocol
     assert {m: cls.__dict__.get(m) for m in host.SyncCounter.METHODS} == before
     assert bytes(memoryview(np.asarray(x))) == bytes(memoryview(x))
