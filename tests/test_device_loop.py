@@ -96,9 +96,10 @@ def test_host_work_per_round_is_bounded_and_flat_in_the_batch(tiny, mode):
         # speculation, the results, the counters
         assert row["syncs"] <= row["rounds"] + 4, (b, row["syncs"], row["rounds"])
     per_call = {b: r["py_calls_per_round"] for b, r in rows.items()}
-    # the calls a round costs do not depend on B (a few per call may: prompts, results)
-    assert abs(rows[8]["py_calls_per_round"] - rows[1]["py_calls_per_round"]) <= \
-        0.15 * rows[1]["py_calls_per_round"], per_call
+    # the calls a round costs do not grow with B (a few per call may: prompts, results; the
+    # call's fixed cost, the pipelined loop's void round among it, spreads over its rounds, and
+    # b = 1 may run fewer rounds than b = 8)
+    assert rows[8]["py_calls_per_round"] <= 1.15 * rows[1]["py_calls_per_round"], per_call
 
 
 @pytest.mark.parametrize("mode", ["sd", "ssd"])
@@ -115,3 +116,45 @@ def test_device_loop_and_timed_host_loop_agree(tiny, mode):
         assert getattr(a.metrics, key) == getattr(b.metrics, key), key
     assert [r.active for r in a.metrics.timeline] == [r.active for r in b.metrics.timeline]
     assert b.metrics.verify_s == 0 and a.metrics.verify_s > 0  # only the host loop times phases
+
+
+@pytest.mark.parametrize("mode,armed", [("ssd", 3), ("sd", None)])
+def test_a_draft_failure_read_a_round_late_rolls_back_and_refills_the_target(tiny, tmp_path,
+                                                                            monkeypatch, mode, armed):
+    """Pipelined, the round after a failing draft round is already enqueued (its verify took the
+    target's KV cache): the call rolls back to the state before it, re-prefills the target, and
+    finishes with plain decoding exactly as the target alone (greedy: the same ids)."""
+    import _two_process_faults as faults
+    from ssd_jax.runtime.device_loop import DeviceLoop
+    from ssd_jax.runtime.draft_worker import DraftWorker
+    from ssd_jax.runtime.fallback import DraftFallbackWarning
+    _, _, eng = tiny
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    kw = dict(max_new_tokens=24, k=2, eos_ids=[])
+    lost = []
+    real = DeviceLoop.recover
+    monkeypatch.setattr(DeviceLoop, "recover", lambda self, n: (lost.append(self.lost), real(self, n))[1])
+    if armed:  # the tree raises on the device: read late, with the next round in flight
+        path = str(tmp_path / "armed")
+        undo = faults.install_tree_fault(path)
+        faults.arm(path, "raise", armed)
+    else:  # SD's draft raises as the next round is dispatched
+        calls = [0]
+        propose = DraftWorker.propose
+
+        def failing(self, *a, **k):
+            calls[0] += 1
+            if calls[0] == 4:
+                raise MemoryError("RESOURCE_EXHAUSTED: planted")
+            return propose(self, *a, **k)
+        monkeypatch.setattr(DraftWorker, "propose", failing)
+        undo = lambda: None  # noqa: E731
+    try:
+        with pytest.warns(DraftFallbackWarning):
+            out = eng.generate(prompts, mode=mode, ssd=SSDConfig(fanout=(2, 1, 1)), **kw)
+    finally:
+        undo()
+    ar = eng.generate(prompts, mode="ar", **kw)
+    assert lost == [True], lost
+    assert out.metrics.fallback is not None and out.metrics.fallback["tokens_before"] > len(prompts)
+    assert out.token_ids == ar.token_ids

@@ -101,13 +101,13 @@ def unpack(packed: jax.Array) -> Outcome:
     return Outcome.unpack(packed)
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
-def commit_verify(state: ds.DecodeState, num_accepted: jax.Array, bonus_out: jax.Array,
-                  tokens: jax.Array, logprobs: jax.Array, from_backup: jax.Array | None = None):
+def _commit_verify(state: ds.DecodeState, num_accepted: jax.Array, bonus_out: jax.Array,
+                   tokens: jax.Array, logprobs: jax.Array, from_backup: jax.Array | None = None):
     """A verify's outcome into `state` (donated): num_accepted `[B]`, bonus_out `[B]`, tokens
     `[B, K+1]` (accepted run, bonus, -1 padding), their log-probs `[B, K+1]`; from_backup `[B]`
     bool for SSD's after-hit / after-miss histograms (None: SD). Returns (state, active `[B]`
-    after it, the `Outcome` for the draft mesh, packed)."""
+    after it, the `Outcome` for the draft mesh, packed). `commit_verify_kept` leaves `state`
+    valid: the pipelined loop keeps the state before a round it has not read yet."""
     active = state.active
     new = ds.count_accepts(state, num_accepted, active, from_backup)
     new, kept = ds.commit(new, tokens, logprobs, num_accepted + 1)
@@ -115,6 +115,10 @@ def commit_verify(state: ds.DecodeState, num_accepted: jax.Array, bonus_out: jax
     return new, new.active, Outcome(num_accepted=num_accepted, bonus_out=bonus_out, n=new.n,
                                     prev=new.prev, bonus=new.bonus, active=new.active,
                                     report=rep).pack()
+
+
+commit_verify = jax.jit(_commit_verify, donate_argnames=("state",))
+commit_verify_kept = jax.jit(_commit_verify)
 
 
 @functools.partial(jax.jit, static_argnames=("code",), donate_argnames=("state",))

@@ -54,6 +54,7 @@ class DeviceLoop:
         self.pending = None  # a target-side report not read yet (read if the draft fails)
         self.pending_packed = False  # whether `pending` is a packed Outcome (SD, SSD rounds)
         self.backup = "neural"  # SSD's backup kind (the call's; set by `ssd`)
+        self.lost = False  # pipelined: a draft failure left the target's KV cache lost (`recover`)
         self.uncounted = dict(lookups_by_accept=np.zeros(k + 1, np.int64),
                               hits_by_accept=np.zeros(k + 1, np.int64), backups=np.zeros(2, np.int64))
 
@@ -198,19 +199,34 @@ class DeviceLoop:
             self.m.prefill_s = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ loops
+    @property
+    def pipelined(self) -> bool:
+        """Whether rounds are dispatched one ahead of the host's read (module docstring): when
+        no row's tokens pass through the host per round (no callback, no stop string)."""
+        return not self.mirror
+
     def ar(self, measure: bool = True) -> None:
-        """Plain decoding: decode + commit per token, one read each."""
+        """Plain decoding: decode + commit per token, one read each (pipelined: token t+1 is
+        dispatched before token t's report is read)."""
         e, run = self.e, self.run
         if self.pending is not None:
             self.read(self._pending_report())
+        prev = None  # the report of the token dispatched and not read yet
+        t0, c0 = time.perf_counter(), e._timer.seconds
         while self.running:
-            t0, c0 = time.perf_counter(), e._timer.seconds
             tok, lp, e.tcache = steps.decode(
                 e.tparams, e.tcfg, e.tcache, self.state.bonus, self.active, run["seed"],
                 self.rids_t, run["sampling"], e.vocab_size, ops=e.tops)
             self.state, self.active, rep = rs.commit_tokens(self.state, tok, lp)
-            self.read(rep)
+            if not self.pipelined:
+                prev = rep
+            elif prev is None:
+                prev = rep
+                continue
+            self.read(prev)
+            prev = rep
             self._round(t0, c0, active=self.last["active"])
+            t0, c0 = time.perf_counter(), e._timer.seconds
         steady = [r.round_s for r in self.m.timeline if not r.compiled]
         if steady and measure:
             e._t1 = float(np.median(steady))
@@ -231,32 +247,103 @@ class DeviceLoop:
             run["seed"], self.rids_t, run["sampling"], e.vocab_size, run["verifier"], ops=e.tops)
         return res, lp
 
+    def _commit(self, res, lp, from_backup=None):
+        """The verify's outcome into the state; its packed `Outcome` is the unread report.
+        Pipelined, the state before it stays valid (a failure rolls back to it)."""
+        commit = rs.commit_verify_kept if self.pipelined else rs.commit_verify
+        self.state, self.active, packed = commit(self.state, res.num_accepted, res.bonus,
+                                                 res.tokens, lp, from_backup)
+        self.pending, self.pending_packed = packed, True
+        return packed
+
+    def _rounds(self, dispatch, during: str, ssd: bool = False, keep=lambda: None,
+                restore=lambda kept: None) -> None:
+        """SD's and SSD's rounds: `dispatch()` enqueues one round and returns (its packed Outcome
+        on the target mesh, its report on the draft mesh, made to wait for the next speculation).
+
+        Pipelined, round T+1 is enqueued before round T's report is read, so the device works
+        while the host reads and dispatches. The round enqueued after the last one is void: every
+        row had ended, so it commits nothing; its state and the draft's counters are dropped for
+        the ones before it (`keep` / `restore`). A draft failure, read late or raised while
+        round T+1 was enqueued, rolls the state back to before round T+1, whose verify may have
+        taken the target's KV cache with it: `recover` rebuilds that cache."""
+        from ssd_jax.runtime.fallback import DraftDown
+        e = self.e
+        prev = None  # (packed, report, state before it, keep()) of a round dispatched, not read
+        t0, c0 = time.perf_counter(), e._timer.seconds
+        while self.running:
+            before, kept = self.state, keep()
+            try:
+                packed, rep = dispatch()
+                if not self.pipelined:
+                    self.read_draft(rep, during)
+                elif prev is None:
+                    prev = (packed, rep, before, kept)
+                    continue
+                else:
+                    self.pending = prev[0]  # the target's side of the round read now
+                    self.read_draft(prev[1], during)
+                    prev = (packed, rep, before, kept)
+            except DraftDown:
+                if self.pipelined:
+                    self.state, self.active, self.pending = before, before.active, None
+                    self.lost = True
+                raise
+            self._round(t0, c0, active=self.last["active"],
+                        **(dict(hit=self.last["hit"], lookups=self.last["lookups"]) if ssd else {}))
+            t0, c0 = time.perf_counter(), e._timer.seconds
+        if prev is not None:  # the void round
+            self.state, self.pending = prev[2], None
+            self.active = self.state.active
+            restore(prev[3])
+
+    def recover(self, cache_len: int) -> None:
+        """After a draft failure read one round late: the target's KV cache went into the verify
+        of the round after it, so it is rebuilt from the committed tokens (the state before that
+        round): a cache-only prefill of each row's tokens before its bonus, as after any round."""
+        if not self.lost:
+            return
+        from ssd_jax.runtime.engine import _prefill_bucket
+        e, b = self.e, self.batch
+        self.lost = False
+        self.sync_host()
+        n = [len(h) - 1 for h in b.history]
+        T = min(_prefill_bucket(max(n)), cache_len)
+        toks = np.zeros((b.size, T), np.int32)
+        for row, h in enumerate(b.history):
+            toks[row, :n[row]] = h[:n[row]]
+        tgt = self.tgt
+        e.tcache = steps.prefill_cache(e.tparams, e.tcfg, e._new_target_cache(b.size, cache_len),
+                                       to_mesh(toks, tgt), to_mesh(np.asarray(n, np.int32), tgt),
+                                       ops=e.tops)
+        self.active = self.state.active
+
     def sd(self, draft) -> None:
         """SD: the draft chain from the committed state, verify, commit; the report read waits
         for the next speculation too."""
-        e, run = self.e, self.run
+        run = self.run
         self.m.init_hist(run["k"])
         drun = DraftRun.of_call(self.rids_np, run)
         v = self._draft_view()
         spec, rows = draft.propose(_round_state(v), drun)
         self.read_draft(rs.pass_report(v.report, spec), "propose")
-        while self.running:
-            t0, c0 = time.perf_counter(), e._timer.seconds
+
+        def dispatch():
+            nonlocal spec, rows
             res, lp = self._verify(spec, rows)
-            self.state, self.active, self.pending = rs.commit_verify(
-                self.state, res.num_accepted, res.bonus, res.tokens, lp)
-            self.pending_packed = True
-            v = rs.unpack(e.worker._put_rows(self.pending))
+            packed = self._commit(res, lp)
+            v = rs.unpack(self.e.worker._put_rows(packed))
             spec, rows = draft.propose(_round_state(v), drun)
-            self.read_draft(rs.pass_report(v.report, spec), "propose")
-            self._round(t0, c0, active=self.last["active"])
+            return packed, rs.pass_report(v.report, spec)
+
+        self._rounds(dispatch, "propose")
         draft.finish()
         self.counters_into(self.m)
 
     def ssd(self, draft, drun: DraftRun) -> None:
         """SSD: verify and the tree overlap; the lookup and backup run on the draft mesh."""
-        e, run = self.e, self.run
-        worker = e.worker
+        run = self.run
+        worker = self.e.worker
         worker.start_counters(run["k"])
         self.backup = drun.backup
         v = self._draft_view()
@@ -264,18 +351,20 @@ class DeviceLoop:
         self.read_draft(rs.pass_report(v.report, spec), "backup")
         ones = np.ones(self.batch.size, bool)
         from_backup, from_backup_d = to_mesh(ones, self.tgt), to_mesh(ones, worker.rows)
-        while self.running:
-            t0, c0 = time.perf_counter(), e._timer.seconds
+
+        def dispatch():
+            nonlocal spec, rows, from_backup, from_backup_d, v
             res, lp = self._verify(spec, rows)
             draft.dispatch_tree(_round_state(v), spec, from_backup_d, drun)  # overlaps the verify
-            self.state, self.active, self.pending = rs.commit_verify(
-                self.state, res.num_accepted, res.bonus, res.tokens, lp, from_backup)
-            self.pending_packed = True
-            spec, rows, from_backup_d, rep, v = draft.resolve_on_device(self.pending, drun)
-            self.read_draft(rep, "resolve")
+            packed = self._commit(res, lp, from_backup)
+            spec, rows, from_backup_d, rep, v = draft.resolve_on_device(packed, drun)
             from_backup = to_mesh(from_backup_d, self.tgt)
-            self._round(t0, c0, active=self.last["active"], hit=self.last["hit"],
-                        lookups=self.last["lookups"])
+            return packed, rep
+
+        def restore(counters):
+            worker.counters = counters
+
+        self._rounds(dispatch, "resolve", ssd=True, keep=lambda: worker.counters, restore=restore)
         draft.finish()
         self.counters_into(self.m, worker.counters)
 

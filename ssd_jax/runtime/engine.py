@@ -313,6 +313,7 @@ class Engine:
             loop.counters_into(m, None)
             m.new_tokens = sum(len(g) for g in batch.generated)
             fall_back(self, down, batch, m, self.strict)
+            loop.recover(cache_len)
             loop.ar(measure=False)
         loop.sync_host()
 
@@ -362,13 +363,19 @@ class Engine:
             toks[b, : len(h)] = h
         tgt = self.placement.target
         cfg = self.tcfg
-        self.tcache = (init_target_cache(cfg, B, cache_len, self.placement.target_mesh)
-                       if is_builtin(cfg) else init_cache(cfg, B, cache_len, self.placement.target))
+        self.tcache = self._new_target_cache(B, cache_len)
         first, lp, cache = settle(steps.prefill(
             self.tparams, cfg, self.tcache, to_mesh(toks, tgt), to_mesh(batch.prompt_lens, tgt),
             run["seed"], to_mesh(rids, tgt), run["sampling"], self.vocab_size, ops=self.tops),
             self._serial)
         return first, lp, cache, toks
+
+    def _new_target_cache(self, batch: int, cache_len: int):
+        """An empty KV cache for the target, laid out on its mesh."""
+        cfg = self.tcfg
+        if is_builtin(cfg):
+            return init_target_cache(cfg, batch, cache_len, self.placement.target_mesh)
+        return init_cache(cfg, batch, cache_len, self.placement.target)
 
     def _prefill(self, batch: Batch, rids, cache_len: int, run: dict, draft, m: Metrics):
         t0, B = time.perf_counter(), batch.size
