@@ -7,9 +7,14 @@ call's per-row state is a `DecodeState` on the target mesh; the jitted steps adv
 the draft mesh from the verify's `Outcome`, moved device to device. The host dispatches each round
 and reads one small array, the round's `report`: it says which rows are still running and carries
 the round's tokens, which the host needs only for `on_tokens` / `stream()` and stop strings (then a
-row's tokens pass through `Batch.emit`, per row that committed). The round's last array read is
-the draft's, so a failure on the draft's device surfaces before the next verify is dispatched and
-the target's cache is never lost to it (`ssd_jax.runtime.fallback`).
+row's tokens pass through `Batch.emit`, per row that committed).
+
+Pipelined (unless rows pass through the host): the host enqueues round T+1 before it reads round
+T's report, so the device has a round queued while the host reads and dispatches; the round enqueued
+after the last one is void and dropped. The round's last array read is the draft's, so a failure
+on the draft's device surfaces at that read; round T+1's verify has then taken the target's KV
+cache, so the call rolls back to the state before round T+1 and re-prefills the target's cache
+(`recover`) before it falls back to plain decoding (`ssd_jax.runtime.fallback`).
 
 One SSD round, as the host dispatches it (nothing waits until the last line):
 
@@ -17,7 +22,7 @@ One SSD round, as the host dispatches it (nothing waits until the last line):
     tree(T)              draft: glue, fork, branch decode from the speculation in flight
     commit_verify(T)     target: tokens into the state, accept counts, the Outcome
     resolve(T)           draft: lookup, backup for the missed rows (lax.cond), counters, report
-    fetch report(T)      the one device->host read of the round
+    fetch report(T-1)    the one device->host read of the round (report(T) unpipelined)
 
 SD: verify(T), commit_verify(T), draft_chain(T+1) from the new state, then the report (made to
 wait for that speculation) is read. AR: decode, commit_tokens, read.
