@@ -158,3 +158,35 @@ def test_a_draft_failure_read_a_round_late_rolls_back_and_refills_the_target(tin
     assert lost == [True], lost
     assert out.metrics.fallback is not None and out.metrics.fallback["tokens_before"] > len(prompts)
     assert out.token_ids == ar.token_ids
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_rounds_are_enqueued_one_ahead_and_a_budget_end_runs_no_void_round(tiny, monkeypatch, mode):
+    """The verify of round T+1 is dispatched before round T's report is read while the budget
+    leaves room, and a call that ends on its budget dispatches exactly its rounds; one that ends
+    on an EOS early may dispatch one void round more, which changes nothing it returns."""
+    from ssd_jax.algorithm import steps
+    from ssd_jax.runtime.device_loop import DeviceLoop
+    _, _, eng = tiny
+    events = []
+    verify, read = steps.verify, DeviceLoop.read_draft
+    monkeypatch.setattr(steps, "verify", lambda *a, **k: (events.append("V"), verify(*a, **k))[1])
+    monkeypatch.setattr(DeviceLoop, "read_draft",
+                        lambda self, *a: (events.append("R"), read(self, *a))[1])
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    kw = dict(mode=mode, max_new_tokens=24, k=2, ssd=SSDConfig(fanout=(2, 1, 1)))
+    out = eng.generate(prompts, eos_ids=[], **kw)
+    seq = "".join(events)
+    assert "VV" in seq, seq  # a verify went in with the previous round unread
+    assert seq.count("V") == out.metrics.rounds, seq
+    assert all(len(t) == 24 for t in out.token_ids)
+    events.clear()
+    eos = out.token_ids[0][5]  # every row ends at or before this token's first occurrence
+    ended = eng.generate(prompts, eos_ids=[eos], **kw)
+    assert "".join(events).count("V") - ended.metrics.rounds in (0, 1)
+    unpiped = eng.generate(prompts, eos_ids=[eos], timeline=True, **kw)
+    assert ended.token_ids == unpiped.token_ids and ended.finish_reasons == unpiped.finish_reasons
+    assert ended.metrics.accept_hist == unpiped.metrics.accept_hist
+    if mode == "ssd":
+        assert (ended.metrics.lookups, ended.metrics.hits) == (unpiped.metrics.lookups,
+                                                               unpiped.metrics.hits)

@@ -60,6 +60,8 @@ class DeviceLoop:
         self.pending_packed = False  # whether `pending` is a packed Outcome (SD, SSD rounds)
         self.backup = "neural"  # SSD's backup kind (the call's; set by `ssd`)
         self.lost = False  # pipelined: a draft failure left the target's KV cache lost (`recover`)
+        self.count = np.zeros(batch.size, np.int64)  # tokens per row, from the reports read
+        self.alive = np.ones(batch.size, bool)  # rows running after the last report read
         self.uncounted = dict(lookups_by_accept=np.zeros(k + 1, np.int64),
                               hits_by_accept=np.zeros(k + 1, np.int64), backups=np.zeros(2, np.int64))
 
@@ -80,8 +82,9 @@ class DeviceLoop:
             if ended.any():
                 self._uncount(ended, kept, hit)
                 hit = np.where(ended, -1, hit)
-        self.running = bool((fin == ds.RUNNING).any()) if not self.mirror else \
-            bool(self.batch.active.any())
+        self.count += kept
+        self.alive = fin == ds.RUNNING
+        self.running = bool(self.alive.any()) if not self.mirror else bool(self.batch.active.any())
         self.last = dict(active=int(act.sum()), tokens=tokens, hit=int((hit > 0).sum()),
                          lookups=int((hit >= 0).sum()))
         return r
@@ -223,18 +226,31 @@ class DeviceLoop:
                 e.tparams, e.tcfg, e.tcache, self.state.bonus, self.active, run["seed"],
                 self.rids_t, run["sampling"], e.vocab_size, ops=e.tops)
             self.state, self.active, rep = rs.commit_tokens(self.state, tok, lp)
-            if not self.pipelined:
-                prev = rep
-            elif prev is None:
-                prev = rep
+            if prev is not None:
+                self.read(prev)
+                prev = None
+                self._round(t0, c0, active=self.last["active"])
+                t0, c0 = time.perf_counter(), e._timer.seconds
+                if not self.running:
+                    break  # the token read late ended the call: the one in flight is void
+            if self._ahead(1):
+                prev = rep  # the next token is needed whatever this one is: read it later
                 continue
-            self.read(prev)
-            prev = rep
+            self.read(rep)
             self._round(t0, c0, active=self.last["active"])
             t0, c0 = time.perf_counter(), e._timer.seconds
         steady = [r.round_s for r in self.m.timeline if not r.compiled]
         if steady and measure:
             e._t1 = float(np.median(steady))
+
+    def _ahead(self, per_round: int) -> bool:
+        """Whether to enqueue the next round before reading the one in flight: pipelined, and
+        some row still running needs more than `per_round` tokens (the most one round commits),
+        so the next round is needed whatever this one commits (barring an EOS). Near the end of
+        the budget the loop reads each round first, so a call ending on its budget runs no void
+        round."""
+        return self.pipelined and bool(np.any(self.alive & (self.batch.max_new - self.count
+                                                            > per_round)))
 
     def _draft_view(self):
         """The rows' round state and the unread report moved to the draft mesh in one transfer
@@ -267,40 +283,53 @@ class DeviceLoop:
         on the target mesh, its report on the draft mesh, made to wait for the next speculation).
 
         Pipelined, round T+1 is enqueued before round T's report is read, so the device works
-        while the host reads and dispatches. The round enqueued after the last one is void: every
-        row had ended, so it commits nothing; its state and the draft's counters are dropped for
-        the ones before it (`keep` / `restore`). A draft failure, read late or raised while
+        while the host reads and dispatches — while some row is sure to need round T+1
+        (`_ahead`). A round enqueued after the last one (rows ended by EOS early) is void: it
+        commits nothing; its state and the draft's counters are dropped for the ones before it
+        (`keep` / `restore`). A draft failure, read late or raised while
         round T+1 was enqueued, rolls the state back to before round T+1, whose verify may have
         taken the target's KV cache with it: `recover` rebuilds that cache."""
         from ssd_jax.runtime.fallback import DraftDown
         e = self.e
         prev = None  # (packed, report, state before it, keep()) of a round dispatched, not read
+        void = None
         t0, c0 = time.perf_counter(), e._timer.seconds
         while self.running:
             before, kept = self.state, keep()
             try:
                 packed, rep = dispatch()
-                if not self.pipelined:
-                    self.read_draft(rep, during)
-                elif prev is None:
-                    prev = (packed, rep, before, kept)
-                    continue
-                else:
+                cur = (packed, rep, before, kept)
+                if prev is not None:
                     self.pending = prev[0]  # the target's side of the round read now
                     self.read_draft(prev[1], during)
-                    prev = (packed, rep, before, kept)
+                    prev = None
+                    self._round(t0, c0, **self._round_counts(ssd))
+                    t0, c0 = time.perf_counter(), e._timer.seconds
+                    if not self.running:
+                        void = cur
+                        break
+                if self._ahead(self.run["k"] + 1):
+                    prev = cur
+                    continue
+                self.pending = packed
+                self.read_draft(rep, during)
             except DraftDown:
-                if self.pipelined:
+                if prev is not None:  # a round went in after one not read: back to before it
                     self.state, self.active, self.pending = before, before.active, None
                     self.lost = True
                 raise
-            self._round(t0, c0, active=self.last["active"],
-                        **(dict(hit=self.last["hit"], lookups=self.last["lookups"]) if ssd else {}))
+            self._round(t0, c0, **self._round_counts(ssd))
             t0, c0 = time.perf_counter(), e._timer.seconds
-        if prev is not None:  # the void round
-            self.state, self.pending = prev[2], None
+        if void is not None:  # enqueued after the last round: it committed nothing
+            self.state, self.pending = void[2], None
             self.active = self.state.active
-            restore(prev[3])
+            restore(void[3])
+
+    def _round_counts(self, ssd: bool) -> dict:
+        c = dict(active=self.last["active"])
+        if ssd:
+            c.update(hit=self.last["hit"], lookups=self.last["lookups"])
+        return c
 
     def recover(self, cache_len: int) -> None:
         """After a draft failure read one round late: the target's KV cache went into the verify
