@@ -27,15 +27,20 @@ from pathlib import Path
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding
 
 from ssd_jax.models.config import ModelConfig
-from ssd_jax.models.params import LayerParams, Params
+from ssd_jax.models.params import LayerParams, Params, _trim
+from ssd_jax.models.tp import leaf_spec, mesh_degree
 
 
 FORMAT = 2  # bump when what a checkpoint holds changes (2: ModelConfig without cpu_kernels)
 MANIFEST = "MANIFEST.json"
 CHUNK = 64 << 20  # bytes per hashed chunk (chunks hash in parallel)
 _SLACK = 1.05  # free space asked for: the params' bytes times this, plus 16 MiB of metadata
+# GB orbax moves between host and devices at once: its default (96) stages the whole model on
+# the host beside its device copy; 1 keeps a save or restore's host transient to ~1 GB
+_CONCURRENT_GB = 1
 
 
 class CacheSpaceError(OSError):
@@ -46,13 +51,16 @@ class CacheSpaceError(OSError):
         return str(self.strerror)
 
 
-def checkpoint_dir(source: Path, dtype: str, root: Path) -> Path:
-    """The directory under `root / "converted"` for `source` converted to `dtype`: its name hashes
-    the source's resolved path, size and mtime with the dtype and `FORMAT`, so an edited source,
-    or another version of this package, gets a new one."""
+def checkpoint_dir(source: Path, dtype: str, root: Path, tp: int = 1) -> Path:
+    """The directory under `root / "converted"` for `source` converted to `dtype` (in the
+    tensor-parallel layout of degree `tp`, `ssd_jax.models.tp`, when tp > 1): its name hashes the
+    source's resolved path, size and mtime with the dtype, the degree and `FORMAT`, so an edited
+    source, or another version of this package, gets a new one."""
     st = source.stat()
     ident = f"{source.resolve()}|{st.st_size}|{int(st.st_mtime)}|{dtype}|v{FORMAT}"
-    return root / "converted" / f"{source.stem}-{dtype}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
+    ident += f"|tp{tp}" if tp > 1 else ""
+    name = f"{source.stem}-{dtype}{f'-tp{tp}' if tp > 1 else ''}"
+    return root / "converted" / f"{name}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
 
 
 def _to_tree(params: Params) -> dict:
@@ -140,8 +148,9 @@ def _hash_files(root: Path, files: list[str]) -> dict[str, list[str]]:
     return out
 
 
-def _write_config(root: Path, cfg: ModelConfig) -> None:
+def _write_config(root: Path, cfg: ModelConfig, tp_groups: int = 1) -> None:
     (root / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    (root / "layout.json").write_text(json.dumps({"tp_groups": int(tp_groups)}))
 
 
 def _write_manifest(root: Path) -> None:
@@ -207,7 +216,9 @@ def _clear_stale(path: Path) -> None:
 
 
 def save(path: Path, params: Params, cfg: ModelConfig) -> None:
-    """Write params (orbax), cfg (config.json) and the manifest (last) to `path`, replacing it:
+    """Write params (orbax, from wherever they are placed: each shard from its device), cfg (the
+    config of the params as laid out: config.json), their TP degree (layout.json) and the
+    manifest (last) to `path`, replacing it:
     written into a fresh temporary sibling first, then renamed into place, so no crash, full
     disk or kill leaves anything at `path` that `restore` would load. Raises `CacheSpaceError`
     (before writing, when the free space is short; or when the disk fills up while writing)."""
@@ -221,9 +232,10 @@ def save(path: Path, params: Params, cfg: ModelConfig) -> None:
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         tmp.mkdir()
-        with ocp.StandardCheckpointer() as ckpt:
+        with ocp.StandardCheckpointer(save_concurrent_gb=_CONCURRENT_GB) as ckpt:
             ckpt.save(tmp / "params", _to_tree(params))
-        _write_config(tmp, cfg)
+        _trim()
+        _write_config(tmp, cfg, params.tp_groups)
         _write_manifest(tmp)
         try:
             os.replace(tmp, path)
@@ -240,17 +252,20 @@ def save(path: Path, params: Params, cfg: ModelConfig) -> None:
         raise
 
 
-def restore(path: Path) -> tuple[Params, ModelConfig] | None:
-    """(params, cfg) saved at `path` by `save`, or None when it holds no complete checkpoint: none
-    there (silently), or one that is half-written, corrupt, stale or unloadable (with one
-    warning naming why; the caller converts again and `save` replaces it)."""
+def restore(path: Path, sharding=None) -> tuple[Params, ModelConfig] | None:
+    """(params, cfg) saved at `path` by `save`, each leaf restored by orbax straight into its
+    place (`sharding` as `ssd_jax.models.tp.placer` takes it: None, the default device; a
+    Sharding; a Mesh, the TP layout the checkpoint was saved in): each device reads only its
+    shard, nothing passes through host numpy. None when `path` holds no complete checkpoint: none
+    there (silently), or one that is half-written, corrupt, stale or unloadable (with one warning
+    naming why; the caller converts again and `save` replaces it)."""
     path = Path(path)
     if not path.exists():
         return None
     why = problem(path)
     if why is None:
         try:
-            return _load(path)
+            return _load(path, sharding)
         except Exception as e:  # noqa: BLE001 - whatever orbax or the config make of it
             why = f"it did not load ({type(e).__name__}: {e})"
     warnings.warn(f"ssd_jax: the conversion cache at {path} is not usable ({why}); converting "
@@ -258,7 +273,7 @@ def restore(path: Path) -> tuple[Params, ModelConfig] | None:
     return None
 
 
-def _load(path: Path) -> tuple[Params, ModelConfig] | None:
+def _load(path: Path, sharding=None) -> tuple[Params, ModelConfig] | None:
     raw = json.loads((path / "config.json").read_text())
     if raw.get("rope_scaling") is not None:
         raw["rope_scaling"] = tuple(raw["rope_scaling"])
@@ -267,7 +282,23 @@ def _load(path: Path) -> tuple[Params, ModelConfig] | None:
         raise ValueError(f"config.json has the fields of another ModelConfig "
                          f"({sorted(set(raw) ^ fields)} differ)")
     cfg = ModelConfig(**raw)
-    with ocp.StandardCheckpointer() as ckpt:
-        tree = ckpt.restore(path / "params")
-    tree = jax.tree_util.tree_map(lambda x: jax.numpy.asarray(np.asarray(x)), tree)
-    return _from_tree(tree, cfg), cfg
+    layout = path / "layout.json"
+    saved_tp = json.loads(layout.read_text())["tp_groups"] if layout.exists() else 1
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    tp = mesh_degree(sharding) if isinstance(sharding, jax.sharding.Mesh) else 1
+    if tp != saved_tp:
+        raise ValueError(f"saved in the tensor-parallel layout of degree {saved_tp}, asked for {tp}")
+
+    def where(keypath, meta):
+        field = str(getattr(keypath[-1], "key", keypath[-1]))
+        s = (NamedSharding(sharding, leaf_spec(field, meta.shape, tp))
+             if isinstance(sharding, jax.sharding.Mesh) else sharding)
+        return jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=s)
+
+    with ocp.StandardCheckpointer(restore_concurrent_gb=_CONCURRENT_GB) as ckpt:
+        meta = ckpt.metadata(path / "params").item_metadata
+        meta = getattr(meta, "tree", meta)
+        tree = ckpt.restore(path / "params", jax.tree_util.tree_map_with_path(where, meta))
+    _trim()
+    return _from_tree(dict(tree), cfg).replace(tp_groups=saved_tp), cfg
