@@ -200,10 +200,16 @@ def test_restore_places_on_the_sharding_asked_for(tmp_path):
 
 # ------------------------------------------------------------------------------------ one copy
 def _device_bytes() -> dict:
+    """{device id: bytes} of the live device buffers (two Array objects over one buffer, which
+    jax.live_arrays can list, counted once)."""
     out: dict = {}
+    seen = set()
     for a in jax.live_arrays():
         for s in a.addressable_shards:
-            out[s.device.id] = out.get(s.device.id, 0) + s.data.nbytes
+            key = (s.device.id, s.data.unsafe_buffer_pointer())
+            if key not in seen:
+                seen.add(key)
+                out[s.device.id] = out.get(s.device.id, 0) + s.data.nbytes
     return out
 
 
@@ -242,3 +248,37 @@ def test_engine_holds_one_copy_of_the_weights(dtype):
     again = Engine(target, compilation_cache=False, placement="colocated")
     for a, b in zip(jax.tree.leaves(again.tparams), jax.tree.leaves(engine.tparams)):
         assert a.unsafe_buffer_pointer() == b.unsafe_buffer_pointer()
+
+
+def test_engine_lays_out_a_layer_at_a_time_releasing_the_old_one():
+    """A layout pass that copies every weight: while the engine runs it, the target's device
+    holds the model once plus about one layer, never the old and the new model together."""
+    import dataclasses
+    import gc
+
+    from ssd_jax.models import backends
+    from ssd_jax.runtime.engine import Engine
+
+    cfg = CFG.replace(num_layers=6, hidden_size=128, intermediate_size=256)
+    gc.collect()
+    base = _device_bytes().get(0, 0)
+    target = Model(cfg, params_from_hf(random_hf_tensors(cfg, 1), cfg))
+    whole = param_bytes(target.params)
+    layer = param_bytes(target.params.layers[0])
+    seen = []
+
+    def copying_prepare(p):
+        out = jax.tree.map(lambda x: x + 0, p)
+        jax.block_until_ready(out)
+        gc.collect()
+        seen.append(_device_bytes().get(0, 0) - base)
+        return out
+
+    ops = dataclasses.replace(backends.select("xla"), prepare=copying_prepare)
+    engine = Engine(target, backend=ops, placement="colocated", compilation_cache=False)
+    assert len(seen) == cfg.num_layers + 1
+    outer = whole - cfg.num_layers * layer
+    assert max(seen) <= whole + layer + outer, (seen, whole, layer)
+    gc.collect()
+    assert _device_bytes().get(0, 0) - base <= 1.05 * whole
+    assert target.params is engine.tparams

@@ -240,15 +240,18 @@ def _jsonable(x):
 
 
 def device_bytes(*trees) -> dict[str, int]:
-    """{device: bytes} of the jax.Arrays in `trees` (each shard counted on its own device; arrays
-    reached twice counted once; None and non-array leaves skipped)."""
+    """{device: bytes} of the jax.Arrays in `trees` (each shard counted on its own device; a
+    buffer reached twice counted once; None, deleted and non-array leaves skipped)."""
     out: dict[str, int] = {}
-    seen: set[int] = set()
+    seen: set[tuple[int, int]] = set()
     for x in jax.tree_util.tree_leaves(trees):
-        if not isinstance(x, jax.Array) or id(x) in seen:
+        if not isinstance(x, jax.Array) or x.is_deleted():
             continue
-        seen.add(id(x))
         for shard in x.addressable_shards:
+            buf = (shard.device.id, shard.data.unsafe_buffer_pointer())
+            if buf in seen:  # one buffer under two Array objects (a no-op device_put)
+                continue
+            seen.add(buf)
             key = f"{shard.device.platform}:{shard.device.id}"
             out[key] = out.get(key, 0) + int(shard.data.nbytes)
     return out

@@ -40,7 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ssd_jax.models.config import ModelConfig
 from ssd_jax.models.kv_cache import KVCache, init_cache
-from ssd_jax.models.params import LayerParams, Params
+from ssd_jax.models.params import LayerParams, Params, trim_host
 from ssd_jax.models.quant import is_quantized
 from ssd_jax.models.tp import TP_AXIS, leaf_spec, mesh_degree, placer, relayout, tp_config, undo  # noqa: F401
 
@@ -121,13 +121,16 @@ def consume(model, put, prepare, tp_groups: int | None = None) -> Params:
     tp = params.tp_groups if tp_groups is None else tp_groups
     outer = prepare(_fields(params.replace(layers=()), put).replace(tp_groups=tp))
     layers = list(params.layers)
-    model.params = params = outer.replace(layers=tuple(layers))
+    del params  # from here only `layers` and `model.params` hold the un-prepared layers
+    model.params = outer.replace(layers=tuple(layers))
     for i, lp in enumerate(layers):
         placed = _fields(outer.replace(layers=(lp,)), lambda f, x: x if f in _OUTER else put(f, x))
         outer = prepare(placed)
         layers[i] = outer.layers[0]
         outer = outer.replace(layers=())
         model.params = outer.replace(layers=tuple(layers))
+        del placed, lp
+        trim_host()  # on a CPU the devices' memory is the host's: hand the freed layer back
     return model.params
 
 
