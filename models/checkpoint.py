@@ -30,7 +30,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 
 from ssd_jax.models.config import ModelConfig
-from ssd_jax.models.params import LayerParams, Params, _trim
+from ssd_jax.models.params import LayerParams, Params, trim_host
 from ssd_jax.models.tp import leaf_spec, mesh_degree
 
 
@@ -234,7 +234,7 @@ def save(path: Path, params: Params, cfg: ModelConfig) -> None:
         tmp.mkdir()
         with ocp.StandardCheckpointer(save_concurrent_gb=_CONCURRENT_GB) as ckpt:
             ckpt.save(tmp / "params", _to_tree(params))
-        _trim()
+        trim_host()
         _write_config(tmp, cfg, params.tp_groups)
         _write_manifest(tmp)
         try:
@@ -296,9 +296,20 @@ def _load(path: Path, sharding=None) -> tuple[Params, ModelConfig] | None:
              if isinstance(sharding, jax.sharding.Mesh) else sharding)
         return jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=s)
 
-    with ocp.StandardCheckpointer(restore_concurrent_gb=_CONCURRENT_GB) as ckpt:
+    with ocp.StandardCheckpointer() as ckpt:
         meta = ckpt.metadata(path / "params").item_metadata
-        meta = getattr(meta, "tree", meta)
-        tree = ckpt.restore(path / "params", jax.tree_util.tree_map_with_path(where, meta))
-    _trim()
-    return _from_tree(dict(tree), cfg).replace(tp_groups=saved_tp), cfg
+    abstract = jax.tree_util.tree_map_with_path(where, dict(getattr(meta, "tree", meta)))
+    # a group at a time (the outer leaves, then each layer): orbax stages what it restores on
+    # the host, so restoring the whole tree at once held a second, host copy of the model
+    groups = [{k: v for k, v in abstract.items() if k != "layers"}]
+    groups += [{"layers": {i: layer}} for i, layer in abstract["layers"].items()]
+    tree: dict = {"layers": {}}
+    with ocp.PyTreeCheckpointer() as ckpt:
+        for item in groups:
+            got = ckpt.restore(path / "params", args=ocp.args.PyTreeRestore(
+                item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                partial_restore=True))
+            tree["layers"].update(got.pop("layers", {}))
+            tree.update(got)
+            trim_host()
+    return _from_tree(tree, cfg).replace(tp_groups=saved_tp), cfg

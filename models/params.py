@@ -6,6 +6,7 @@ with fewer dispatches.
 """
 from __future__ import annotations
 
+import functools
 from typing import Mapping
 
 import jax
@@ -71,15 +72,23 @@ def _hf_key_sets(cfg: ModelConfig) -> list[str]:
 _CHUNK = 16 << 20  # float32 values converted at a time (64 MiB): the host's transient per tensor
 
 
-def _trim() -> None:
-    """Hand the host buffers just freed back to the OS. glibc raises its mmap threshold to the
-    largest block freed so far (up to 32 MiB), so tensor-sized buffers then come from the heap
-    and its holes stay resident; without this a load's RSS creeps up a few MB a layer."""
+@functools.cache
+def _malloc_trim():
     try:
         import ctypes
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return None
+
+
+def trim_host() -> None:
+    """Hand the host buffers just freed back to the OS (glibc's malloc_trim). glibc raises its
+    mmap threshold to the largest block freed so far (up to 32 MiB), so tensor-sized buffers then
+    come from the heap and its holes stay resident: without this a load's RSS creeps up a few MB
+    a layer (and on a CPU the devices' memory is the host's)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def _fill(dst: np.ndarray, src: TensorSource, name: str, transpose: bool = False) -> None:
@@ -142,7 +151,7 @@ def params_from_hf(tensors: Mapping[str, np.ndarray] | TensorSource, cfg: ModelC
         _fill(host, src, name, transpose)
         out = put(field, host)
         del host
-        _trim()
+        trim_host()
         return out
 
     def fused(field, names, transpose):
@@ -156,7 +165,7 @@ def params_from_hf(tensors: Mapping[str, np.ndarray] | TensorSource, cfg: ModelC
             at += r
         out = put(field, host)
         del host
-        _trim()
+        trim_host()
         return out
 
     layers = []

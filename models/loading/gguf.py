@@ -60,12 +60,15 @@ class GGUFSource(TensorSource):
                 self._permuted.add(hf)
 
     def names(self) -> list[str]:
+        """The parameter tensors' HF names (from the header)."""
         return list(self._infos)
 
     def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape in HF order (from the header)."""
         return self._infos[name].shape
 
     def rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows start:stop of axis 0 as float32 (only their bytes read)."""
         t = self._infos[name]
         which = None
         if name in self._permuted:

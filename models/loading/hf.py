@@ -56,12 +56,15 @@ class SafetensorsSource(TensorSource):
                     self._meta[name] = (dtype, shape)
 
     def names(self) -> list[str]:
+        """The parameter tensors' HF names (from the header)."""
         return list(self._where)
 
     def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape in HF order (from the header)."""
         return self._meta[name][1]
 
     def rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows start:stop of axis 0 as float32 (only their bytes read)."""
         from safetensors import SafetensorError
 
         file, shape = self._where[name], self.shape(name)

@@ -22,6 +22,7 @@ class TensorSource(Mapping):
     checkpoints) through `rows`."""
 
     def names(self) -> list[str]:
+        """The tensors' HF names, from the file's header (nothing read)."""
         raise NotImplementedError
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -60,12 +61,15 @@ class DictSource(TensorSource):
         self.tensors = tensors
 
     def names(self) -> list[str]:
+        """The dict's keys."""
         return list(self.tensors)
 
     def shape(self, name: str) -> tuple[int, ...]:
+        """The array's shape."""
         return tuple(np.shape(self.tensors[name]))
 
     def rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows start:stop of the array, as float32."""
         a = np.asarray(self.tensors[name])
         return (a.reshape(1) if a.ndim == 0 else a[start:stop]).astype(np.float32, copy=False)
 
