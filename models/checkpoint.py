@@ -1,7 +1,8 @@
 """Converted params saved and restored with orbax-checkpoint, so a second load skips dequantising.
 
 A checkpoint lives in a directory keyed by the source file's identity (path, size, mtime), the
-dtype and `FORMAT`, holding `params/` (orbax), `config.json` (the ModelConfig) and, written last,
+dtype and `FORMAT`, holding `params/` (orbax: one item per group, the embedding and head, then
+each layer), `config.json` (the ModelConfig) and, written last,
 `MANIFEST.json`: every file's size and the SHA-256 of each of its `CHUNK`-byte chunks.
 
 Trust nothing on disk: `save` writes into a fresh sibling `<dir>.tmp-<pid>-<hex>` (removed on any
@@ -34,13 +35,11 @@ from ssd_jax.models.params import LayerParams, Params, trim_host
 from ssd_jax.models.tp import leaf_spec, mesh_degree
 
 
-FORMAT = 2  # bump when what a checkpoint holds changes (2: ModelConfig without cpu_kernels)
+FORMAT = 3  # bump when what a checkpoint holds changes (2: ModelConfig without cpu_kernels;
+# 3: params/ as one orbax item per group, `_groups`)
 MANIFEST = "MANIFEST.json"
 CHUNK = 64 << 20  # bytes per hashed chunk (chunks hash in parallel)
 _SLACK = 1.05  # free space asked for: the params' bytes times this, plus 16 MiB of metadata
-# GB orbax moves between host and devices at once: its default (96) stages the whole model on
-# the host beside its device copy; 1 keeps a save or restore's host transient to ~1 GB
-_CONCURRENT_GB = 1
 
 
 class CacheSpaceError(OSError):
@@ -63,22 +62,25 @@ def checkpoint_dir(source: Path, dtype: str, root: Path, tp: int = 1) -> Path:
     return root / "converted" / f"{name}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
 
 
-def _to_tree(params: Params) -> dict:
-    def layer(lp: LayerParams):
-        return {k: v for k, v in dataclasses.asdict(lp).items() if v is not None}
-    out = {"embed": params.embed, "final_norm": params.final_norm,
-           "layers": {str(i): layer(lp) for i, lp in enumerate(params.layers)}}
+def _groups(params: Params) -> dict[str, dict]:
+    """The params as orbax items, one per group: "outer" (embedding, final norm, head) and
+    "layer_0000".. (one layer each). Saved and restored a group at a time: orbax stages what it
+    moves on the host, so one item for the model held a second, host copy of it."""
+    out = {"outer": {"embed": params.embed, "final_norm": params.final_norm}}
     if params.lm_head is not None:
-        out["lm_head"] = params.lm_head
+        out["outer"]["lm_head"] = params.lm_head
+    for i, lp in enumerate(params.layers):
+        out[f"layer_{i:04d}"] = {k: v for k, v in dataclasses.asdict(lp).items() if v is not None}
     return out
 
 
-def _from_tree(tree: dict, cfg: ModelConfig) -> Params:
+def _from_groups(groups: dict[str, dict], cfg: ModelConfig) -> Params:
     names = [f.name for f in dataclasses.fields(LayerParams)]
-    layers = tuple(LayerParams(**{n: tree["layers"][str(i)].get(n) for n in names})
+    layers = tuple(LayerParams(**{n: groups[f"layer_{i:04d}"].get(n) for n in names})
                    for i in range(cfg.num_layers))
-    return Params(embed=tree["embed"], layers=layers, final_norm=tree["final_norm"],
-                  lm_head=tree.get("lm_head"))
+    outer = groups["outer"]
+    return Params(embed=outer["embed"], layers=layers, final_norm=outer["final_norm"],
+                  lm_head=outer.get("lm_head"))
 
 
 def _is_enospc(e: BaseException) -> bool:
@@ -232,9 +234,11 @@ def save(path: Path, params: Params, cfg: ModelConfig) -> None:
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         tmp.mkdir()
-        with ocp.StandardCheckpointer(save_concurrent_gb=_CONCURRENT_GB) as ckpt:
-            ckpt.save(tmp / "params", _to_tree(params))
-        trim_host()
+        with ocp.StandardCheckpointer() as ckpt:
+            for name, item in _groups(params).items():
+                ckpt.save(tmp / "params" / name, item)
+                ckpt.wait_until_finished()  # one group's host copy at a time
+                trim_host()
         _write_config(tmp, cfg, params.tp_groups)
         _write_manifest(tmp)
         try:
@@ -296,20 +300,12 @@ def _load(path: Path, sharding=None) -> tuple[Params, ModelConfig] | None:
              if isinstance(sharding, jax.sharding.Mesh) else sharding)
         return jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=s)
 
+    names = ["outer"] + [f"layer_{i:04d}" for i in range(cfg.num_layers)]
+    groups = {}
     with ocp.StandardCheckpointer() as ckpt:
-        meta = ckpt.metadata(path / "params").item_metadata
-    abstract = jax.tree_util.tree_map_with_path(where, dict(getattr(meta, "tree", meta)))
-    # a group at a time (the outer leaves, then each layer): orbax stages what it restores on
-    # the host, so restoring the whole tree at once held a second, host copy of the model
-    groups = [{k: v for k, v in abstract.items() if k != "layers"}]
-    groups += [{"layers": {i: layer}} for i, layer in abstract["layers"].items()]
-    tree: dict = {"layers": {}}
-    with ocp.PyTreeCheckpointer() as ckpt:
-        for item in groups:
-            got = ckpt.restore(path / "params", args=ocp.args.PyTreeRestore(
-                item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-                partial_restore=True))
-            tree["layers"].update(got.pop("layers", {}))
-            tree.update(got)
+        for name in names:  # a group at a time (`_groups`)
+            meta = ckpt.metadata(path / "params" / name).item_metadata
+            abstract = jax.tree_util.tree_map_with_path(where, dict(getattr(meta, "tree", meta)))
+            groups[name] = ckpt.restore(path / "params" / name, abstract)
             trim_host()
-    return _from_tree(tree, cfg).replace(tp_groups=saved_tp), cfg
+    return _from_groups(groups, cfg).replace(tp_groups=saved_tp), cfg

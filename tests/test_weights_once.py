@@ -122,14 +122,16 @@ def _folder(tmp_path, cfg=CFG, dtype=np.float32):
     from safetensors.numpy import save_file
 
     t = random_hf_tensors(cfg, 3)
-    save_file({k: v.astype(dtype) for k, v in t.items()}, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps({
+    folder = tmp_path / "model"  # beside the cache, not holding it (its mtime keys the cache)
+    folder.mkdir()
+    save_file({k: v.astype(dtype) for k, v in t.items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({
         "model_type": cfg.arch, "hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
         "vocab_size": cfg.vocab_size, "tie_word_embeddings": True, "rope_theta": 1e4,
         "max_position_embeddings": 512}))
-    return tmp_path, t
+    return folder, t
 
 
 def test_streamed_params_equal_the_whole_dict_conversion(tmp_path):
