@@ -1,8 +1,8 @@
 """Converted params saved and restored with orbax-checkpoint, so a second load skips dequantising.
 
 A checkpoint lives in a directory keyed by the source file's identity (path, size, mtime), the
-dtype and `FORMAT`, holding `params/` (orbax: one item per group, the embedding and head, then
-each layer), `config.json` (the ModelConfig) and, written last,
+dtype and `FORMAT`, holding `params/` (orbax: one item per group, the embedding, final norm and
+head, then each layer), `config.json` (the ModelConfig) and, written last,
 `MANIFEST.json`: every file's size and the SHA-256 of each of its `CHUNK`-byte chunks.
 
 Trust nothing on disk: `save` writes into a fresh sibling `<dir>.tmp-<pid>-<hex>` (removed on any
@@ -62,13 +62,15 @@ def checkpoint_dir(source: Path, dtype: str, root: Path, tp: int = 1) -> Path:
     return root / "converted" / f"{name}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
 
 
+_OUTER = ("embed", "final_norm", "lm_head")
+
+
 def _groups(params: Params) -> dict[str, dict]:
-    """The params as orbax items, one per group: "outer" (embedding, final norm, head) and
-    "layer_0000".. (one layer each). Saved and restored a group at a time: orbax stages what it
-    moves on the host, so one item for the model held a second, host copy of it."""
-    out = {"outer": {"embed": params.embed, "final_norm": params.final_norm}}
-    if params.lm_head is not None:
-        out["outer"]["lm_head"] = params.lm_head
+    """The params as orbax items, one per group: the embedding, the final norm, the head (when
+    untied), then "layer_0000".. (one layer each). Saved and restored a group at a time: orbax
+    stages what it moves on the host (about 1.6x the item), so one item for the model held a
+    second, host copy of it."""
+    out = {n: {n: getattr(params, n)} for n in _OUTER if getattr(params, n) is not None}
     for i, lp in enumerate(params.layers):
         out[f"layer_{i:04d}"] = {k: v for k, v in dataclasses.asdict(lp).items() if v is not None}
     return out
@@ -78,9 +80,8 @@ def _from_groups(groups: dict[str, dict], cfg: ModelConfig) -> Params:
     names = [f.name for f in dataclasses.fields(LayerParams)]
     layers = tuple(LayerParams(**{n: groups[f"layer_{i:04d}"].get(n) for n in names})
                    for i in range(cfg.num_layers))
-    outer = groups["outer"]
-    return Params(embed=outer["embed"], layers=layers, final_norm=outer["final_norm"],
-                  lm_head=outer.get("lm_head"))
+    outer = {n: groups[n][n] for n in _OUTER if n in groups}
+    return Params(layers=layers, lm_head=outer.pop("lm_head", None), **outer)
 
 
 def _is_enospc(e: BaseException) -> bool:
@@ -300,7 +301,8 @@ def _load(path: Path, sharding=None) -> tuple[Params, ModelConfig] | None:
              if isinstance(sharding, jax.sharding.Mesh) else sharding)
         return jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=s)
 
-    names = ["outer"] + [f"layer_{i:04d}" for i in range(cfg.num_layers)]
+    names = [n for n in _OUTER if (path / "params" / n).is_dir()]
+    names += [f"layer_{i:04d}" for i in range(cfg.num_layers)]
     groups = {}
     with ocp.StandardCheckpointer() as ckpt:
         for name in names:  # a group at a time (`_groups`)
