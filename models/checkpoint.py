@@ -1,7 +1,8 @@
 """Converted params saved and restored with orbax-checkpoint, so a second load skips dequantising.
 
 A checkpoint lives in a directory keyed by the source file's identity (path, size, mtime), the
-dtype and `FORMAT`, holding `params/` (orbax), `config.json` (the ModelConfig) and, written last,
+dtype and `FORMAT`, holding `params/` (orbax: one item per group, the embedding, final norm and
+head, then each layer), `config.json` (the ModelConfig) and, written last,
 `MANIFEST.json`: every file's size and the SHA-256 of each of its `CHUNK`-byte chunks.
 
 Trust nothing on disk: `save` writes into a fresh sibling `<dir>.tmp-<pid>-<hex>` (removed on any
@@ -27,12 +28,15 @@ from pathlib import Path
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding
 
 from ssd_jax.models.config import ModelConfig
-from ssd_jax.models.params import LayerParams, Params
+from ssd_jax.models.params import LayerParams, Params, trim_host
+from ssd_jax.models.tp import leaf_spec, mesh_degree
 
 
-FORMAT = 2  # bump when what a checkpoint holds changes (2: ModelConfig without cpu_kernels)
+FORMAT = 3  # bump when what a checkpoint holds changes (2: ModelConfig without cpu_kernels;
+# 3: params/ as one orbax item per group, `_groups`)
 MANIFEST = "MANIFEST.json"
 CHUNK = 64 << 20  # bytes per hashed chunk (chunks hash in parallel)
 _SLACK = 1.05  # free space asked for: the params' bytes times this, plus 16 MiB of metadata
@@ -46,31 +50,38 @@ class CacheSpaceError(OSError):
         return str(self.strerror)
 
 
-def checkpoint_dir(source: Path, dtype: str, root: Path) -> Path:
-    """The directory under `root / "converted"` for `source` converted to `dtype`: its name hashes
-    the source's resolved path, size and mtime with the dtype and `FORMAT`, so an edited source,
-    or another version of this package, gets a new one."""
+def checkpoint_dir(source: Path, dtype: str, root: Path, tp: int = 1) -> Path:
+    """The directory under `root / "converted"` for `source` converted to `dtype` (in the
+    tensor-parallel layout of degree `tp`, `ssd_jax.models.tp`, when tp > 1): its name hashes the
+    source's resolved path, size and mtime with the dtype, the degree and `FORMAT`, so an edited
+    source, or another version of this package, gets a new one."""
     st = source.stat()
     ident = f"{source.resolve()}|{st.st_size}|{int(st.st_mtime)}|{dtype}|v{FORMAT}"
-    return root / "converted" / f"{source.stem}-{dtype}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
+    ident += f"|tp{tp}" if tp > 1 else ""
+    name = f"{source.stem}-{dtype}{f'-tp{tp}' if tp > 1 else ''}"
+    return root / "converted" / f"{name}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
 
 
-def _to_tree(params: Params) -> dict:
-    def layer(lp: LayerParams):
-        return {k: v for k, v in dataclasses.asdict(lp).items() if v is not None}
-    out = {"embed": params.embed, "final_norm": params.final_norm,
-           "layers": {str(i): layer(lp) for i, lp in enumerate(params.layers)}}
-    if params.lm_head is not None:
-        out["lm_head"] = params.lm_head
+_OUTER = ("embed", "final_norm", "lm_head")
+
+
+def _groups(params: Params) -> dict[str, dict]:
+    """The params as orbax items, one per group: the embedding, the final norm, the head (when
+    untied), then "layer_0000".. (one layer each). Saved and restored a group at a time: orbax
+    stages what it moves on the host (about 1.6x the item), so one item for the model held a
+    second, host copy of it."""
+    out = {n: {n: getattr(params, n)} for n in _OUTER if getattr(params, n) is not None}
+    for i, lp in enumerate(params.layers):
+        out[f"layer_{i:04d}"] = {k: v for k, v in dataclasses.asdict(lp).items() if v is not None}
     return out
 
 
-def _from_tree(tree: dict, cfg: ModelConfig) -> Params:
+def _from_groups(groups: dict[str, dict], cfg: ModelConfig) -> Params:
     names = [f.name for f in dataclasses.fields(LayerParams)]
-    layers = tuple(LayerParams(**{n: tree["layers"][str(i)].get(n) for n in names})
+    layers = tuple(LayerParams(**{n: groups[f"layer_{i:04d}"].get(n) for n in names})
                    for i in range(cfg.num_layers))
-    return Params(embed=tree["embed"], layers=layers, final_norm=tree["final_norm"],
-                  lm_head=tree.get("lm_head"))
+    outer = {n: groups[n][n] for n in _OUTER if n in groups}
+    return Params(layers=layers, lm_head=outer.pop("lm_head", None), **outer)
 
 
 def _is_enospc(e: BaseException) -> bool:
@@ -140,8 +151,9 @@ def _hash_files(root: Path, files: list[str]) -> dict[str, list[str]]:
     return out
 
 
-def _write_config(root: Path, cfg: ModelConfig) -> None:
+def _write_config(root: Path, cfg: ModelConfig, tp_groups: int = 1) -> None:
     (root / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    (root / "layout.json").write_text(json.dumps({"tp_groups": int(tp_groups)}))
 
 
 def _write_manifest(root: Path) -> None:
@@ -207,7 +219,9 @@ def _clear_stale(path: Path) -> None:
 
 
 def save(path: Path, params: Params, cfg: ModelConfig) -> None:
-    """Write params (orbax), cfg (config.json) and the manifest (last) to `path`, replacing it:
+    """Write params (orbax, from wherever they are placed: each shard from its device), cfg (the
+    config of the params as laid out: config.json), their TP degree (layout.json) and the
+    manifest (last) to `path`, replacing it:
     written into a fresh temporary sibling first, then renamed into place, so no crash, full
     disk or kill leaves anything at `path` that `restore` would load. Raises `CacheSpaceError`
     (before writing, when the free space is short; or when the disk fills up while writing)."""
@@ -222,8 +236,11 @@ def save(path: Path, params: Params, cfg: ModelConfig) -> None:
     try:
         tmp.mkdir()
         with ocp.StandardCheckpointer() as ckpt:
-            ckpt.save(tmp / "params", _to_tree(params))
-        _write_config(tmp, cfg)
+            for name, item in _groups(params).items():
+                ckpt.save(tmp / "params" / name, item)
+                ckpt.wait_until_finished()  # one group's host copy at a time
+                trim_host()
+        _write_config(tmp, cfg, params.tp_groups)
         _write_manifest(tmp)
         try:
             os.replace(tmp, path)
@@ -240,17 +257,20 @@ def save(path: Path, params: Params, cfg: ModelConfig) -> None:
         raise
 
 
-def restore(path: Path) -> tuple[Params, ModelConfig] | None:
-    """(params, cfg) saved at `path` by `save`, or None when it holds no complete checkpoint: none
-    there (silently), or one that is half-written, corrupt, stale or unloadable (with one
-    warning naming why; the caller converts again and `save` replaces it)."""
+def restore(path: Path, sharding=None) -> tuple[Params, ModelConfig] | None:
+    """(params, cfg) saved at `path` by `save`, each leaf restored by orbax straight into its
+    place (`sharding` as `ssd_jax.models.tp.placer` takes it: None, the default device; a
+    Sharding; a Mesh, the TP layout the checkpoint was saved in): each device reads only its
+    shard, nothing passes through host numpy. None when `path` holds no complete checkpoint: none
+    there (silently), or one that is half-written, corrupt, stale or unloadable (with one warning
+    naming why; the caller converts again and `save` replaces it)."""
     path = Path(path)
     if not path.exists():
         return None
     why = problem(path)
     if why is None:
         try:
-            return _load(path)
+            return _load(path, sharding)
         except Exception as e:  # noqa: BLE001 - whatever orbax or the config make of it
             why = f"it did not load ({type(e).__name__}: {e})"
     warnings.warn(f"ssd_jax: the conversion cache at {path} is not usable ({why}); converting "
@@ -258,7 +278,7 @@ def restore(path: Path) -> tuple[Params, ModelConfig] | None:
     return None
 
 
-def _load(path: Path) -> tuple[Params, ModelConfig] | None:
+def _load(path: Path, sharding=None) -> tuple[Params, ModelConfig] | None:
     raw = json.loads((path / "config.json").read_text())
     if raw.get("rope_scaling") is not None:
         raw["rope_scaling"] = tuple(raw["rope_scaling"])
@@ -267,7 +287,27 @@ def _load(path: Path) -> tuple[Params, ModelConfig] | None:
         raise ValueError(f"config.json has the fields of another ModelConfig "
                          f"({sorted(set(raw) ^ fields)} differ)")
     cfg = ModelConfig(**raw)
+    layout = path / "layout.json"
+    saved_tp = json.loads(layout.read_text())["tp_groups"] if layout.exists() else 1
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    tp = mesh_degree(sharding) if isinstance(sharding, jax.sharding.Mesh) else 1
+    if tp != saved_tp:
+        raise ValueError(f"saved in the tensor-parallel layout of degree {saved_tp}, asked for {tp}")
+
+    def where(keypath, meta):
+        field = str(getattr(keypath[-1], "key", keypath[-1]))
+        s = (NamedSharding(sharding, leaf_spec(field, meta.shape, tp))
+             if isinstance(sharding, jax.sharding.Mesh) else sharding)
+        return jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=s)
+
+    names = [n for n in _OUTER if (path / "params" / n).is_dir()]
+    names += [f"layer_{i:04d}" for i in range(cfg.num_layers)]
+    groups = {}
     with ocp.StandardCheckpointer() as ckpt:
-        tree = ckpt.restore(path / "params")
-    tree = jax.tree_util.tree_map(lambda x: jax.numpy.asarray(np.asarray(x)), tree)
-    return _from_tree(tree, cfg), cfg
+        for name in names:  # a group at a time (`_groups`)
+            meta = ckpt.metadata(path / "params" / name).item_metadata
+            abstract = jax.tree_util.tree_map_with_path(where, dict(getattr(meta, "tree", meta)))
+            groups[name] = ckpt.restore(path / "params" / name, abstract)
+            trim_host()
+    return _from_groups(groups, cfg).replace(tp_groups=saved_tp), cfg

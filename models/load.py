@@ -15,6 +15,7 @@ from ssd_jax.models.config import ModelConfig, canonical_dtype
 from ssd_jax.models.draft_head import prepare_draft
 from ssd_jax.models.model import Model
 from ssd_jax.models.params import params_from_hf
+from ssd_jax.models.tp import mesh_degree, placer
 
 
 def _read(path: Path):
@@ -50,10 +51,19 @@ def auto_dtype() -> str:
     return backends.defaults(backends.select("auto"))["dtype"]
 
 
-def load_model(name_or_path: str | Path, dtype: str = "auto", *, use_cache: bool = True,
-               cache_dir: str | Path | None = None, with_tokenizer: bool = True) -> Model:
+def load_model(name_or_path: str | Path, dtype: str = "auto", *, sharding=None,
+               use_cache: bool = True, cache_dir: str | Path | None = None,
+               with_tokenizer: bool = True) -> Model:
     """The model with logical params (models/weights.py): a backend lays them out for its kernels
     with its own `prepare` (`ssd_jax.models.ops.Ops`), once they are placed.
+
+    Each parameter is built straight onto its devices in its final dtype (`sharding`: None, the
+    default device; a `jax.sharding.Sharding` for every leaf, e.g. `placement.target`; a `Mesh`
+    with a `model` axis, e.g. `placement.target_mesh`: the tensor-parallel layout, each device
+    receiving only its shard, `ssd_jax.models.tp`). A first load streams the file: one tensor
+    at a time off its memory map, converted a block of rows at a time, so the host holds a few
+    tensors, never the model; a later load restores the conversion cache the same way (orbax
+    reads each device's shard).
 
     name_or_path: a default model name (`ssd-jax fetch`), a .gguf file, an HF folder, or a Hub id
     "Org/Name" found in the local HF cache (models/hub.py; never downloaded). dtype: "float32",
@@ -76,8 +86,9 @@ def load_model(name_or_path: str | Path, dtype: str = "auto", *, use_cache: bool
         use_cache = False
     t0 = time.perf_counter()
     root = Path(cache_dir) if cache_dir is not None else registry.cache_dir()
-    ckpt = checkpoint.checkpoint_dir(path, dtype, root)
-    restored = checkpoint.restore(ckpt) if use_cache else None
+    tp = mesh_degree(sharding) if isinstance(sharding, jax.sharding.Mesh) else 1
+    ckpt = checkpoint.checkpoint_dir(path, dtype, root, tp)
+    restored = checkpoint.restore(ckpt, sharding) if use_cache else None
     if restored is not None:
         params, cfg = restored
         log.info("%s: restored the converted %s weights from %s", name_or_path, dtype, ckpt)
@@ -87,10 +98,12 @@ def load_model(name_or_path: str | Path, dtype: str = "auto", *, use_cache: bool
         if use_cache:  # no room for the cache: say so before the slow conversion
             checkpoint.check_space(ckpt, checkpoint.param_bytes(
                 ModelConfig.from_hf(_read_config(path), dtype)))
-        config, tensors = _read(path)
+        config, tensors = _read(path)  # opened, not read: params_from_hf reads one at a time
         cfg = ModelConfig.from_hf(config, dtype)
-        params = params_from_hf(tensors, cfg)
+        _, tcfg, _ = placer(sharding, cfg)  # a model that does not split fails here, unread
+        params = params_from_hf(tensors, cfg, sharding)
         del tensors
+        cfg = tcfg
         if use_cache:
             checkpoint.save(ckpt, params, cfg)
     tok = _tokenizer(path) if with_tokenizer else None

@@ -23,7 +23,9 @@ Op signatures (shapes per sequence batch B, new tokens T, heads H, kv heads KVH,
   branch_k, branch_v [B, MQ, K, KVH, D], step, valid [B, MQ]) -> [B, MQ, H, D]`.
 - `cache_gather(keys [B, MQ, 2], valid [B, MQ], tokens [B, MQ, K], rows [B, MQ, K, V],
   outcome [B, 2]) -> (hit [B], index [B], tokens [B, K], rows [B, K, V])`.
-- `prepare(params) -> params`.
+- `prepare(params) -> params`: layer-local, and leaving what it already laid out as it is: the
+  engine calls it on the embedding and head, then on them with one layer at a time, so the
+  un-prepared weights are released as it goes (one copy on the device).
 
 Two hints travel with a table, for choosing defaults (`ssd_jax.models.backends.defaults`):
 `fast_dtypes`, the weight dtypes its ops run fastest in, best first; `fast_quant`, the draft

@@ -6,6 +6,7 @@ with fewer dispatches.
 """
 from __future__ import annotations
 
+import functools
 from typing import Mapping
 
 import jax
@@ -14,6 +15,8 @@ import numpy as np
 from flax import struct
 
 from ssd_jax.models.config import ModelConfig
+from ssd_jax.models.loading.source import TensorSource, as_source
+from ssd_jax.models.tp import placer
 
 
 @struct.dataclass
@@ -40,7 +43,7 @@ class Params:
     (None when tied to the embedding). Dense weights are arrays or logical quantized formats
     (models/weights.py); a backend's `prepare` may re-lay them out. tp_groups (static): how many
     tensor-parallel groups the fused wqkv / w_gate_up columns are laid out in (1: checkpoint
-    order; `ssd_jax.runtime.sharding.tp_layout` sets the TP degree)."""
+    order; `ssd_jax.models.tp` lays them out for a TP degree)."""
     embed: jax.Array  # [V, hidden]
     layers: tuple[LayerParams, ...]
     final_norm: jax.Array  # [hidden]
@@ -66,53 +69,123 @@ def _hf_key_sets(cfg: ModelConfig) -> list[str]:
     return keys
 
 
-def params_from_hf(tensors: Mapping[str, np.ndarray], cfg: ModelConfig) -> Params:
-    """HF-named tensors ([out, in] layout) -> Params in cfg.dtype, with shape checks that name the tensor."""
-    missing = [k for k in _hf_key_sets(cfg) if k not in tensors]
+_CHUNK = 16 << 20  # float32 values converted at a time (64 MiB): the host's transient per tensor
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        import ctypes
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return None
+
+
+def trim_host() -> None:
+    """Hand the host buffers just freed back to the OS (glibc's malloc_trim). glibc raises its
+    mmap threshold to the largest block freed so far (up to 32 MiB), so tensor-sized buffers then
+    come from the heap and its holes stay resident: without this a load's RSS creeps up a few MB
+    a layer (and on a CPU the devices' memory is the host's)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def _fill(dst: np.ndarray, src: TensorSource, name: str, transpose: bool = False) -> None:
+    """Write tensor `name` into `dst` (its shape, or transposed), in `dst`'s dtype, a block of
+    rows at a time: each block read as float32, checked finite, converted (rounded to nearest
+    even, as XLA converts) and written; the float32 copy never exceeds one block."""
+    shape = src.shape(name)
+    n = shape[0] if shape else 1
+    step = max(1, _CHUNK // max(1, int(np.prod(shape[1:], dtype=np.int64))))
+    for a in range(0, n, step):
+        block = src.rows(name, a, min(n, a + step))
+        if not np.isfinite(block).all():
+            raise ValueError(f"tensor {name} contains NaN or Inf: the checkpoint is corrupt")
+        if transpose:
+            dst[:, a:a + block.shape[0]] = block.T
+        elif dst.ndim:
+            dst[a:a + block.shape[0]] = block.reshape(-1, *dst.shape[1:])
+        else:
+            dst[...] = block.reshape(())
+
+
+def params_from_hf(tensors: Mapping[str, np.ndarray] | TensorSource, cfg: ModelConfig,
+                   sharding=None) -> Params:
+    """HF-named tensors ([out, in] layout) -> Params in cfg.dtype, each leaf built straight onto
+    its devices (`ssd_jax.models.tp.placer`): `sharding` None (the default device), a
+    `jax.sharding.Sharding` for every leaf, or a `Mesh` with a `model` axis (the tensor-parallel
+    layout, `tp_groups` = its size; each device receives only its shard).
+
+    `tensors` is a dict or a lazy `TensorSource` (what the loaders return): one tensor at a time
+    is read, converted to cfg.dtype a block of rows at a time, fused / transposed / re-laid out on
+    the host and placed, so the host holds a few tensors, never the model. Every tensor's
+    presence and shape is checked, naming it, before the first is read."""
+    src = as_source(tensors)
+    missing = [k for k in _hf_key_sets(cfg) if k not in src]
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
-    dt = jnp.dtype(cfg.dtype)
+    dt = np.dtype(jnp.dtype(cfg.dtype))
     H, KVH, D, E, I = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+    V = cfg.vocab_size
+    shapes = {"model.embed_tokens.weight": (V, E), "model.norm.weight": (E,), "lm_head.weight": (V, E)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (E,), p + "post_attention_layernorm.weight": (E,),
+            p + "self_attn.q_proj.weight": (H * D, E), p + "self_attn.k_proj.weight": (KVH * D, E),
+            p + "self_attn.v_proj.weight": (KVH * D, E), p + "self_attn.o_proj.weight": (E, H * D),
+            p + "mlp.gate_proj.weight": (I, E), p + "mlp.up_proj.weight": (I, E),
+            p + "mlp.down_proj.weight": (E, I), p + "self_attn.q_proj.bias": (H * D,),
+            p + "self_attn.k_proj.bias": (KVH * D,), p + "self_attn.v_proj.bias": (KVH * D,),
+            p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)})
+    for name in _hf_key_sets(cfg):
+        if tuple(src.shape(name)) != shapes[name]:
+            raise ValueError(f"tensor {name} has shape {tuple(src.shape(name))}, the config "
+                             f"expects {shapes[name]}")
+    tp, _, put = placer(sharding, cfg)
 
-    def get(name, shape):
-        a = np.asarray(tensors[name])
-        if a.shape != tuple(shape):
-            raise ValueError(f"tensor {name} has shape {a.shape}, the config expects {tuple(shape)}")
-        if not np.all(np.isfinite(a.astype(np.float32))):
-            raise ValueError(f"tensor {name} contains NaN or Inf: the checkpoint is corrupt")
-        return a.astype(np.float32)
+    def one(field, name, transpose=False):
+        shape = shapes[name][::-1] if transpose else shapes[name]
+        host = np.empty(shape, dt)
+        _fill(host, src, name, transpose)
+        out = put(field, host)
+        del host
+        trim_host()
+        return out
 
-    def arr(a):
-        return jnp.asarray(a, dtype=dt)
+    def fused(field, names, transpose):
+        """Tensors stacked on their rows ([out, in]) -> one host array, transposed for a matmul."""
+        rows = sum(shapes[n][0] for n in names)
+        host = np.empty((shapes[names[0]][1], rows) if transpose else (rows,), dt)
+        at = 0
+        for n in names:
+            r = shapes[n][0]
+            _fill(host[:, at:at + r] if transpose else host[at:at + r], src, n, transpose)
+            at += r
+        out = put(field, host)
+        del host
+        trim_host()
+        return out
 
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        q = get(p + "self_attn.q_proj.weight", (H * D, E))
-        k = get(p + "self_attn.k_proj.weight", (KVH * D, E))
-        v = get(p + "self_attn.v_proj.weight", (KVH * D, E))
-        bqkv = None
-        if cfg.qkv_bias:
-            bqkv = arr(np.concatenate([get(p + "self_attn.q_proj.bias", (H * D,)),
-                                       get(p + "self_attn.k_proj.bias", (KVH * D,)),
-                                       get(p + "self_attn.v_proj.bias", (KVH * D,))]))
-        gate = get(p + "mlp.gate_proj.weight", (I, E))
-        up = get(p + "mlp.up_proj.weight", (I, E))
+        qkv = [p + f"self_attn.{n}_proj" for n in "qkv"]
         layers.append(LayerParams(
-            attn_norm=arr(get(p + "input_layernorm.weight", (E,))),
-            wqkv=arr(np.concatenate([q, k, v], axis=0).T),
-            bqkv=bqkv,
-            q_norm=arr(get(p + "self_attn.q_norm.weight", (D,))) if cfg.qk_norm else None,
-            k_norm=arr(get(p + "self_attn.k_norm.weight", (D,))) if cfg.qk_norm else None,
-            wo=arr(get(p + "self_attn.o_proj.weight", (E, H * D)).T),
-            mlp_norm=arr(get(p + "post_attention_layernorm.weight", (E,))),
-            w_gate_up=arr(np.concatenate([gate, up], axis=0).T),
-            w_down=arr(get(p + "mlp.down_proj.weight", (E, I)).T),
+            attn_norm=one("attn_norm", p + "input_layernorm.weight"),
+            wqkv=fused("wqkv", [n + ".weight" for n in qkv], True),
+            bqkv=fused("bqkv", [n + ".bias" for n in qkv], False) if cfg.qkv_bias else None,
+            q_norm=one("q_norm", p + "self_attn.q_norm.weight") if cfg.qk_norm else None,
+            k_norm=one("k_norm", p + "self_attn.k_norm.weight") if cfg.qk_norm else None,
+            wo=one("wo", p + "self_attn.o_proj.weight", True),
+            mlp_norm=one("mlp_norm", p + "post_attention_layernorm.weight"),
+            w_gate_up=fused("w_gate_up", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], True),
+            w_down=one("w_down", p + "mlp.down_proj.weight", True),
         ))
-    embed = get("model.embed_tokens.weight", (cfg.vocab_size, E))
-    lm_head = None if cfg.tie_embeddings else arr(get("lm_head.weight", (cfg.vocab_size, E)).T)
-    return Params(embed=arr(embed), layers=tuple(layers),
-                  final_norm=arr(get("model.norm.weight", (E,))), lm_head=lm_head)
+    lm_head = None if cfg.tie_embeddings else one("lm_head", "lm_head.weight", True)
+    return Params(embed=one("embed", "model.embed_tokens.weight"), layers=tuple(layers),
+                  final_norm=one("final_norm", "model.norm.weight"), lm_head=lm_head, tp_groups=tp)
 
 
 def random_hf_tensors(cfg: ModelConfig, seed: int = 0, scale: float = 0.5) -> dict[str, np.ndarray]:

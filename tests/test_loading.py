@@ -21,7 +21,7 @@ import pytest
 
 from ssd_jax.models import registry
 from ssd_jax.models.loading.gguf import load_gguf, load_gguf_config, read_gguf_metadata
-from ssd_jax.models.loading.hf import load_hf_folder, read_safetensors
+from ssd_jax.models.loading.hf import load_hf_folder
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -299,8 +299,8 @@ def test_hf_folder_errors(tmp_path):
         load_hf_folder(tmp_path)
     bad = tmp_path / "model.safetensors"
     bad.write_bytes((10**6).to_bytes(8, "little") + b"{}")
-    with pytest.raises(ValueError, match="truncated"):
-        read_safetensors(bad)
+    with pytest.raises(ValueError, match="model.safetensors is corrupt or truncated"):
+        load_hf_folder(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------- registry

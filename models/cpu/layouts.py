@@ -243,7 +243,7 @@ def untie_lm_head(params: Params) -> Params:
     copy of the embedding in memory, read in place of it by a decode step)."""
     if params.lm_head is not None:
         return params
-    return params.replace(lm_head=jnp.asarray(params.embed).T.copy())
+    return params.replace(lm_head=jnp.asarray(params.embed).T)  # a new array: no second copy
 
 
 def _each_dense(params: Params, fn) -> Params:

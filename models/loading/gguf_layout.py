@@ -1,7 +1,7 @@
 """How GGUF tensors map onto HF's: the name map, the names a checkpoint must hold, and llama's q/k rows.
 
 llama.cpp's converter reorders the q and k rows of `llama` checkpoints per head (rotate-half ->
-interleaved pairs); `_unpermute_rows` undoes it. See ssd_jax.models.loading.gguf for which
+interleaved pairs); `_permuted_rows` undoes it (an index of the file's rows). See ssd_jax.models.loading.gguf for which
 architectures are permuted and how that was settled.
 """
 from __future__ import annotations
@@ -37,14 +37,13 @@ _NON_PARAMETER_TENSORS = {"rope_freqs.weight"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's per-head q/k row order (pairs interleaved) back to HF's halves order."""
-    rows = w.shape[0]
+def _permuted_rows(rows: int, n_heads: int) -> np.ndarray:
+    """For each HF q/k row, the file row holding it: llama.cpp's per-head order (pairs
+    interleaved) undone, file row (h, i, j) with j the pair member -> HF row (h, j, i)."""
     if rows % n_heads or (rows // n_heads) % 2:
         raise ValueError(f"cannot split {rows} q/k rows into {n_heads} heads of even size")
     half = rows // n_heads // 2
-    # file row (h, i, j) with j the pair member  ->  HF row (h, j, i)
-    return np.ascontiguousarray(w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+    return np.arange(rows).reshape(n_heads, half, 2).swapaxes(1, 2).reshape(rows)
 
 
 def _hf_name(name: str, n_layers: int) -> str | None:

@@ -1,10 +1,11 @@
-"""The GGUF container: metadata, tensor infos, and each tensor as float32 numpy (dequantised).
+"""The GGUF container: metadata, tensor infos, and a tensor's rows as float32 numpy (dequantised).
 
-`read_gguf_metadata(path)` is the public entry; `_parse` and `_tensor_array` serve the loader
+`read_gguf_metadata(path)` is the public entry; `_parse` and `_tensor_rows` serve the loader
 (ssd_jax.models.loading.gguf).
 """
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -150,30 +151,65 @@ def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ dequantising
 
 
-def _tensor_array(t: _TensorInfo, data: np.ndarray) -> np.ndarray:
-    """One tensor as float32 numpy, in numpy (= HF) dimension order."""
+def _decode(raw: np.ndarray, qtype, name: str) -> np.ndarray:
+    """Rows of raw bytes [R, row_bytes] of one ggml type -> float32 [R, row_elements]."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-    qtype = GGMLQuantizationType(t.ggml_type)
-    raw = data[t.offset : t.offset + t.n_bytes]
+    raw = np.ascontiguousarray(raw)
     if qtype == GGMLQuantizationType.F32:
-        arr = raw.view("<f4").astype(np.float32)
-    elif qtype == GGMLQuantizationType.F16:
-        arr = raw.view("<f2").astype(np.float32)
-    elif qtype == GGMLQuantizationType.F64:
-        arr = raw.view("<f8").astype(np.float32)
-    elif qtype == GGMLQuantizationType.BF16:
-        arr = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
-    else:
-        block, type_size = GGML_QUANT_SIZES[qtype]
-        rows = t.shape[:-1] if t.shape else ()
-        cols = t.shape[-1] if t.shape else 1
-        blocks = np.asarray(raw).reshape(*rows, cols // block * type_size)
-        try:
-            arr = quants.dequantize(blocks, qtype)
-        except NotImplementedError as e:
-            raise ValueError(f"tensor {t.name!r}: quantization {qtype.name} is not supported ({e})") from e
-        arr = np.asarray(arr, dtype=np.float32)
-    if arr.size != int(np.prod(t.shape, dtype=np.int64)):
-        raise ValueError(f"tensor {t.name!r}: {arr.size} values for shape {t.shape}; the file is corrupt")
-    return np.ascontiguousarray(arr.reshape(t.shape))
+        return raw.view("<f4").astype(np.float32)
+    if qtype == GGMLQuantizationType.F16:
+        return raw.view("<f2").astype(np.float32)
+    if qtype == GGMLQuantizationType.F64:
+        return raw.view("<f8").astype(np.float32)
+    if qtype == GGMLQuantizationType.BF16:
+        return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+    try:
+        return np.asarray(quants.dequantize(raw, qtype), dtype=np.float32)
+    except NotImplementedError as e:
+        raise ValueError(f"tensor {name!r}: quantization {qtype.name} is not supported ({e})") from e
+
+
+def _release(data: np.ndarray, offset: int, n: int) -> None:
+    """Drop the pages of bytes offset:offset+n of the file's map from this process's RSS (they
+    stay in the page cache), so reading a model through its map does not hold it resident."""
+    mm = getattr(data, "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise"):
+        return
+    page = mmap.PAGESIZE
+    start = offset // page * page
+    end = min(len(mm), -(-(offset + n) // page) * page)
+    try:
+        mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+    except (OSError, ValueError, AttributeError):  # not on this platform: only RSS is at stake
+        pass
+
+
+def _tensor_rows(t: _TensorInfo, data: np.ndarray, start: int, stop: int,
+                 which: np.ndarray | None = None) -> np.ndarray:
+    """Rows start:stop of axis 0 (or the rows `which`, file row indices) of one tensor as float32,
+    in numpy (= HF) dimension order: only those rows' bytes are read off the memory map."""
+    from gguf import GGMLQuantizationType
+
+    qtype = GGMLQuantizationType(t.ggml_type)
+    shape = t.shape or (1,)
+    raw = data[t.offset : t.offset + t.n_bytes]
+    if len(shape) == 1:  # a vector: decoded whole (norms, biases: small)
+        out = _decode(raw.reshape(1, -1), qtype, t.name).reshape(-1)
+        if out.size != shape[0]:
+            raise ValueError(f"tensor {t.name!r}: {out.size} values for shape {t.shape}; the file is corrupt")
+        return out[start:stop] if which is None else out[which]
+    rows = raw.reshape(shape[0], -1)  # ggml blocks run along the last (fastest) dimension
+    sel = rows[start:stop] if which is None else rows[which]
+    out = _decode(sel, qtype, t.name)
+    _release(data, t.offset, t.n_bytes)
+    n = int(np.prod(shape[1:], dtype=np.int64))
+    if out.shape[-1] != n:
+        raise ValueError(f"tensor {t.name!r}: {out.shape[-1]} values a row for shape {t.shape}; the file is corrupt")
+    return out.reshape(sel.shape[0], *shape[1:])
+
+
+def _tensor_array(t: _TensorInfo, data: np.ndarray) -> np.ndarray:
+    """One whole tensor as float32 numpy, in numpy (= HF) dimension order."""
+    shape = t.shape or (1,)
+    return _tensor_rows(t, data, 0, shape[0]).reshape(t.shape)

@@ -1,11 +1,10 @@
-"""HF model folders (config.json + *.safetensors, sharded or not) -> (config dict, float32 numpy tensors).
+"""HF model folders (config.json + *.safetensors, sharded or not) -> (config dict, a TensorSource).
 
 Tensor names are the checkpoint's own, i.e. transformers' parameter names (`model.layers.0...`), in
-HF shapes. Floating tensors come back as float32 (bf16 and fp16 included); integer tensors keep their
-dtype. `lm_head.weight` is returned only when the embeddings are untied, as `load_gguf` does.
-
-The safetensors container is read directly (an 8-byte header length, a JSON header, raw little-endian
-data), so bf16 needs neither torch nor ml_dtypes.
+HF shapes. The files are read with the `safetensors` library (`safe_open`, memory-mapped): nothing
+is read until a tensor is asked for, and then one tensor, or a range of its rows, as float32
+(bf16 and fp16 included; `safetensors` hands bf16 to numpy as ml_dtypes.bfloat16). `lm_head.weight`
+is listed only when the embeddings are untied, as `load_gguf` does.
 """
 from __future__ import annotations
 
@@ -14,54 +13,68 @@ import os
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes  # noqa: F401  (registers "bfloat16" with numpy: safetensors' numpy slices name it)
 import numpy as np
 
-__all__ = ["load_hf_folder", "read_safetensors", "normalize_config", "read_config"]
+from ssd_jax.models.loading.source import TensorSource
 
-_DTYPES = {
-    "F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2",
-    "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1", "BOOL": "?",
-}
+__all__ = ["load_hf_folder", "SafetensorsSource", "normalize_config", "read_config"]
+
 _FLOATS = {"F64", "F32", "F16", "BF16"}
 
 
-def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """All tensors of one .safetensors file; floating ones as float32."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"safetensors file not found: {path}")
-    size = path.stat().st_size
-    if size < 8:
-        raise ValueError(f"{path} is too short ({size} bytes) to be a safetensors file")
-    with open(path, "rb") as f:
-        header_len = int(np.frombuffer(f.read(8), dtype="<u8")[0])
-        if header_len > size - 8:
-            raise ValueError(f"{path} is corrupt or truncated: header of {header_len} bytes in a {size}-byte file")
+def _open(path: Path):
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), framework="numpy")
+    except SafetensorError as e:
+        raise ValueError(f"{path} is corrupt or truncated: not a readable safetensors file ({e})") from None
+
+
+class SafetensorsSource(TensorSource):
+    """The tensors of one or more .safetensors files (`safe_open`, memory-mapped), each read on
+    demand (the file mapped for that read only); names appearing in two files are a ValueError
+    naming the tensor."""
+
+    def __init__(self, files: list[Path], drop: tuple[str, ...] = ()):
+        self._where: dict[str, Path] = {}
+        self._meta: dict[str, tuple[str, tuple[int, ...]]] = {}
+        for file in files:
+            with _open(file) as f:
+                for name in f.keys():
+                    if name in drop:
+                        continue
+                    if name in self._where:
+                        raise ValueError(f"{file.parent}: tensor {name!r} appears in more than one shard")
+                    sl = f.get_slice(name)
+                    dtype, shape = sl.get_dtype(), tuple(int(d) for d in sl.get_shape())
+                    if dtype not in _FLOATS:
+                        raise ValueError(f"{file}: tensor {name!r} has dtype {dtype}; weights must "
+                                         f"be floating ({', '.join(sorted(_FLOATS))})")
+                    self._where[name] = file
+                    self._meta[name] = (dtype, shape)
+
+    def names(self) -> list[str]:
+        """The parameter tensors' HF names (from the header)."""
+        return list(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape in HF order (from the header)."""
+        return self._meta[name][1]
+
+    def rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows start:stop of axis 0 as float32 (only their bytes read)."""
+        from safetensors import SafetensorError
+
+        file, shape = self._where[name], self.shape(name)
         try:
-            header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path} is corrupt: unreadable safetensors header ({e})") from e
-    header.pop("__metadata__", None)
-    base = 8 + header_len
-    data = np.memmap(path, dtype=np.uint8, mode="r") if size > base else np.zeros(0, np.uint8)
-    out: dict[str, np.ndarray] = {}
-    for name, info in header.items():
-        dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-        if dtype not in _DTYPES:
-            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
-        if base + end > size or begin > end:
-            raise ValueError(f"{path} is truncated: tensor {name!r} needs bytes up to {base + end}, the file has {size}")
-        arr = data[base + begin : base + end].view(_DTYPES[dtype])
-        if arr.size != int(np.prod(shape, dtype=np.int64)):
-            raise ValueError(f"{path} is corrupt: tensor {name!r} has {arr.size} values for shape {shape}")
-        if dtype == "BF16":
-            arr = (arr.astype(np.uint32) << 16).view(np.float32)
-        elif dtype in _FLOATS:
-            arr = arr.astype(np.float32)
-        else:
-            arr = np.array(arr)
-        out[name] = arr.reshape(shape)
-    return out
+            # opened per read: closing unmaps the file, so its pages leave this process's RSS
+            with _open(file) as f:
+                a = np.asarray(f.get_slice(name)[start:stop] if shape else f.get_tensor(name))
+        except SafetensorError as e:
+            raise ValueError(f"{file}: tensor {name!r} is unreadable (corrupt or truncated: {e})") from None
+        return a.astype(np.float32, copy=False).reshape(-1, *shape[1:])
 
 
 def normalize_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -96,8 +109,9 @@ def read_config(folder: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(f"{config_file}: {e}") from e
 
 
-def load_hf_folder(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """(config.json as a dict with defaults filled in, HF-named float32 tensors) of a HF model folder.
+def load_hf_folder(path: str | os.PathLike) -> tuple[dict[str, Any], SafetensorsSource]:
+    """(config.json as a dict with defaults filled in, its tensors as a `SafetensorsSource`: HF
+    names -> float32, each read when asked for) of a HF model folder.
 
     Reads `model.safetensors.index.json` when present (only the shards it names), otherwise every
     `*.safetensors` in the folder. Raises FileNotFoundError naming what is missing.
@@ -127,21 +141,14 @@ def load_hf_folder(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, n
             hint = f" (found {bins}: convert them to safetensors)" if bins else ""
             raise FileNotFoundError(f"{folder} has no *.safetensors weights{hint}")
 
-    tensors: dict[str, np.ndarray] = {}
-    for file in files:
-        for name, arr in read_safetensors(file).items():
-            if name in tensors:
-                raise ValueError(f"{folder}: tensor {name!r} appears in more than one shard")
-            tensors[name] = arr
-    absent = sorted(set(weight_map) - tensors.keys())
+    drop = ("lm_head.weight",) if config["tie_word_embeddings"] else ()
+    tensors = SafetensorsSource(files, drop)
+    absent = sorted(set(weight_map) - set(tensors) - set(drop))
     if absent:
         raise ValueError(f"{folder}: tensors listed in the index are absent from the shards: {absent[:6]}")
-
-    if config["tie_word_embeddings"]:
-        tensors.pop("lm_head.weight", None)
-    elif "lm_head.weight" not in tensors:
+    if not config["tie_word_embeddings"] and "lm_head.weight" not in tensors:
         raise ValueError(f"{folder}: tie_word_embeddings is false but there is no lm_head.weight")
     if "model.embed_tokens.weight" not in tensors:
         raise ValueError(f"{folder}: no model.embed_tokens.weight among the tensors")
-    config.setdefault("vocab_size", int(tensors["model.embed_tokens.weight"].shape[0]))
+    config.setdefault("vocab_size", int(tensors.shape("model.embed_tokens.weight")[0]))
     return config, tensors

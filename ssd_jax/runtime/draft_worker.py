@@ -18,6 +18,7 @@ from ssd_jax.models import backends
 from ssd_jax.models.protocol import forward, init_cache, is_builtin, with_lengths
 from ssd_jax.algorithm import backups, round_steps, steps
 from ssd_jax.runtime.placement import _placed, settle, spans_processes, to_host, to_mesh
+from ssd_jax.runtime.sharding import consume
 from ssd_jax.algorithm.speculation_cache import lookup
 from ssd_jax.algorithm.tree import draft_tree
 
@@ -81,9 +82,10 @@ class DraftWorker:
         # A data-parallel draft (2+ devices) gets the xla table ("auto"), which XLA partitions
         # over the batch; a kernel's custom call has no partitioning rule.
         self.ops = backends.select(backend, sharding.mesh)
-        params = to_mesh(draft.params, sharding)
-        # a model of one's own (models.protocol) brings its own ops: no layout pass for it
-        self.params = self.ops.prepare(params) if is_builtin(self.cfg) else params
+        # a model of one's own (models.protocol) brings its own ops: no layout pass for it;
+        # the built-in one's params are taken over (draft.params becomes the laid-out copy)
+        self.params = (consume(draft, lambda f, x: to_mesh(x, sharding), self.ops.prepare)
+                       if is_builtin(self.cfg) else to_mesh(draft.params, sharding))
         self.row_vocab = int(row_vocab)  # the target's rows: proposals are padded/cut to match
         tok = draft.tokenizer
         self.vocab_size = tok.vocab_size if tok is not None else min(self.cfg.vocab_size, row_vocab)

@@ -40,7 +40,7 @@ from ssd_jax.algorithm.policy import BackupChooser, plan_from_sd, width_slope_fr
 from ssd_jax.runtime.proposer import Proposer
 from ssd_jax.runtime.placement import Placement, make_placement, settle, spans_processes, to_mesh
 from ssd_jax.algorithm.sampling import SamplingParams
-from ssd_jax.runtime.sharding import init_target_cache, shard_target
+from ssd_jax.runtime.sharding import init_target_cache, take_target
 from ssd_jax.algorithm.speculation_cache import check_budget
 
 def _bucket(n: int, quantum: int) -> int:
@@ -83,7 +83,20 @@ class Engine:
     join mode) serves one target connection: the engine bound to it, one call at a time; two
     engines must not share one `RemoteDraft`. A draft in this process that hangs (never returns)
     is not detected: XLA cannot cancel a running computation, so the draft process, which can be
-    stopped, is the layout for that (README, "Reliability")."""
+    stopped, is the layout for that (README, "Reliability").
+
+    One copy of the weights: the engine takes a built-in `Model`'s params over. `Engine(target,
+    draft)` places them on their mesh and lays them out with the backend's `prepare` a layer at
+    a time, pointing `target.params` (and `target.cfg`, for a tensor-parallel layout) at the
+    result as it goes, so the un-prepared arrays are released as they are replaced and the
+    devices never hold the model twice. Afterwards `target` and `engine.target` (the same object)
+    hold the engine's laid-out weights: its config and tokenizer are as before, and
+    `forward(target.params, target.cfg, tokens, cache, ops=engine.tops)` runs it (the default
+    XLA ops also run it unless the backend re-laid out a weight, e.g. the CPU kernels' bf16
+    strips). Keep your own reference to the original params only if you want a second copy.
+    The draft's `Model` is taken over the same way by its `DraftWorker`. Load with
+    `load_model(..., sharding=placement.target_mesh)` to build the weights on the mesh in the
+    first place (each device receives only its shard)."""
 
     def __init__(self, target, draft=None, *, placement: str | Placement = "split",
                  max_len: int = 4096, compilation_cache: bool | str = True, remote_draft=None,
@@ -142,9 +155,8 @@ class Engine:
         # tcfg: the target's config as its (possibly tensor-parallel) weights are laid out; the
         # backend's own layout pass (`prepare`) runs once, on the placed weights
         self.tops = backends.select(backend, self.placement.target_mesh)
-        if is_builtin(target.cfg):
-            self.tcfg, tparams = shard_target(target.params, target.cfg, self.placement.target_mesh)
-            self.tparams = self.tops.prepare(tparams)
+        if is_builtin(target.cfg):  # consumed: target.params becomes the laid-out weights
+            self.tcfg, self.tparams = take_target(target, self.placement.target_mesh, self.tops.prepare)
         else:  # a model of one's own (models.protocol): replicated on the target mesh, own ops
             self.tcfg, self.tparams = target.cfg, to_mesh(target.params, self.placement.target)
         self._serial = spans_processes(self.placement.target_mesh)

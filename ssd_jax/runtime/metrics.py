@@ -61,7 +61,9 @@ class Metrics:
     AR from this run's quantities (None when it cannot be computed); fanout: SSD's F_0..F_K after a
     hit; backend: the op table chosen per model; fallback: None, or when the draft failed and the
     call finished with plain decoding on the target (`ssd_jax.runtime.fallback`), what failed:
-    {draft, during, error, round, tokens_before, committed (per prompt)}; extra: anything else a caller attaches.
+    {draft, during, error, round, tokens_before, committed (per prompt)}; extra: anything else a
+    caller attaches; memory: the bytes each device holds for weights, KV cache and speculation
+    cache (`memory_of`).
     """
 
     mode: str
@@ -92,6 +94,9 @@ class Metrics:
     backend: dict[str, str] = dataclasses.field(default_factory=dict)  # op table per model
     fallback: dict[str, Any] | None = None  # the draft's failure, when the call fell back
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # bytes held per device, {"weights" | "kv_cache" | "spec_cache": {device: bytes}}
+    # (`memory_of(engine)`; empty until filled)
+    memory: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     def init_hist(self, k: int) -> None:
         """Set K and zero the three acceptance histograms (K+1 entries each)."""
@@ -234,6 +239,35 @@ def _jsonable(x):
     return x
 
 
+def device_bytes(*trees) -> dict[str, int]:
+    """{device: bytes} of the jax.Arrays in `trees` (each shard counted on its own device; a
+    buffer reached twice counted once; None, deleted and non-array leaves skipped)."""
+    out: dict[str, int] = {}
+    seen: set[tuple[int, int]] = set()
+    for x in jax.tree_util.tree_leaves(trees):
+        if not isinstance(x, jax.Array) or x.is_deleted():
+            continue
+        for shard in x.addressable_shards:
+            buf = (shard.device.id, shard.data.unsafe_buffer_pointer())
+            if buf in seen:  # one buffer under two Array objects (a no-op device_put)
+                continue
+            seen.add(buf)
+            key = f"{shard.device.platform}:{shard.device.id}"
+            out[key] = out.get(key, 0) + int(shard.data.nbytes)
+    return out
+
+
+def memory_of(engine) -> dict[str, dict[str, int]]:
+    """What `engine` holds on each of this process's devices now: {"weights": {device: bytes},
+    "kv_cache": ..., "spec_cache": ...}: the laid-out weights of target and (local) draft, the
+    KV caches and the SSD speculation cache of the last call (a draft in another process reports
+    nothing here). `metrics.memory` of the CLI's --json."""
+    w = getattr(engine, "worker", None)
+    return {"weights": device_bytes(engine.tparams, getattr(w, "params", None)),
+            "kv_cache": device_bytes(getattr(engine, "tcache", None), getattr(w, "cache", None)),
+            "spec_cache": device_bytes(getattr(w, "_tree", None))}
+
+
 # ----------------------------------------------------------------------------------- pytrees
 class _Static:
     """A static pytree part compared by value (dicts and lists included) and hashable."""
@@ -248,7 +282,7 @@ class _Static:
         return hash(json.dumps(self.value, sort_keys=True, default=repr))
 
 
-_METRIC_STATIC = ("mode", "k", "fanout", "backend", "fallback", "extra")
+_METRIC_STATIC = ("mode", "k", "fanout", "backend", "fallback", "extra", "memory")
 _METRIC_LEAVES = tuple(f.name for f in dataclasses.fields(Metrics) if f.name not in _METRIC_STATIC)
 _ROUND_FIELDS = tuple(f.name for f in dataclasses.fields(RoundTimes))
 

@@ -15,6 +15,8 @@ runs on local shards and the only collectives are two all-reduces per layer (aft
     embed, norms, q/k norms   replicated
     KV cache [B, S, KVH, D]   KV-head axis -> P(None, None, model, None); lengths replicated
 
+The layout itself lives in `ssd_jax.models.tp` (so `load_model(..., sharding=mesh)` builds each
+leaf straight into it); this module places params already loaded and the target's KV cache.
 The re-layout is recorded with the weights: `Params.tp_groups = tp` (static), which
 `ssd_jax.models.transformer` reads to split q/k/v and gate/up per group; with 1 nothing changes.
 The config stays a statement of model facts (`tp_config` only raises the KV-head count when heads
@@ -29,6 +31,8 @@ the vocabulary (`Placement.target_rows`), so each byte crosses once whatever the
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,54 +40,26 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ssd_jax.models.config import ModelConfig
 from ssd_jax.models.kv_cache import KVCache, init_cache
-from ssd_jax.models.params import LayerParams, Params
+from ssd_jax.models.params import LayerParams, Params, trim_host
 from ssd_jax.models.quant import is_quantized
+from ssd_jax.models.tp import TP_AXIS, leaf_spec, mesh_degree, placer, relayout, tp_config, undo  # noqa: F401
 
-TP_AXIS = "model"
 DP_AXIS = "data"
-
-
-def tp_config(cfg: ModelConfig, tp: int) -> ModelConfig:
-    """The config of `cfg`'s weights re-laid out for tensor parallelism of degree `tp` (KV heads
-    replicated up to `tp` when there are fewer), or a ValueError naming the constraint."""
-    tp = int(tp)
-    H, KVH, I = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
-    if tp < 1:
-        raise ValueError(f"tensor-parallel degree must be >= 1, got {tp}")
-    if H % tp:
-        raise ValueError(f"tensor parallelism {tp} needs num_heads ({H}) divisible by {tp}")
-    if I % tp:
-        raise ValueError(f"tensor parallelism {tp} needs intermediate_size ({I}) divisible by {tp}")
-    if KVH % tp and tp % KVH:
-        raise ValueError(f"tensor parallelism {tp} needs num_kv_heads ({KVH}) to divide or be a "
-                         f"multiple of {tp} (KV heads are split over shards, or replicated when "
-                         f"there are fewer than shards)")
-    return cfg.replace(num_kv_heads=max(KVH, tp))
 
 
 def _np(x) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
-def _qkv_columns(w: np.ndarray, cfg: ModelConfig, tp: int) -> np.ndarray:
-    """[..., (H + 2 KVH) D] in checkpoint order -> [..., tp * (H/tp + 2 KVH'/tp) * D] group-wise."""
-    H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    lead = w.shape[:-1]
-    q = w[..., : H * D].reshape(*lead, H, D)
-    k = w[..., H * D: (H + KVH) * D].reshape(*lead, KVH, D)
-    v = w[..., (H + KVH) * D:].reshape(*lead, KVH, D)
-    if KVH < tp:  # replicate each KV head tp/KVH times: head j' serves the q heads of head j'//r
-        r = tp // KVH
-        k, v = np.repeat(k, r, axis=-2), np.repeat(v, r, axis=-2)
-    kvh = k.shape[-2]
-    parts = [a.reshape(*lead, tp, n // tp, D) for a, n in ((q, H), (k, kvh), (v, kvh))]
-    return np.concatenate(parts, axis=-2).reshape(*lead, -1)
-
-
-def _gate_up_columns(w: np.ndarray, cfg: ModelConfig, tp: int) -> np.ndarray:
-    """[E, 2 I] ([gate | up]) -> [E, tp * 2 * I/tp] group-wise."""
-    E, I = w.shape[0], cfg.intermediate_size
-    return w.reshape(E, 2, tp, I // tp).transpose(0, 2, 1, 3).reshape(E, 2 * I)
+def _fields(params: Params, fn) -> Params:
+    """`params` with each array leaf replaced by fn(field name, leaf) (None leaves kept)."""
+    def layer(lp: LayerParams) -> LayerParams:
+        return LayerParams(**{f.name: None if getattr(lp, f.name) is None else fn(f.name, getattr(lp, f.name))
+                              for f in dataclasses.fields(LayerParams)})
+    return Params(embed=fn("embed", params.embed), layers=tuple(layer(lp) for lp in params.layers),
+                  final_norm=fn("final_norm", params.final_norm),
+                  lm_head=None if params.lm_head is None else fn("lm_head", params.lm_head),
+                  tp_groups=params.tp_groups)
 
 
 def tp_layout(params: Params, cfg: ModelConfig, tp: int) -> tuple[ModelConfig, Params]:
@@ -93,52 +69,83 @@ def tp_layout(params: Params, cfg: ModelConfig, tp: int) -> tuple[ModelConfig, P
         raise ValueError("tensor-parallel placement takes unquantized params: int8 weights "
                          "(models/quant.py) are for a single-device draft")
     tcfg = tp_config(cfg, tp)
-    layers = []
-    for lp in params.layers:
-        layers.append(lp.replace(
-            wqkv=_qkv_columns(_np(lp.wqkv), cfg, tp),
-            bqkv=None if lp.bqkv is None else _qkv_columns(_np(lp.bqkv), cfg, tp),
-            w_gate_up=_gate_up_columns(_np(lp.w_gate_up), cfg, tp),
-            **{n: _np(getattr(lp, n)) for n in ("attn_norm", "wo", "mlp_norm", "w_down")
-               if getattr(lp, n) is not None},
-            **{n: _np(getattr(lp, n)) for n in ("q_norm", "k_norm") if getattr(lp, n) is not None}))
-    return tcfg, Params(embed=_np(params.embed), layers=tuple(layers),
-                        final_norm=_np(params.final_norm),
-                        lm_head=None if params.lm_head is None else _np(params.lm_head),
-                        tp_groups=tp)
+    return tcfg, _fields(params, lambda f, x: relayout(f, _np(x), cfg, tp)).replace(tp_groups=tp)
 
 
 def param_specs(params: Params, tp: int) -> Params:
-    """PartitionSpecs (a Params-shaped pytree) of the TP layout above."""
-    rep = P()
+    """PartitionSpecs (a Params-shaped pytree) of the TP layout (`ssd_jax.models.tp`)."""
+    return _fields(params, lambda f, x: leaf_spec(f, x.shape, tp))
 
-    def layer(lp: LayerParams) -> LayerParams:
-        return LayerParams(
-            attn_norm=rep, wqkv=P(None, TP_AXIS),
-            bqkv=None if lp.bqkv is None else P(TP_AXIS),
-            q_norm=None if lp.q_norm is None else rep, k_norm=None if lp.k_norm is None else rep,
-            wo=P(TP_AXIS, None), mlp_norm=rep, w_gate_up=P(None, TP_AXIS), w_down=P(TP_AXIS, None))
 
-    lm = None
-    if params.lm_head is not None:
-        lm = P(None, TP_AXIS) if params.lm_head.shape[1] % tp == 0 else rep
-    return Params(embed=rep, layers=tuple(layer(lp) for lp in params.layers), final_norm=rep,
-                  lm_head=lm, tp_groups=params.tp_groups)
+def _leaf_placer(params: Params, cfg: ModelConfig, mesh: Mesh):
+    """(config of the placed weights, tp, place(field, leaf)) for putting `params` on `mesh`."""
+    tp, had = mesh_degree(mesh), params.tp_groups
+    if had == tp:
+        return cfg, tp, lambda f, x: jax.device_put(
+            x, NamedSharding(mesh, leaf_spec(f, x.shape, tp) if tp > 1 else P()))
+    if is_quantized(params):
+        raise ValueError("tensor-parallel placement takes unquantized params: int8 weights "
+                         "(models/quant.py) are for a single-device draft")
+
+    def logical(f, x):  # another degree's layout back to checkpoint order, on the host
+        return undo(f, _np(x), cfg, had)
+
+    if tp == 1:
+        return cfg, 1, lambda f, x: jax.device_put(logical(f, x), NamedSharding(mesh, P()))
+    _, tcfg, put = placer(mesh, cfg)
+    return tcfg, tp, lambda f, x: put(f, logical(f, x))
 
 
 def shard_target(params: Params, cfg: ModelConfig, mesh: Mesh) -> tuple[ModelConfig, Params]:
-    """Re-lay out and place the target's weights on `mesh` (axis `model`, degree mesh.size).
+    """Re-lay out and place the target's weights on `mesh` (axis `model`, degree mesh.size),
+    one leaf at a time.
 
-    Each device receives only its shards (host -> device per shard). With a 1-device mesh the
-    weights are placed unchanged and `cfg` is returned as is."""
-    tp = int(mesh.shape[TP_AXIS])
-    if tp == 1:
-        return cfg, jax.device_put(params, NamedSharding(mesh, P()))
-    tcfg, host = tp_layout(params, cfg, tp)
-    specs = param_specs(host, tp)
-    shardings = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs,
-                                       is_leaf=lambda x: isinstance(x, P))
-    return tcfg, jax.device_put(host, shardings)
+    Logical params (`tp_groups` 1) are re-laid out per leaf on the host and each device receives
+    only its shard (`ssd_jax.models.tp.placer`); params already in this degree's layout (loaded
+    with `load_model(..., sharding=mesh)`, or an engine's) are only moved where they are not in
+    place yet (a leaf already there is not copied), with `cfg` returned as is. With a 1-device
+    mesh the weights are placed unchanged. Another degree's layout is a ValueError."""
+    tcfg, tp, put = _leaf_placer(params, cfg, mesh)
+    return tcfg, _fields(params, put).replace(tp_groups=tp)
+
+
+def consume(model, put, prepare, tp_groups: int | None = None) -> Params:
+    """`model.params` placed (`put(field, leaf)`) and laid out by a backend's `prepare`, taken
+    from `model`: the embedding and head first, then one layer at a time, `model.params` pointed
+    at the result after each, so the un-prepared arrays are released as they are replaced (when
+    nothing else holds them) and the devices never hold the model twice. `prepare` sees a Params
+    of the (prepared) embedding and head and one layer: a layout pass is layer-local and leaves
+    what it already laid out as it is (`ssd_jax.models.ops`). Returns the laid-out params, which
+    `model.params` now is."""
+    params = model.params
+    tp = params.tp_groups if tp_groups is None else tp_groups
+    outer = prepare(_fields(params.replace(layers=()), put).replace(tp_groups=tp))
+    layers = list(params.layers)
+    del params  # from here only `layers` and `model.params` hold the un-prepared layers
+    model.params = outer.replace(layers=tuple(layers))
+    for i, lp in enumerate(layers):
+        placed = _fields(outer.replace(layers=(lp,)), lambda f, x: x if f in _OUTER else put(f, x))
+        outer = prepare(placed)
+        layers[i] = outer.layers[0]
+        outer = outer.replace(layers=())
+        model.params = outer.replace(layers=tuple(layers))
+        del placed, lp
+        trim_host()  # on a CPU the devices' memory is the host's: hand the freed layer back
+    return model.params
+
+
+_OUTER = ("embed", "final_norm", "lm_head")
+
+
+def take_target(model, mesh: Mesh, prepare) -> tuple[ModelConfig, Params]:
+    """The target `model`'s weights on `mesh` (`shard_target`'s layout) and laid out by
+    `prepare`, consumed from `model` (`consume`): afterwards `model.params` and `model.cfg` are
+    the laid-out weights and their config, and the devices held one copy of the model
+    throughout (a tensor-parallel re-layout of logical params holds one more layer)."""
+    tcfg, tp, put = _leaf_placer(model.params, model.cfg, mesh)
+    params = consume(model, put, prepare, tp)
+    model.cfg = tcfg
+    return tcfg, params
 
 
 def cache_specs(num_layers: int) -> KVCache:

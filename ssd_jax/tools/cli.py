@@ -410,6 +410,7 @@ def _generate(args) -> int:
     from ssd_jax.runtime.config import SSDConfig
     from ssd_jax.runtime.defaults import cpu_features
     from ssd_jax.runtime.engine import Engine
+    from ssd_jax.runtime.metrics import memory_of
 
     dtype, quant = choice["dtype"], choice["draft_quant"]
     with progress.step(f"loading target {args.target} ({dtype})", "target loaded"):
@@ -442,6 +443,7 @@ def _generate(args) -> int:
         out = engine.generate(**request, on_tokens=_Printer(target.tokenizer, args.stop, progress,
                                                            text=not args.json))
     if args.json:
+        out.metrics.memory = memory_of(engine)
         metrics = out.metrics.to_dict()
         metrics.update(dtype=dtype, draft_quant=quant if args.mode != "ar" else None,
                        backend=metrics.get("backend") or engine.backend, placement=placement,
