@@ -190,3 +190,18 @@ def test_rounds_are_enqueued_one_ahead_and_a_budget_end_runs_no_void_round(tiny,
     if mode == "ssd":
         assert (ended.metrics.lookups, ended.metrics.hits) == (unpiped.metrics.lookups,
                                                                unpiped.metrics.hits)
+
+
+def test_memory_reports_the_last_calls_speculation_cache(tiny):
+    """`metrics.memory_of`'s spec_cache is the last call's tree (dropped each round once looked
+    up): per-row, so twice the rows hold twice the bytes; an SD call holds none."""
+    from ssd_jax.runtime.metrics import memory_of
+    _, _, eng = tiny
+    kw = dict(max_new_tokens=8, k=2, ssd=SSDConfig(fanout=(2, 1, 1)))
+    total = lambda: sum(memory_of(eng)["spec_cache"].values())  # noqa: E731
+    eng.generate([[1, 2, 3]] * 2, mode="ssd", **kw)
+    two = total()
+    eng.generate([[1, 2, 3]] * 4, mode="ssd", **kw)
+    assert two > 0 and total() == 2 * two
+    eng.generate([[1, 2, 3]] * 2, mode="sd", **kw)
+    assert total() == 0

@@ -17,6 +17,7 @@ import numpy as np
 from ssd_jax.models import backends
 from ssd_jax.models.protocol import forward, init_cache, is_builtin, with_lengths
 from ssd_jax.algorithm import backups, round_steps, steps
+from ssd_jax.runtime.metrics import layout_bytes
 from ssd_jax.runtime.placement import _placed, settle, spans_processes, to_host, to_mesh
 from ssd_jax.runtime.sharding import consume
 from ssd_jax.algorithm.speculation_cache import lookup
@@ -92,6 +93,7 @@ class DraftWorker:
         self.cache = None
         self._tree = None
         self._tree_s = None
+        self.spec_bytes: dict[str, int] = {}  # {device: bytes} of the last call's tree
         self._serial = spans_processes(sharding.mesh)
         self._sampling = (None, None)  # (host values, the SamplingParams placed on the draft mesh)
         self._values = (None, None)  # (call, its seed and request ids placed on the draft mesh)
@@ -154,6 +156,7 @@ class DraftWorker:
         `cache_len` slots; dispatched, not waited for (`ready` waits)."""
         B = prompt_tokens.shape[0]
         self._batch, self.rows = B, _batch_sharding(self.sharding, B)
+        self.spec_bytes = {}
         self.cache = init_cache(self.cfg, B, cache_len, sharding=self.rows)
         self.cache = settle(steps.prefill_cache(self.params, self.cfg, self.cache,
                                                 self._put(prompt_tokens), self._put(prompt_lens),
@@ -241,7 +244,7 @@ class DraftWorker:
             self.ops = fallback
             hit, spec, rows = lookup(self._tree, self._put(num_accepted), self._put(bonus),
                                      ops=self.ops)
-        self._tree = None
+        self._drop_tree()
         hit = to_host(hit)
         t1 = time.perf_counter()
         rows = settle(self._fit_rows(rows), self._serial)
@@ -285,8 +288,15 @@ class DraftWorker:
                 raise
             self.ops = fallback  # compile errors raise before anything runs: the cache is intact
             spec, rows, missed, self.cache, self.counters, rep, view = call()
-        self._tree = None
+        self._drop_tree()
         return spec, rows, missed, rep, view
+
+    def _drop_tree(self) -> None:
+        """Forget the round's tree once looked up, keeping its size for `metrics.memory_of` (the
+        same every round of a call)."""
+        if self._tree is not None and not self.spec_bytes:
+            self.spec_bytes = layout_bytes(self._tree)
+        self._tree = None
 
     def _put_rows(self, tree):
         """Per-row device arrays (a pytree of `[B, ...]`) onto the draft mesh in one move; each

@@ -257,6 +257,20 @@ def device_bytes(*trees) -> dict[str, int]:
     return out
 
 
+def layout_bytes(tree) -> dict[str, int]:
+    """{device: bytes} the jax.Arrays of `tree` occupy by their shapes and shardings (no buffer
+    is touched, so arrays still in flight are not waited for)."""
+    out: dict[str, int] = {}
+    for x in jax.tree_util.tree_leaves(tree):
+        if not isinstance(x, jax.Array):
+            continue
+        shard = int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+        for d in x.sharding.addressable_devices:
+            key = f"{d.platform}:{d.id}"
+            out[key] = out.get(key, 0) + shard
+    return out
+
+
 def memory_of(engine) -> dict[str, dict[str, int]]:
     """What `engine` holds on each of this process's devices now: {"weights": {device: bytes},
     "kv_cache": ..., "spec_cache": ...}: the laid-out weights of target and (local) draft, the
@@ -265,7 +279,8 @@ def memory_of(engine) -> dict[str, dict[str, int]]:
     w = getattr(engine, "worker", None)
     return {"weights": device_bytes(engine.tparams, getattr(w, "params", None)),
             "kv_cache": device_bytes(getattr(engine, "tcache", None), getattr(w, "cache", None)),
-            "spec_cache": device_bytes(getattr(w, "_tree", None))}
+            # the tree in flight, else the last call's (each round's is dropped once looked up)
+            "spec_cache": device_bytes(getattr(w, "_tree", None)) or dict(getattr(w, "spec_bytes", {}))}
 
 
 # ----------------------------------------------------------------------------------- pytrees
