@@ -118,8 +118,11 @@ def xla_cache_gather(*args):
 
 
 def identity(params):
-    """The reference `prepare`: the logical weights as they are."""
-    return params
+    """The reference `prepare`: the logical weights as they are. A weight another backend laid
+    out (it has `.logical()`: an engine of that backend took the Model over first) goes back to
+    its logical value, so one Model serves engines of two backends in turn."""
+    return jax.tree_util.tree_map(lambda w: w.logical() if hasattr(w, "logical") else w, params,
+                                  is_leaf=lambda w: hasattr(w, "logical"))
 
 
 @dataclasses.dataclass(frozen=True)
