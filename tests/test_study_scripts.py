@@ -202,3 +202,18 @@ def test_host_overhead_cpu_line_from_cpuinfo():
     assert c["model"] == "Some CPU" and c["avx2"] and c["avx512f"] and c["amx"]
     assert not c["avx512_bf16"] and not c["avx512_vnni"]
     assert host.cpu_line(c).endswith("flags: avx2 avx512f amx")
+
+
+# ---------------------------------------------------------------------------- stat_case_time
+def test_stat_case_time_clocks_every_round_s_steps():
+    from ssd_jax.algorithm import steps as lib_steps
+    st = _script("stat_case_time")
+    before = lib_steps.verify
+    (r,) = st.run("neural", "ssd", rows=6, calls=1)
+    assert lib_steps.verify is before
+    steps = r["steps"]
+    # one verify, one tree and one lookup per round; the first round's backup speculation comes
+    # from the draft chain; nothing is left wrapped after the call
+    assert steps["verify"]["calls"] == steps["draft_tree"]["calls"] == r["rounds"] >= 2, r
+    assert steps["draft_chain"]["calls"] >= 1 and steps["prefill"]["calls"] == 1
+    assert 0 < sum(v["s"] for v in steps.values()) <= r["wall_s"]
