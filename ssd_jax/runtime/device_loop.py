@@ -341,6 +341,10 @@ class DeviceLoop:
         e, b = self.e, self.batch
         self.lost = False
         self.sync_host()
+        # the host's counts follow the state rolled back to (its last report was never read)
+        self.count = np.asarray([len(g) for g in b.generated], np.int64)
+        self.alive = np.asarray([f == ds.FINISH_NAMES[ds.RUNNING] for f in b.finish])
+        self.running = bool(self.alive.any())
         n = [len(h) - 1 for h in b.history]
         T = min(_prefill_bucket(max(n)), cache_len)
         toks = np.zeros((b.size, T), np.int32)

@@ -93,7 +93,8 @@ class Engine:
     hold the engine's laid-out weights: its config and tokenizer are as before, and
     `forward(target.params, target.cfg, tokens, cache, ops=engine.tops)` runs it (the default
     XLA ops also run it unless the backend re-laid out a weight, e.g. the CPU kernels' bf16
-    strips). Keep your own reference to the original params only if you want a second copy.
+    strips; a later Engine of another backend turns such weights back into logical ones
+    first). Keep your own reference to the original params only if you want a second copy.
     The draft's `Model` is taken over the same way by its `DraftWorker`. Load with
     `load_model(..., sharding=placement.target_mesh)` to build the weights on the mesh in the
     first place (each device receives only its shard)."""
