@@ -337,23 +337,14 @@ class DeviceLoop:
         round): a cache-only prefill of each row's tokens before its bonus, as after any round."""
         if not self.lost:
             return
-        from ssd_jax.runtime.engine import _prefill_bucket
-        e, b = self.e, self.batch
+        b = self.batch
         self.lost = False
         self.sync_host()
         # the host's counts follow the state rolled back to (its last report was never read)
         self.count = np.asarray([len(g) for g in b.generated], np.int64)
         self.alive = np.asarray([f == ds.FINISH_NAMES[ds.RUNNING] for f in b.finish])
         self.running = bool(self.alive.any())
-        n = [len(h) - 1 for h in b.history]
-        T = min(_prefill_bucket(max(n)), cache_len)
-        toks = np.zeros((b.size, T), np.int32)
-        for row, h in enumerate(b.history):
-            toks[row, :n[row]] = h[:n[row]]
-        tgt = self.tgt
-        e.tcache = steps.prefill_cache(e.tparams, e.tcfg, e._new_target_cache(b.size, cache_len),
-                                       to_mesh(toks, tgt), to_mesh(np.asarray(n, np.int32), tgt),
-                                       ops=e.tops)
+        self.e.tcache = self.e._refill_target([h[:-1] for h in b.history], cache_len)
         self.active = self.state.active
 
     def sd(self, draft) -> None:

@@ -51,6 +51,16 @@ def _prefill_bucket(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
+def _right_padded(rows, cap: int | None = None) -> np.ndarray:
+    """Token rows right-padded with 0 to the prefill bucket of the longest (at most `cap`
+    columns): `[B, T]` int32."""
+    T = _prefill_bucket(max(len(r) for r in rows))
+    toks = np.zeros((len(rows), T if cap is None else min(T, cap)), np.int32)
+    for i, r in enumerate(rows):
+        toks[i, :len(r)] = r
+    return toks
+
+
 def _one_call_at_a_time(method):
     """Run an Engine method under the engine's lock (see `Engine`): a stream this thread left
     running ends first, then the call waits for any other thread's call to finish."""
@@ -370,10 +380,7 @@ class Engine:
         returns (first token [B], its log-prob [B], the cache) on the target mesh, and the
         prompts right-padded to the prefill bucket [B, T] (host), which the draft's prefill takes."""
         B = batch.size
-        T = _prefill_bucket(int(batch.prompt_lens.max()))
-        toks = np.zeros((B, T), np.int32)
-        for b, h in enumerate(batch.history):
-            toks[b, : len(h)] = h
+        toks = _right_padded(batch.history)
         tgt = self.placement.target
         cfg = self.tcfg
         self.tcache = self._new_target_cache(B, cache_len)
@@ -382,6 +389,16 @@ class Engine:
             run["seed"], to_mesh(rids, tgt), run["sampling"], self.vocab_size, ops=self.tops),
             self._serial)
         return first, lp, cache, toks
+
+    def _refill_target(self, rows, cache_len: int):
+        """A fresh target cache holding the KV of `rows` (each row's tokens before its bonus, as
+        after any round): a cache-only prefill, dispatched. For a call whose cache was lost."""
+        tgt = self.placement.target
+        lens = np.asarray([len(r) for r in rows], np.int32)
+        return steps.prefill_cache(self.tparams, self.tcfg,
+                                   self._new_target_cache(len(rows), cache_len),
+                                   to_mesh(_right_padded(rows, cache_len), tgt),
+                                   to_mesh(lens, tgt), ops=self.tops)
 
     def _new_target_cache(self, batch: int, cache_len: int):
         """An empty KV cache for the target, laid out on its mesh."""
