@@ -102,15 +102,22 @@ def test_host_work_per_round_is_bounded_and_flat_in_the_batch(tiny, mode):
     assert rows[8]["py_calls_per_round"] <= 1.15 * rows[1]["py_calls_per_round"], per_call
 
 
-@pytest.mark.parametrize("mode", ["sd", "ssd"])
-def test_device_loop_and_timed_host_loop_agree(tiny, mode):
+@pytest.mark.parametrize("mode,backup", [("sd", None), ("ssd", "random"), ("ssd", "ngram")])
+def test_device_loop_and_timed_host_loop_agree(tiny, mode, backup):
+    """The n-gram backup's device form (the rows' history kept on the draft mesh, matched as
+    array code) against the host loop's Python lookup over each row's list: prompts with
+    repeats, so some missed rows match an n-gram and others fall back to random tokens."""
     _, _, eng = tiny
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    if backup == "ngram":
+        prompts = [[1, 2, 3, 1, 2, 3, 1], [4, 5, 4, 5], [6, 7, 8, 9], [9, 9, 9, 9, 9], [5]]
     kw = dict(mode=mode, max_new_tokens=12, k=2, sampling=SamplingParams(temperature=0.9),
-              seed=4, eos_ids=[3], ssd=SSDConfig(fanout=(2, 1, 1), backup="random"))
+              seed=4, eos_ids=[3], ssd=SSDConfig(fanout=(2, 1, 1), backup=backup or "neural"))
     a = eng.generate(prompts, timeline=True, **kw)
     b = eng.generate(prompts, **kw)
     assert a.token_ids == b.token_ids and a.finish_reasons == b.finish_reasons
+    if backup:
+        assert b.metrics.backups.get(backup, 0) > 0, b.metrics.backups
     for key in ("accept_hist", "accept_hist_after_hit", "accept_hist_after_miss", "hits",
                 "lookups", "hits_by_accept", "lookups_by_accept", "backups", "rounds"):
         assert getattr(a.metrics, key) == getattr(b.metrics, key), key

@@ -62,6 +62,67 @@ def _ngram_rows(guess, matched, *, row_vocab: int, vocab_size: int, row_dtype: s
     return jnp.where(matched[:, None, None], onehot, uniform).astype(row_dtype)
 
 
+def ngram_match(history: jax.Array, length: jax.Array, *, k: int, ngram: int = 2):
+    """`ngram_guess` as array code, for every row at once: history `[B, H]` int32 (the row's
+    tokens at positions 0..length-1; later slots are never read), length `[B]` int32 ->
+    (guess `[B, K]` int32, matched `[B]` bool). The same rule: the longest suffix of at most
+    `ngram` tokens (and at most length - 1) that occurs earlier, its latest occurrence, the k
+    tokens after it padded by repeating the last; guess is 0 where nothing matches. Static: k,
+    ngram. Jittable; a row costs O(H * ngram) compares, nothing per row on the host."""
+    B, H = history.shape
+    s = jnp.arange(H, dtype=jnp.int32)[None]
+    guess = jnp.zeros((B, k), jnp.int32)
+    found = jnp.zeros(B, bool)
+    for m in range(ngram, 0, -1):  # longest suffix first, as ngram_guess
+        tail = jnp.take_along_axis(
+            history, jnp.clip(length[:, None] - m + jnp.arange(m)[None], 0, H - 1), axis=1)
+        eq = jnp.ones((B, H), bool)
+        for i in range(m):  # window starting at s equals the tail, token by token
+            shifted = jnp.pad(history[:, i:], ((0, 0), (0, i)))
+            eq &= shifted == tail[:, i:i + 1]
+        # starts that end before the tail's last token, so at least one token follows
+        ok = eq & (s <= length[:, None] - m - 1) & (m <= length[:, None] - 1)
+        start = jnp.max(jnp.where(ok, s, -1), axis=1)
+        take = (start >= 0) & ~found
+        base = start + m
+        idx = base[:, None] + jnp.minimum(jnp.arange(k)[None], (length - base)[:, None] - 1)
+        g = jnp.take_along_axis(history, jnp.clip(idx, 0, H - 1), axis=1)
+        guess = jnp.where(take[:, None], g, guess)
+        found = found | take
+    return guess.astype(jnp.int32), found
+
+
+def record_committed(history: jax.Array, report: jax.Array, n: jax.Array) -> jax.Array:
+    """history `[B, H]` with a round's committed tokens written at their positions: report a
+    `decode_state.report` `[B, 4 + 2M]` (its kept count and tokens), n `[B]` the bonus's
+    position after the round (the last token kept sits there). Rows that kept nothing are
+    unchanged. The device loop's n-gram backup reads the history this keeps."""
+    from ssd_jax.algorithm import decode_state as ds
+    B, H = history.shape
+    kept = report[:, ds.R_KEPT]
+    M = (report.shape[1] - ds.R_TOKENS) // 2
+    toks = report[:, ds.R_TOKENS:ds.R_TOKENS + M]
+    j = jnp.arange(M, dtype=jnp.int32)[None]
+    at = jnp.where(j < kept[:, None], n[:, None] - kept[:, None] + 1 + j, H)  # H: dropped
+    return history.at[jnp.arange(B)[:, None], at].set(toks, mode="drop")
+
+
+@functools.partial(jax.jit, static_argnames=("k", "vocab_size", "row_vocab", "row_dtype", "ngram"))
+def ngram_speculation_on_device(history, seed, request_ids, n, *, k: int, vocab_size: int,
+                                row_vocab: int, row_dtype: str = "float32", ngram: int = 2):
+    """`ngram_speculation` from a history on the device: history `[B, H]` int32 holding each
+    row's tokens at positions 0..n (n `[B]`, the bonus's position), seed, request_ids `[B]` as
+    for `random_speculation` (the uniform fallback where nothing matches). Returns tokens
+    `[B, K]` int32 and rows `[B, K, V]` (V = row_vocab) in `row_dtype`; the same tokens and rows
+    as `ngram_speculation` on the same histories."""
+    rand, _ = random_speculation(seed, request_ids, n, k=k, vocab_size=vocab_size,
+                                 row_vocab=row_vocab, row_dtype=row_dtype)
+    guess, matched = ngram_match(history, n + 1, k=k, ngram=ngram)
+    guess = jnp.where(matched[:, None], guess, rand)
+    return guess, _ngram_rows(guess, matched, row_vocab=row_vocab, vocab_size=vocab_size,
+                              row_dtype=row_dtype)
+
+
 def ngram_speculation(histories: list[list[int]], seed, request_ids, n, *, k: int,
                       vocab_size: int, row_vocab: int, row_dtype: str = "float32", ngram: int = 2):
     """Per sequence: an n-gram guess with one-hot rows, or uniform tokens and rows where none matches.

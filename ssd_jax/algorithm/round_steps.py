@@ -70,10 +70,11 @@ class LookupCounters:
         """Zero counters for lookahead k (host arrays, placed by the caller)."""
         import numpy as np
         z = np.zeros(k + 1, np.int32)
-        return cls(lookups_by_accept=z, hits_by_accept=z.copy(), backups=np.zeros(2, np.int32))
+        return cls(lookups_by_accept=z, hits_by_accept=z.copy(),
+                   backups=np.zeros(len(BACKUP_INDEX), np.int32))
 
 
-BACKUP_INDEX = {"neural": 0, "random": 1}
+BACKUP_INDEX = {"neural": 0, "random": 1, "ngram": 2}
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -141,24 +142,30 @@ def fit_rows(rows: jax.Array, row_vocab: int) -> jax.Array:
                                              "saguaro_top_n", "row_dtype", "ops"),
                    donate_argnames=("cache",))
 def resolve(params, cfg, cache, tree: SpeculationCache, outcome: jax.Array,
-            counters: LookupCounters, seed, request_ids, sampling, saguaro_c, *, vocab_size: int,
-            row_vocab: int, k: int, backup: str, saguaro_top_n: tuple[int, ...] = (),
-            row_dtype: str = "float32", ops: Ops = XLA):
+            counters: LookupCounters, seed, request_ids, sampling, saguaro_c, history=None, *,
+            vocab_size: int, row_vocab: int, k: int, backup: str,
+            saguaro_top_n: tuple[int, ...] = (), row_dtype: str = "float32", ops: Ops = XLA):
     """The next round's speculation from the realised outcome (docs/ALGORITHM.md §2, step 3).
 
     Looks `outcome` up in `tree` (the speculation cache drafted during the verify); rows that are
     still active and missed get a backup: `backup` "neural" drafts them with
     `steps.draft_chain(draft_rows=missed)` from their committed bonus — under `lax.cond`, so a
-    round where every row hit drafts nothing — and "random" draws uniform tokens
-    (`backups.random_speculation`). Returns (spec `[B, K]`, rows `[B, K, V]` with V = row_vocab,
-    missed `[B]` bool (the next round's from_backup), the draft cache (donated), counters, the
-    round's report with its hit column, the outcome unpacked on the draft mesh (its n, prev,
-    bonus, active: the next tree's round state)). outcome: an `Outcome`, packed. Static: the draft's `cfg`, `vocab_size` (its real
+    round where every row hit drafts nothing —, "random" draws uniform tokens
+    (`backups.random_speculation`) and "ngram" looks each row's history up
+    (`backups.ngram_speculation_on_device`): history `[B, H]` int32, each row's tokens by
+    position up to the last round's bonus, to which this round's committed tokens are added
+    (`backups.record_committed`; None for the other backups). Returns (spec `[B, K]`, rows
+    `[B, K, V]` with V = row_vocab, missed `[B]` bool (the next round's from_backup), the draft
+    cache (donated), counters, the round's report with its hit column, the outcome unpacked on
+    the draft mesh (its n, prev, bonus, active: the next tree's round state), the history (None
+    when none was given)). outcome: an `Outcome`, packed. Static: the draft's `cfg`, `vocab_size` (its real
     rows), `row_vocab` (the target's), `k`, `backup`, Saguaro's per-step `saguaro_top_n` for the
     backup, `row_dtype` and the draft's op table `ops`; seed, request_ids `[B]`, the draft's
     `sampling` and `saguaro_c` are traced.
     """
     o = Outcome.unpack(outcome)
+    if history is not None:
+        history = backups.record_committed(history, o.report, o.n)
     hit, spec, rows = lookup(tree, o.num_accepted, o.bonus_out, ops=ops)
     rows = fit_rows(rows, row_vocab)
     missed = ~hit & o.active
@@ -176,8 +183,14 @@ def resolve(params, cfg, cache, tree: SpeculationCache, outcome: jax.Array,
         bspec, brows = backups.random_speculation(seed, request_ids, o.n, k=k,
                                                   vocab_size=vocab_size, row_vocab=row_vocab,
                                                   row_dtype=row_dtype)
+    elif backup == "ngram":
+        if history is None:
+            raise ValueError("backup 'ngram' on the device needs the rows' history")
+        bspec, brows = backups.ngram_speculation_on_device(
+            history, seed, request_ids, o.n, k=k, vocab_size=vocab_size, row_vocab=row_vocab,
+            row_dtype=row_dtype)
     else:
-        raise ValueError(f"backup {backup!r} has no device form (neural, random)")
+        raise ValueError(f"backup {backup!r} has no device form (neural, random, ngram)")
     spec = jnp.where(missed[:, None], bspec, spec)
     rows = jnp.where(missed[:, None, None], brows.astype(rows.dtype), rows)
     onehot = jax.nn.one_hot(o.num_accepted, k + 1, dtype=jnp.int32)
@@ -187,7 +200,7 @@ def resolve(params, cfg, cache, tree: SpeculationCache, outcome: jax.Array,
         hits_by_accept=counters.hits_by_accept + (onehot * looked * hit[:, None]).sum(0),
         backups=counters.backups.at[BACKUP_INDEX[backup]].add(missed.sum(dtype=jnp.int32)))
     return (spec, rows, missed, cache, counters, ds.with_hits(o.report, hit, o.active),
-            o.replace(report=jnp.zeros((), jnp.int32)))
+            o.replace(report=jnp.zeros((), jnp.int32)), history)
 
 
 @jax.jit

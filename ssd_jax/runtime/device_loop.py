@@ -1,7 +1,7 @@
 """The round loop with the call's state on the device: one fetch per round, no per-row Python.
 
 `Engine.generate` runs here unless the call asks for the host loop (`timeline=True`, a draft in
-another process, a proposer, the n-gram or "auto" backup, a mesh over several processes). The
+another process, a proposer, the "auto" backup, a mesh over several processes). The
 call's per-row state is a `DecodeState` on the target mesh; the jitted steps advance it
 (`ssd_jax.algorithm.round_steps`); the draft's side of a round (lookup, backup, next tree) runs on
 the draft mesh from the verify's `Outcome`, moved device to device. The host dispatches each round
@@ -63,7 +63,8 @@ class DeviceLoop:
         self.count = np.zeros(batch.size, np.int64)  # tokens per row, from the reports read
         self.alive = np.ones(batch.size, bool)  # rows running after the last report read
         self.uncounted = dict(lookups_by_accept=np.zeros(k + 1, np.int64),
-                              hits_by_accept=np.zeros(k + 1, np.int64), backups=np.zeros(2, np.int64))
+                              hits_by_accept=np.zeros(k + 1, np.int64),
+                              backups=np.zeros(len(rs.BACKUP_INDEX), np.int64))
 
     # ------------------------------------------------------------------ reports
     def read(self, rep) -> np.ndarray:
@@ -376,6 +377,8 @@ class DeviceLoop:
         worker.start_counters(run["k"])
         self.backup = drun.backup
         v = self._draft_view()
+        if drun.backup == "ngram":
+            worker.start_history(v)
         spec, rows = draft.backup(_round_state(v), drun)  # round 1: no cache yet
         self.read_draft(rs.pass_report(v.report, spec), "backup")
         ones = np.ones(self.batch.size, bool)

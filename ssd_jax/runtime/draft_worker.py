@@ -162,6 +162,15 @@ class DraftWorker:
                                                 self._put(prompt_tokens), self._put(prompt_lens),
                                                 ops=self.ops),
                             self._serial)
+        self.history = None  # the rows' tokens by position, for the device loop's n-gram backup
+        self._prompt = (prompt_tokens, cache_len)
+
+    def start_history(self, outcome) -> None:
+        """The device loop's n-gram backup: each row's tokens by position `[B, cache_len]` on
+        the draft mesh, from the prompts `start` was given and the prefill's token (outcome: the
+        first round's unpacked `Outcome`); `resolve_on_device` adds each round's tokens."""
+        toks, cache_len = self._prompt
+        self.history = _start_history(self._put(toks), outcome.report, outcome.n, cache_len)
 
     def ready(self):
         """Block until the prompt's KV (dispatched by `start`) is computed."""
@@ -193,6 +202,8 @@ class DraftWorker:
                   row_dtype=run.row_dtype)
         if run.backup == "random":
             return settle(backups.random_speculation(seed, rids, n, **kw), self._serial)
+        if run.backup == "ngram" and s.history is None:  # the device loop: its history here
+            return backups.ngram_speculation_on_device(self.history, seed, rids, n, **kw)
         if run.backup == "ngram":
             spec, rows = backups.ngram_speculation(s.history, seed, rids, n, **kw)
             return self._put(spec), self._put(rows)
@@ -279,15 +290,19 @@ class DraftWorker:
             return round_steps.resolve(self.params, self.cfg, self.cache, self._tree, outcome,
                                        self.counters, seed, rids,
                                        self._placed_sampling(run.sampling),
-                                       np.float32(run.saguaro_c), ops=self.ops, **kw)
+                                       np.float32(run.saguaro_c),
+                                       self.history if run.backup == "ngram" else None,
+                                       ops=self.ops, **kw)
         try:
-            spec, rows, missed, self.cache, self.counters, rep, view = call()
+            spec, rows, missed, self.cache, self.counters, rep, view, history = call()
         except Exception as e:  # noqa: BLE001 - a kernel that fails to compile at these shapes
             fallback = backends.without_kernels(self.ops, ("cache_gather",), f"{type(e).__name__}: {e}")
             if fallback is self.ops:
                 raise
             self.ops = fallback  # compile errors raise before anything runs: the cache is intact
-            spec, rows, missed, self.cache, self.counters, rep, view = call()
+            spec, rows, missed, self.cache, self.counters, rep, view, history = call()
+        if history is not None:
+            self.history = history
         self._drop_tree()
         return spec, rows, missed, rep, view
 
@@ -308,6 +323,16 @@ class DraftWorker:
 
     def finish(self):
         """End of a generate call (a remote worker is told to stop waiting for outcomes)."""
+
+
+@functools.partial(jax.jit, static_argnames=("length",))
+def _start_history(prompt_tokens, report, n, length: int):
+    """prompt_tokens `[B, T]` as `[B, length]` int32 (padded, or cut: the prefill's bucket may be
+    wider than the cache, no row's history is), the prefill's token (report, n: the first
+    round's) written at its position: `DraftWorker.start_history`."""
+    toks = prompt_tokens[:, :length].astype(jnp.int32)
+    hist = jnp.pad(toks, ((0, 0), (0, length - toks.shape[1])))
+    return backups.record_committed(hist, report, n)
 
 
 @jax.jit

@@ -304,7 +304,8 @@ class Engine:
     def _on_device(self, mode: str, ssd: SSDConfig, timeline: bool) -> bool:
         """Whether a call runs the device loop: not when it asks for the timed host loop, not on
         a mesh over several processes, and for SD / SSD only with an in-process draft model on
-        one device (not data-parallel) and (SSD) a backup with a device form (neural, random)."""
+        one device (not data-parallel) and (SSD) a backup with a device form (neural, random,
+        ngram; "auto" times each backup on the host)."""
         if timeline or self._serial:
             return False
         if mode == "ar":
@@ -316,7 +317,7 @@ class Engine:
             # resolve's any-miss condition and counters reduce over the batch, a collective
             # across its shards: the host loop keeps each shard's work local
             return False
-        return mode == "sd" or ssd.backup in ("neural", "random")
+        return mode == "sd" or ssd.backup in ("neural", "random", "ngram")
 
     def _generate_on_device(self, batch: Batch, rids, cache_len: int, run: dict, m: Metrics,
                             mode: str, ssd: SSDConfig, draft) -> None:
