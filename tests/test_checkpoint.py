@@ -69,3 +69,34 @@ def test_two_processes_converting_the_same_model_both_succeed(tmp_path, monkeypa
     got, _ = checkpoint.restore(path)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_save_holds_no_second_copy_of_the_params(tmp_path, monkeypatch):
+    # The cache is written a group at a time from the params' own arrays: at each group's save the
+    # device holds the params and nothing more (a deep copy of the layers, as dataclasses.asdict
+    # made, held the weights twice through the whole save of a first load; issue 33).
+    cfg = tiny_config("qwen2", num_layers=4)
+    params = random_params(cfg, 0)
+    jax.block_until_ready(params)
+    leaves = {id(x) for x in jax.tree_util.tree_leaves(params)}
+    groups = checkpoint._groups(params)
+    assert {id(x) for g in groups.values() for x in g.values()} == leaves
+    del groups
+
+    def live() -> int:  # bytes of distinct device buffers (orbax keeps aliases of what it saved)
+        return sum({x.unsafe_buffer_pointer(): x.nbytes for x in jax.live_arrays()}.values())
+
+    before, seen = live(), []
+    real = checkpoint.ocp.StandardCheckpointer.save
+
+    def spy(self, directory, item, *a, **kw):
+        seen.append(live())
+        return real(self, directory, item, *a, **kw)
+
+    monkeypatch.setattr(checkpoint.ocp.StandardCheckpointer, "save", spy)
+    checkpoint.save(tmp_path / "ckpt", params, cfg)
+    assert len(seen) == cfg.num_layers + 3  # embed, final norm, head, each layer
+    assert max(seen) <= before, (before, seen)
+    got, _ = checkpoint.restore(tmp_path / "ckpt")
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
