@@ -6,6 +6,8 @@ passes) and the engine's device loop (`ssd_jax.runtime.device_loop`): each takes
 without reading anything but one `report` (docs/ARCHITECTURE.md, "The round on the device").
 
 - `commit_tokens` (target): the prefill's or a decode step's token into the state.
+- `decode_chunk` (target): up to N plain decode steps and their commits in one `lax.while_loop`
+  (AR when no row's tokens pass through the host), one report for the chunk.
 - `commit_verify` (target): a verify's outcome into the state and the accept histograms; returns
   what the draft needs of it (`Outcome`).
 - `resolve` (draft): the speculation-cache lookup for the outcome, the backup for the rows that
@@ -85,6 +87,44 @@ def commit_tokens(state: ds.DecodeState, tokens: jax.Array, logprobs: jax.Array)
     tokens, logprobs = tokens[:, None], logprobs[:, None]
     new, kept = ds.commit(state, tokens, logprobs, jnp.ones(tokens.shape[0], jnp.int32))
     return new, new.active, ds.report(active, kept, new, tokens, logprobs)
+
+
+AR_CHUNK = 16  # plain decode steps per dispatch (and per report read) when nothing streams
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "vocab_size", "steps_max", "ops"),
+                   donate_argnames=("state", "cache"))
+def decode_chunk(params, cfg, cache, state: ds.DecodeState, seed, request_ids, sampling, *,
+                 vocab_size: int, steps_max: int = AR_CHUNK, ops: Ops = XLA):
+    """Up to `steps_max` plain decode steps (`steps.decode`, then `decode_state.commit` of its
+    token, as `commit_tokens`) in one `lax.while_loop`, which stops once no row runs: the same
+    tokens as that many separate steps, one dispatch. state and cache (the target's) are
+    donated. Returns (state, active `[B]` after it, cache, the chunk's report `[B, 4 + 2N]`
+    (N = steps_max): a row's kept tokens are its first `kept` columns, one per step it ran).
+    Static: the target's `cfg`, `vocab_size`, `steps_max`, `ops`; seed, request_ids `[B]` and
+    sampling are traced."""
+    B = state.bonus.shape[0]
+    active0 = state.active
+    toks = jnp.full((B, steps_max), -1, jnp.int32)
+    lps = jnp.zeros((B, steps_max), jnp.float32)
+
+    def running(c):
+        i, st = c[0], c[1]
+        return (i < steps_max) & jnp.any(st.active)
+
+    def step(c):
+        i, st, cache, toks, lps, kept = c
+        with inside_step():  # traced into this step, not a call of its own
+            tok, lp, cache = steps.decode(params, cfg, cache, st.bonus, st.active, seed,
+                                          request_ids, sampling, vocab_size, ops=ops)
+        st, k1 = ds.commit(st, tok[:, None], lp[:, None], jnp.ones(B, jnp.int32))
+        toks = toks.at[:, i].set(jnp.where(k1 > 0, tok, -1))
+        lps = lps.at[:, i].set(jnp.where(k1 > 0, lp, 0.0))
+        return i + 1, st, cache, toks, lps, kept + k1
+
+    init = (jnp.int32(0), state, cache, toks, lps, jnp.zeros(B, jnp.int32))
+    _, state, cache, toks, lps, kept = jax.lax.while_loop(running, step, init)
+    return state, state.active, cache, ds.report(active0, kept, state, toks, lps)
 
 
 @jax.jit

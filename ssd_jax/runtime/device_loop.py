@@ -25,7 +25,8 @@ One SSD round, as the host dispatches it (nothing waits until the last line):
     fetch report(T-1)    the one device->host read of the round (report(T) unpipelined)
 
 SD: verify(T), commit_verify(T), draft_chain(T+1) from the new state, then the report (made to
-wait for that speculation) is read. AR: decode, commit_tokens, read.
+wait for that speculation) is read. AR: decode_chunk (up to 16 tokens in one while_loop), read;
+decode, commit_tokens, read per token when the host needs each token.
 """
 from __future__ import annotations
 
@@ -215,11 +216,56 @@ class DeviceLoop:
         return not self.mirror
 
     def ar(self, measure: bool = True) -> None:
-        """Plain decoding: decode + commit per token, one read each (pipelined: token t+1 is
+        """Plain decoding. Pipelined (no row's tokens pass through the host): chunks of up to
+        `round_steps.AR_CHUNK` steps, one dispatch and one read each, chunk c+1 dispatched before
+        chunk c's report is read. Otherwise decode + commit per token, one read each (token t+1
         dispatched before token t's report is read)."""
-        e, run = self.e, self.run
+        e = self.e
         if self.pending is not None:
             self.read(self._pending_report())
+        if self.pipelined:
+            self._ar_chunks()
+        else:
+            self._ar_tokens()
+        steady = [r.round_s for r in self.m.timeline if not r.compiled]
+        if steady and measure:
+            e._t1 = float(np.median(steady))
+
+    def _ar_chunks(self) -> None:
+        """AR's chunks (`ar`). A chunk dispatched after the last one (an EOS ended every row)
+        runs no step: the state it returns is the one it took."""
+        e, run, N = self.e, self.run, rs.AR_CHUNK
+        prev = None  # the report of the chunk dispatched and not read yet
+        t0, c0 = time.perf_counter(), e._timer.seconds
+        while self.running:
+            self.state, self.active, e.tcache, rep = rs.decode_chunk(
+                e.tparams, e.tcfg, e.tcache, self.state, run["seed"], self.rids_t,
+                run["sampling"], vocab_size=e.vocab_size, steps_max=N, ops=e.tops)
+            if prev is not None:
+                self._chunk_read(prev, t0, c0)
+                prev = None
+                t0, c0 = time.perf_counter(), e._timer.seconds
+                if not self.running:
+                    break
+            if self._ahead(N):
+                prev = rep
+                continue
+            self._chunk_read(rep, t0, c0)
+            t0, c0 = time.perf_counter(), e._timer.seconds
+
+    def _chunk_read(self, rep, t0: float, c0: float) -> None:
+        """Read a chunk's report; the timeline gets one entry per step it ran (a row ran step i
+        iff it kept more than i tokens), the chunk's wall split evenly among them."""
+        kept = self.read(rep)[:, ds.R_KEPT]
+        ran = int(kept.max()) if kept.size else 0
+        wall, compiled = time.perf_counter() - t0, self.e._timer.seconds > c0
+        for i in range(ran):
+            n = int((kept > i).sum())
+            self.m.add_round(RoundTimes(active=n, tokens=n, round_s=wall / ran, compiled=compiled))
+
+    def _ar_tokens(self) -> None:
+        """AR one token a dispatch (`ar`), for rows whose tokens pass through the host."""
+        e, run = self.e, self.run
         prev = None  # the report of the token dispatched and not read yet
         t0, c0 = time.perf_counter(), e._timer.seconds
         while self.running:
@@ -240,9 +286,6 @@ class DeviceLoop:
             self.read(rep)
             self._round(t0, c0, active=self.last["active"])
             t0, c0 = time.perf_counter(), e._timer.seconds
-        steady = [r.round_s for r in self.m.timeline if not r.compiled]
-        if steady and measure:
-            e._t1 = float(np.median(steady))
 
     def _ahead(self, per_round: int) -> bool:
         """Whether to enqueue the next round before reading the one in flight: pipelined, and
