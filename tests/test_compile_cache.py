@@ -45,7 +45,7 @@ CHILD = textwrap.dedent("""
                             ssd=SSDConfig(fanout=(1, 1, 1, 1))).token_ids for m in ("ar", "ssd")]
     print("RESULT " + json.dumps({"log": log[before:], "tokens": outs}))
 """)
-STEPS = ("prefill", "prefill_cache", "decode", "draft_chain", "draft_tree", "verify")
+STEPS = ("prefill", "prefill_cache", "decode_chunk", "draft_chain", "draft_tree", "verify")
 
 
 def _run(cache_dir):

@@ -27,7 +27,7 @@ from ssd_jax.models.params import random_params
 CHILD = textwrap.dedent("""
     import json, sys
     import jax
-    from ssd_jax.algorithm import steps, tree
+    from ssd_jax.algorithm import round_steps, steps, tree
     from ssd_jax.algorithm.sampling import SamplingParams
     from ssd_jax.models.config import tiny_config
     from ssd_jax.models.model import Model
@@ -51,8 +51,8 @@ CHILD = textwrap.dedent("""
                                 sampling=s, seed=5, ssd=SSDConfig(fanout=(1, 1, 1, 1))).token_ids
                 for m, s in (("ar", SamplingParams()), ("ssd", SamplingParams(1.0, 0, 0.9)))]
     outs = run()
-    fns = (steps.prefill, steps.prefill_cache, steps.decode, steps.verify, steps.draft_chain,
-           tree.draft_tree)
+    fns = (steps.prefill, steps.prefill_cache, round_steps.decode_chunk, steps.verify,
+           steps.draft_chain, tree.draft_tree)
     res = {"tokens": outs, "traced": traced[before:],
            "store": {f.__name__: [f.exported, f.loaded, f.plain_calls] for f in fns}}
     if sys.argv[2] == "then-off":  # the same calls again as plain jits, the store off
@@ -62,7 +62,7 @@ CHILD = textwrap.dedent("""
         res["plain_store"] = {f.__name__: [f.exported, f.loaded, f.plain_calls] for f in fns}
     print("RESULT " + json.dumps(res))
 """)
-STEPS = ("prefill", "prefill_cache", "decode", "verify", "draft_chain", "draft_tree")
+STEPS = ("prefill", "prefill_cache", "decode_chunk", "verify", "draft_chain", "draft_tree")
 
 
 def _run(cache_dir, store):

@@ -7,7 +7,9 @@ without reading anything but one `report` (docs/ARCHITECTURE.md, "The round on t
 
 - `commit_tokens` (target): the prefill's or a decode step's token into the state.
 - `decode_chunk` (target): up to N plain decode steps and their commits in one `lax.while_loop`
-  (AR when no row's tokens pass through the host), one report for the chunk.
+  (AR when no row's tokens pass through the host), one report for the chunk. It is a model step
+  like `steps.decode`, so it goes through the step store (`aot.stored_jit`): a second process
+  reads it back instead of tracing the model.
 - `commit_verify` (target): a verify's outcome into the state and the accept histograms; returns
   what the draft needs of it (`Outcome`).
 - `resolve` (draft): the speculation-cache lookup for the outcome, the backup for the rows that
@@ -24,7 +26,7 @@ from flax import struct
 
 from ssd_jax.models.ops import XLA, Ops
 from ssd_jax.algorithm import backups, steps
-from ssd_jax.algorithm.aot import inside_step
+from ssd_jax.algorithm.aot import inside_step, stored_jit
 from ssd_jax.algorithm import decode_state as ds
 from ssd_jax.algorithm.speculation_cache import SpeculationCache, lookup
 
@@ -92,8 +94,8 @@ def commit_tokens(state: ds.DecodeState, tokens: jax.Array, logprobs: jax.Array)
 AR_CHUNK = 16  # plain decode steps per dispatch (and per report read) when nothing streams
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "vocab_size", "steps_max", "ops"),
-                   donate_argnames=("state", "cache"))
+@stored_jit(static_argnames=("cfg", "vocab_size", "steps_max", "ops"),
+            donate_argnames=("state", "cache"))
 def decode_chunk(params, cfg, cache, state: ds.DecodeState, seed, request_ids, sampling, *,
                  vocab_size: int, steps_max: int = AR_CHUNK, ops: Ops = XLA):
     """Up to `steps_max` plain decode steps (`steps.decode`, then `decode_state.commit` of its
