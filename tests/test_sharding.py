@@ -125,16 +125,17 @@ def test_two_process_multi_controller_smoke():
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
     res = []
-    for p in procs:
-        try:
+    try:
+        for p in procs:
             out, err = p.communicate(timeout=600)
-        except subprocess.TimeoutExpired:
-            for q in procs:
+            lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
+            assert p.returncode == 0 and lines, f"process failed:\n{out[-2000:]}\n{err[-4000:]}"
+            res.append(json.loads(lines[-1][len("RESULT "):]))
+    finally:  # one that failed leaves its peer waiting in a collective: end it too
+        for q in procs:
+            if q.poll() is None:
                 q.kill()
-            raise
-        lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
-        assert p.returncode == 0 and lines, f"process failed:\n{out[-2000:]}\n{err[-4000:]}"
-        res.append(json.loads(lines[-1][len("RESULT "):]))
+                q.wait()
     ref = [row[:8] for row in _worker("engine")["ar"]["1+1"][:2]]
     for i, r in enumerate(res):
         assert r["process"] == i and r["devices"] == 4 and r["local"] == 2

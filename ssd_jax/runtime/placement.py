@@ -193,15 +193,22 @@ _GATHERS = [0]
 
 
 def _lockstep(x):
-    """Every process reaches this gather with `x` computed before any starts it. Without this,
-    a process that finished one gather can start the next one's messages while the other is still
-    inside the first, and gloo (CPU) hands them to the wrong receive ("Received data size doesn't
-    match expected size"). The barrier is the coordination service's (not a collective), the one
-    jax's own array serialization waits at; its ids count gathers, so every process must make the
-    same `to_host` calls in the same order, as multi-controller JAX already requires of collectives."""
+    """Every process reaches this gather with `x` (on the CPU, everything in flight) computed
+    before any starts it. Without this, a process that finished one gather can start the next
+    one's messages while the other is still inside the first, and gloo (CPU) hands them to the
+    wrong receive ("Received data size doesn't match expected size"). The barrier is the
+    coordination service's (not a collective), the one jax's own array serialization waits at;
+    its ids count gathers, so every process must make the same `to_host` calls in the same order,
+    as multi-controller JAX already requires of collectives."""
     from jax._src import distributed
 
     jax.block_until_ready(x)
+    if next(iter(x.sharding.device_set)).platform == "cpu":
+        # the gather is a gloo collective too: a computation still in flight that was not
+        # settled (a small jitted step between two reads) could meet its collectives in a
+        # different order on each process (`spans_processes`), so everything finishes first
+        for a in jax.live_arrays():
+            a.block_until_ready()
     client = distributed.global_state.client
     if client is not None:
         _GATHERS[0] += 1
