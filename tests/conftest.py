@@ -10,6 +10,18 @@ jax.config.update("jax_enable_x64", False)
 
 import pytest  # noqa: E402
 
+# JAX's persistent compilation cache writes an entry in place and reads it without a lock
+# (jax/_src/lru_cache.py, unless eviction is on): a process that reads an entry while another
+# writes it deserializes half an executable and segfaults (a full run here crashed an xdist
+# worker in compilation_cache.get_executable_and_time; the two workers compile many of the same
+# small programs). Each worker therefore keeps its own directory; a test's subprocesses inherit it.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER and "SSD_JAX_COMPILE_CACHE" not in os.environ:
+    from ssd_jax.runtime.compile_cache import default_dir  # noqa: E402
+
+    os.environ["SSD_JAX_COMPILE_CACHE"] = str(
+        default_dir().with_name(f"{default_dir().name}-pytest-{_WORKER}"))
+
 # Under pytest-xdist (the README's test command: `-n 2` over everything but the real-weight
 # modules; `--dist loadgroup` is in pyproject's addopts) each test module runs whole on one worker,
 # so a module's fixtures (models, compiled engines) are built once. The modules that hold the real
