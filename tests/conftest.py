@@ -19,8 +19,8 @@ _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if _WORKER and "SSD_JAX_COMPILE_CACHE" not in os.environ:
     from ssd_jax.runtime.compile_cache import default_dir  # noqa: E402
 
-    os.environ["SSD_JAX_COMPILE_CACHE"] = str(
-        default_dir().with_name(f"{default_dir().name}-pytest-{_WORKER}"))
+    _SHARED = default_dir()
+    os.environ["SSD_JAX_COMPILE_CACHE"] = str(_SHARED.with_name(f"{_SHARED.name}-pytest-{_WORKER}"))
 
 # Under pytest-xdist (the README's test command: `-n 2` over everything but the real-weight
 # modules; `--dist loadgroup` is in pyproject's addopts) each test module runs whole on one worker,

@@ -158,9 +158,7 @@ def to_mesh(tree, sharding: NamedSharding):
     # same global value); same-device-set reshards and host values go straight to device_put.
     # CPU collectives (gloo) of concurrently running computations can pair up wrongly across
     # processes, so on the CPU everything in flight finishes first (this gives up the overlap).
-    if jax.devices()[0].platform == "cpu":
-        for a in jax.live_arrays():
-            a.block_until_ready()
+    _finish_in_flight_on_cpu()
 
     def one(x):
         if isinstance(x, jax.Array) and x.sharding.device_set != sharding.device_set:
@@ -168,6 +166,13 @@ def to_mesh(tree, sharding: NamedSharding):
         return jax.device_put(x, sharding)
 
     return jax.tree_util.tree_map(one, tree)
+
+
+def _finish_in_flight_on_cpu() -> None:
+    """On the CPU, wait for every computation in flight (`spans_processes` says why)."""
+    if jax.devices()[0].platform == "cpu":
+        for a in jax.live_arrays():
+            a.block_until_ready()
 
 
 def _placed(x: jax.Array, sharding: NamedSharding) -> bool:
@@ -203,12 +208,10 @@ def _lockstep(x):
     from jax._src import distributed
 
     jax.block_until_ready(x)
-    if next(iter(x.sharding.device_set)).platform == "cpu":
-        # the gather is a gloo collective too: a computation still in flight that was not
-        # settled (a small jitted step between two reads) could meet its collectives in a
-        # different order on each process (`spans_processes`), so everything finishes first
-        for a in jax.live_arrays():
-            a.block_until_ready()
+    # the gather is a gloo collective too: a computation still in flight that was not settled (a
+    # small jitted step between two reads) could meet its collectives in another order on each
+    # process
+    _finish_in_flight_on_cpu()
     client = distributed.global_state.client
     if client is not None:
         _GATHERS[0] += 1
