@@ -35,3 +35,33 @@ def pytest_collection_modifyitems(config, items):
         if name in REAL_WEIGHT_MODULES:
             item.add_marker(pytest.mark.real_weights)
         item.add_marker(pytest.mark.xdist_group(str(item.path.relative_to(config.rootpath))))
+
+
+
+def _cpu_line() -> str | None:
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        return None
+    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
+                  if ln.startswith("model name")), "unknown CPU")
+    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines()
+                  if ln.startswith("flags")), [])
+    isa = sorted(f for f in flags if f.startswith(("avx2", "avx512", "avx_vnni", "amx", "fma")))
+    return (f"cpu: {model}, {os.cpu_count()} cores, {' '.join(isa)}; jax {jax.__version__}, "
+            f"SSD_JAX_CPU_ISA={os.environ.get('SSD_JAX_CPU_ISA', 'native')}")
+
+
+def pytest_report_header(config):
+    """The CPU every figure and failure came from (machines here differ: AVX-512 BF16 / VNNI or AVX2
+    only), so that a CI log says which kernel paths ran."""
+    return _cpu_line()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failure's report names the CPU too: CI shows the end of the log, not its header."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and (line := _cpu_line()):
+        report.sections.append(("machine", line))

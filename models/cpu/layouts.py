@@ -71,10 +71,19 @@ def unpack_bf16(w: jax.Array) -> jax.Array:
     return t.transpose(1, 4, 0, 2, 3).reshape(K, N)
 
 
+# Why each layout class has a static `layout` field: JAX 0.10.2 compares two dataclass pytree nodes
+# with as many children as equal whatever their classes (their hashes differ), and jit's dispatch
+# cache trusts that equality. So a program traced for an Int8Weight (q, scale) could run on a
+# TiledInt8Weight of the same shapes, or the reverse, whenever the two signatures' hashes met in its
+# table: a CI run got the tiled kernel on row-major bytes. A static field is part of the node's
+# equality, so each layout differs from the logical weight it stands in for.
+
+
 @struct.dataclass
 class PackedWeight:
     """A bf16 dense weight w [K, N] laid out by `pack_bf16` (still shaped [K, N])."""
     w: jax.Array
+    layout: str = struct.field(pytree_node=False, default="bf16_strips")  # static: see above PackedWeight
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -136,6 +145,7 @@ class TiledInt8Weight:
     """An Int8Weight with q [K, N] laid out by `tile_int8`, scale [N] fp32."""
     q: jax.Array
     scale: jax.Array
+    layout: str = struct.field(pytree_node=False, default="int8_tiles")  # static: see above PackedWeight
     is_int8 = True  # a quantized head for models/quant.py's is_quantized
 
     @property
@@ -211,6 +221,7 @@ def unpack_int4(tiles: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
 class Int4Tiles:
     """An Int4Weight w [K, N] as tiles [K/32, N/32, 640] uint8 (`pack_int4`)."""
     tiles: jax.Array
+    layout: str = struct.field(pytree_node=False, default="int4_tiles")  # static: see above PackedWeight
 
     @property
     def shape(self) -> tuple[int, int]:
