@@ -24,7 +24,8 @@ import ssd_jax.pallas_kernels
 def _dataclass_nodes() -> list[type]:
     classes = {}
     for pkg in (ssd_jax, ssd_jax.models, ssd_jax.pallas_kernels):
-        names = [pkg.__name__] + [m.name for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + ".")]
+        names = [pkg.__name__] + [m.name for m in
+                                  pkgutil.walk_packages(pkg.__path__, pkg.__name__ + ".")]
         for name in names:
             module = importlib.import_module(name)  # an import error fails the test, naming it
             for obj in vars(module).values():
@@ -76,8 +77,9 @@ def test_no_two_weight_formats_share_a_structure():
         assert _structure(cls, leaf) == _structure(cls, leaf), cls
     same = [(a.__name__, b.__name__) for a, b in itertools.combinations(formats, 2)
             if _structure(a, leaf) == _structure(b, leaf)]
-    assert not same, (f"these weight formats have equal treedefs, so jit may run one's program on "
-                      f"the other: {same} (give the layout a static field, as models/cpu/layouts.py)")
+    assert not same, (f"these weight formats have equal treedefs, so jit may run one's program "
+                      f"on the other: {same} (give the layout a static field, as "
+                      f"models/cpu/layouts.py does)")
 
 
 def test_every_backend_layout_is_a_weight_format_here():
@@ -90,4 +92,5 @@ def test_a_tiled_int8_weight_and_its_row_major_twin_are_told_apart():
     from ssd_jax.models.cpu.layouts import TiledInt8Weight
     from ssd_jax.models.weights import Int8Weight
     q, s = jnp.zeros((16, 32), jnp.int8), jnp.ones((32,), jnp.float32)
-    assert jax.tree.structure(TiledInt8Weight(q=q, scale=s)) != jax.tree.structure(Int8Weight(q=q, scale=s))
+    tiled, row_major = TiledInt8Weight(q=q, scale=s), Int8Weight(q=q, scale=s)
+    assert jax.tree.structure(tiled) != jax.tree.structure(row_major)

@@ -83,7 +83,8 @@ def unpack_bf16(w: jax.Array) -> jax.Array:
 class PackedWeight:
     """A bf16 dense weight w [K, N] laid out by `pack_bf16` (still shaped [K, N])."""
     w: jax.Array
-    layout: str = struct.field(pytree_node=False, default="bf16_strips")  # static: see above PackedWeight
+    # static, so the node never equals the logical weight (see above PackedWeight)
+    layout: str = struct.field(pytree_node=False, default="bf16_strips")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -145,7 +146,8 @@ class TiledInt8Weight:
     """An Int8Weight with q [K, N] laid out by `tile_int8`, scale [N] fp32."""
     q: jax.Array
     scale: jax.Array
-    layout: str = struct.field(pytree_node=False, default="int8_tiles")  # static: see above PackedWeight
+    # static, so the node never equals the logical weight (see above PackedWeight)
+    layout: str = struct.field(pytree_node=False, default="int8_tiles")
     is_int8 = True  # a quantized head for models/quant.py's is_quantized
 
     @property
@@ -221,7 +223,8 @@ def unpack_int4(tiles: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
 class Int4Tiles:
     """An Int4Weight w [K, N] as tiles [K/32, N/32, 640] uint8 (`pack_int4`)."""
     tiles: jax.Array
-    layout: str = struct.field(pytree_node=False, default="int4_tiles")  # static: see above PackedWeight
+    # static, so the node never equals the logical weight (see above PackedWeight)
+    layout: str = struct.field(pytree_node=False, default="int4_tiles")
 
     @property
     def shape(self) -> tuple[int, int]:
