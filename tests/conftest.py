@@ -19,6 +19,8 @@ import pytest  # noqa: E402
 if os.environ.get("PYTEST_XDIST_WORKER") and "SSD_JAX_COMPILE_CACHE" not in os.environ:
     os.environ["SSD_JAX_COMPILE_CACHE"] = "0"
 
+from ssd_jax.runtime.defaults import describe  # noqa: E402  (after the cache setting)
+
 # Under pytest-xdist (the README's test command: `-n 2` over everything but the real-weight
 # modules; `--dist loadgroup` is in pyproject's addopts) each test module runs whole on one worker,
 # so a module's fixtures (models, compiled engines) are built once. The modules that hold the real
@@ -37,25 +39,14 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.xdist_group(str(item.path.relative_to(config.rootpath))))
 
 
-
-def _cpu_line() -> str | None:
-    try:
-        info = open("/proc/cpuinfo").read()
-    except OSError:
-        return None
-    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
-                  if ln.startswith("model name")), "unknown CPU")
-    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines()
-                  if ln.startswith("flags")), [])
-    isa = sorted(f for f in flags if f.startswith(("avx2", "avx512", "avx_vnni", "amx", "fma")))
-    return (f"cpu: {model}, {os.cpu_count()} cores, {' '.join(isa)}; jax {jax.__version__}, "
-            f"SSD_JAX_CPU_ISA={os.environ.get('SSD_JAX_CPU_ISA', 'native')}")
+# read once, at start-up: a failing test may have changed SSD_JAX_CPU_ISA by the time it reports
+_MACHINE = f"cpu: {describe()}; {os.cpu_count()} cores; jax {jax.__version__}"
 
 
 def pytest_report_header(config):
     """The CPU every figure and failure came from (machines here differ: AVX-512 BF16 / VNNI or AVX2
     only), so that a CI log says which kernel paths ran."""
-    return _cpu_line()
+    return _MACHINE
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -63,5 +54,5 @@ def pytest_runtest_makereport(item, call):
     """A failure's report names the CPU too: CI shows the end of the log, not its header."""
     outcome = yield
     report = outcome.get_result()
-    if report.failed and (line := _cpu_line()):
-        report.sections.append(("machine", line))
+    if report.failed:
+        report.sections.append(("machine", _MACHINE))
