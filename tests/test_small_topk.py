@@ -65,6 +65,15 @@ def test_argmax_equals_jnp_argmax(V, dtype):
         np.testing.assert_array_equal(got, want)
 
 
+def test_argmax_of_a_short_row_pads_nothing():
+    """A row shorter than a block is one block of its own length: padding V = 4 up to 128 made
+    every argmax (greedy, the exponential race, the fork) 32x the work on the engine's tests."""
+    for V in (4, 100):
+        jaxpr = str(jax.make_jaxpr(argmax)(jnp.zeros((8, V))))
+        assert "concatenate" not in jaxpr and "pad" not in jaxpr, jaxpr
+    assert "concatenate" in str(jax.make_jaxpr(argmax)(jnp.zeros((8, 129))))  # the padded case
+
+
 def test_argmax_of_int_and_bool_rows():
     rng = np.random.default_rng(0)
     for x in (rng.integers(-5, 5, (3, 300)).astype(np.int32), rng.random((3, 300)) < 0.05,

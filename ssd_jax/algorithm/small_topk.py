@@ -120,11 +120,14 @@ def argmax(x: jax.Array) -> jax.Array:
     if x.dtype == jnp.bool_:
         x = x.astype(jnp.int32)
     V, lead = x.shape[-1], x.shape[:-1]
-    nb = -(-V // _BLOCK)
-    if nb * _BLOCK != V:  # pad past the row's end with entries that never beat a real one
+    # A row no longer than a block is one block of its own length: padding a short row up to
+    # _BLOCK would multiply the work (32x at V = 4).
+    blk = min(V, _BLOCK)
+    nb = -(-V // blk)
+    if nb * blk != V:  # pad past the row's end with entries that never beat a real one
         low = -jnp.inf if jnp.issubdtype(x.dtype, jnp.floating) else jnp.iinfo(x.dtype).min
-        x = jnp.concatenate([x, jnp.full(lead + (nb * _BLOCK - V,), low, x.dtype)], axis=-1)
-    blocks = x.reshape(lead + (nb, _BLOCK))
+        x = jnp.concatenate([x, jnp.full(lead + (nb * blk - V,), low, x.dtype)], axis=-1)
+    blocks = x.reshape(lead + (nb, blk))
     if jnp.issubdtype(x.dtype, jnp.floating):
         nan = jnp.isnan(blocks)
         blocks = jnp.where(nan, jnp.inf, blocks)
@@ -142,8 +145,8 @@ def argmax(x: jax.Array) -> jax.Array:
     hit = jnp.take_along_axis(blocks, pick, axis=-2)[..., 0, :] == m
     if row_nan is not None:
         hit = jnp.where(row_nan, jnp.take_along_axis(nan, pick, axis=-2)[..., 0, :], hit)
-    within = jnp.min(jnp.where(hit, jnp.arange(_BLOCK, dtype=jnp.int32), _BLOCK), axis=-1)
-    return first_block * _BLOCK + within
+    within = jnp.min(jnp.where(hit, jnp.arange(blk, dtype=jnp.int32), blk), axis=-1)
+    return first_block * blk + within
 
 
 def _order_key(x: jax.Array) -> jax.Array:
