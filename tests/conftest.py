@@ -14,19 +14,22 @@ import pytest  # noqa: E402
 # and read without a lock (jax/_src/lru_cache.py, unless eviction is on), and full runs here
 # segfaulted twice reading one back (compilation_cache.get_executable_and_time, both times
 # draft_tree's executable): once with the two workers sharing a directory, once with a directory
-# each, so it is not only the race. With --dist loadgroup pytest-xdist 3.8.0 can then hang
-# replacing the worker. The tests that check the cache give it their own directories.
+# each, so it is not only the race. pytest-xdist 3.8.0 could then hang replacing the worker. The tests that check the cache give it their own directories.
 if os.environ.get("PYTEST_XDIST_WORKER") and "SSD_JAX_COMPILE_CACHE" not in os.environ:
     os.environ["SSD_JAX_COMPILE_CACHE"] = "0"
 
 from ssd_jax.runtime.defaults import describe  # noqa: E402  (after the cache setting)
 
 # Under pytest-xdist (the README's test command: `-n 2` over everything but the real-weight
-# modules; `--dist loadgroup` is in pyproject's addopts) each test module runs whole on one worker,
-# so a module's fixtures (models, compiled engines) are built once. The modules that hold the real
-# 0.5B / 1.5B weights, or run the CLI or HF's fp32 oracle on them, are marked `real_weights` and
-# run after, in one process of their own: beside two workers (5-6 GB each by then) the 1.5B
-# oracle's 13 GB did not fit a 24 GiB machine.
+# modules) tests are spread over the workers as they free up (xdist's default `load`), so a
+# module's fixtures are built in each worker that runs one of its tests. Modules whole on one
+# worker (`--dist loadgroup`, marked here until 2026-12) were never what ran: pytest 9.2 derives
+# `nodeid` from a structured id and xdist 3.8.0's loadgroup still renames `item._nodeid`, so
+# every test was its own group (pytest-dev/pytest-xdist#1386); every CI time on record is of
+# this spread, which keeps both workers busy to the end. The modules
+# that hold the real 0.5B / 1.5B weights, or run the CLI or HF's fp32 oracle on them, are marked
+# `real_weights` and run after, in one process of their own: beside two workers (5-6 GB each by
+# then) the 1.5B oracle's 13 GB did not fit a 24 GiB machine.
 REAL_WEIGHT_MODULES = {"test_real_models.py", "test_loading.py", "test_cli.py"}
 
 
@@ -36,7 +39,6 @@ def pytest_collection_modifyitems(config, items):
         name = item.path.name
         if name in REAL_WEIGHT_MODULES:
             item.add_marker(pytest.mark.real_weights)
-        item.add_marker(pytest.mark.xdist_group(str(item.path.relative_to(config.rootpath))))
 
 
 # read once, at start-up: a failing test may have changed SSD_JAX_CPU_ISA by the time it reports
