@@ -7,7 +7,8 @@
   set (AR <= 400 a token, SD / SSD <= 1,000 a round, one read a round plus a few per call) and
   not growing with the batch. The counters are benchmarks/host_overhead.py's own.
 - The device loop and the timed host loop (`timeline=True`) give the same tokens and counters;
-  tests/test_golden_ids.py holds both to the ids of the engine before the rewrite.
+  tests/test_golden_ids.py holds both to the ids of the engine before the rewrite. SD on one
+  mesh runs in chunks of rounds (`round_steps.sd_chunk`): the same as its rounds one by one.
 """
 from __future__ import annotations
 
@@ -125,13 +126,30 @@ def test_device_loop_and_timed_host_loop_agree(tiny, mode, backup):
     assert b.metrics.verify_s == 0 and a.metrics.verify_s > 0  # only the host loop times phases
 
 
-@pytest.mark.parametrize("mode,armed", [("ssd", 3), ("sd", None)])
+def _one_round_at_a_time(monkeypatch):
+    """SD's rounds dispatched one by one, as for a draft on a mesh of its own, on the colocated
+    `tiny` engine (which otherwise runs SD in chunks of rounds, `round_steps.sd_chunk`)."""
+    from ssd_jax.runtime.device_loop import DeviceLoop
+    monkeypatch.setattr(DeviceLoop, "_chunked_sd", lambda self, draft: False)
+
+
+class _FailsOnRead:
+    """A report whose read fails, as a device failure surfaces at the host's fetch."""
+
+    def __array__(self, *a, **k):
+        raise RuntimeError("INTERNAL: planted device failure")
+
+
+@pytest.mark.parametrize("mode,armed", [("ssd", 3), ("sd", None), ("sd-chunks", 2)])
 def test_a_draft_failure_read_a_round_late_rolls_back_and_refills_the_target(tiny, tmp_path,
                                                                             monkeypatch, mode, armed):
     """Pipelined, the round after a failing draft round is already enqueued (its verify took the
     target's KV cache): the call rolls back to the state before it, re-prefills the target, and
-    finishes with plain decoding exactly as the target alone (greedy: the same ids)."""
+    finishes with plain decoding exactly as the target alone (greedy: the same ids). SD in
+    chunks of rounds (one computation for both models): a chunk whose read fails rolls back to
+    the state before it the same way."""
     import _two_process_faults as faults
+    from ssd_jax.algorithm import round_steps
     from ssd_jax.runtime.device_loop import DeviceLoop
     from ssd_jax.runtime.draft_worker import DraftWorker
     from ssd_jax.runtime.fallback import DraftFallbackWarning
@@ -141,11 +159,22 @@ def test_a_draft_failure_read_a_round_late_rolls_back_and_refills_the_target(tin
     lost = []
     real = DeviceLoop.recover
     monkeypatch.setattr(DeviceLoop, "recover", lambda self, n: (lost.append(self.lost), real(self, n))[1])
-    if armed:  # the tree raises on the device: read late, with the next round in flight
+    if mode == "sd-chunks":  # the second chunk (of 2 rounds) fails at its read
+        mode, calls, chunk = "sd", [0], round_steps.sd_chunk
+        monkeypatch.setattr(round_steps, "SD_CHUNK", 2)
+
+        def failing_chunk(*a, **k):
+            calls[0] += 1
+            out = chunk(*a, **k)
+            return out[:-1] + (_FailsOnRead(),) if calls[0] == armed else out
+        monkeypatch.setattr(round_steps, "sd_chunk", failing_chunk)
+        undo = lambda: None  # noqa: E731
+    elif armed:  # the tree raises on the device: read late, with the next round in flight
         path = str(tmp_path / "armed")
         undo = faults.install_tree_fault(path)
         faults.arm(path, "raise", armed)
     else:  # SD's draft raises as the next round is dispatched
+        _one_round_at_a_time(monkeypatch)
         calls = [0]
         propose = DraftWorker.propose
 
@@ -165,6 +194,8 @@ def test_a_draft_failure_read_a_round_late_rolls_back_and_refills_the_target(tin
     assert lost == [True], lost
     assert out.metrics.fallback is not None and out.metrics.fallback["tokens_before"] > len(prompts)
     assert out.token_ids == ar.token_ids
+    if mode == "sd" and armed:  # the failing chunk, and the one enqueued before its read
+        assert calls[0] in (armed, armed + 1) and out.metrics.fallback["during"] == "propose"
 
 
 @pytest.mark.parametrize("mode", ["sd", "ssd"])
@@ -175,6 +206,7 @@ def test_rounds_are_enqueued_one_ahead_and_a_budget_end_runs_no_void_round(tiny,
     from ssd_jax.algorithm import steps
     from ssd_jax.runtime.device_loop import DeviceLoop
     _, _, eng = tiny
+    _one_round_at_a_time(monkeypatch)
     events = []
     verify, read = steps.verify, DeviceLoop.read_draft
     monkeypatch.setattr(steps, "verify", lambda *a, **k: (events.append("V"), verify(*a, **k))[1])
@@ -197,6 +229,66 @@ def test_rounds_are_enqueued_one_ahead_and_a_budget_end_runs_no_void_round(tiny,
     if mode == "ssd":
         assert (ended.metrics.lookups, ended.metrics.hits) == (unpiped.metrics.lookups,
                                                                unpiped.metrics.hits)
+
+
+@pytest.mark.parametrize("temperature,eos", [(0.0, []), (1.0, [3]), (0.7, [5, 9])])
+def test_sd_chunks_equal_rounds_one_by_one(tiny, monkeypatch, temperature, eos):
+    """SD on one mesh runs chunks of up to SD_CHUNK rounds (`round_steps.sd_chunk`): the same
+    ids, log-probs, finish reasons, accept histograms and per-round timeline counts as the
+    rounds dispatched one by one, with one dispatch and one read a chunk."""
+    from ssd_jax.algorithm import round_steps
+    _, _, eng = tiny
+    calls, chunk = [0], round_steps.sd_chunk
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return chunk(*a, **k)
+    monkeypatch.setattr(round_steps, "sd_chunk", counted)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [2], [7, 7, 7, 1, 2]]
+    kw = dict(mode="sd", max_new_tokens=40, k=2, seed=3, eos_ids=eos,
+              sampling=SamplingParams(temperature=temperature))
+    a = eng.generate(prompts, **kw)
+    most = -(-a.metrics.rounds // round_steps.SD_CHUNK) + 1  # + a void chunk after an EOS
+    assert 0 < calls[0] <= most, (calls, a.metrics.rounds)
+    _one_round_at_a_time(monkeypatch)
+    b = eng.generate(prompts, **kw)
+    assert a.token_ids == b.token_ids and a.finish_reasons == b.finish_reasons
+    assert a.logprobs == b.logprobs
+    assert (a.metrics.rounds, a.metrics.accept_hist) == (b.metrics.rounds, b.metrics.accept_hist)
+    assert [(r.active, r.tokens) for r in a.metrics.timeline] == \
+        [(r.active, r.tokens) for r in b.metrics.timeline]
+    if eos:
+        assert "eos" in a.finish_reasons
+
+
+def test_sd_chunks_are_enqueued_one_ahead_and_one_that_fails_to_compile_runs_rounds(tiny,
+                                                                                   monkeypatch):
+    """Chunk c+1 is dispatched before chunk c's report is read while some row needs more than a
+    chunk can commit; and a first chunk that raises at dispatch (a compile error, before
+    anything ran) leaves the call to the rounds one by one, with the same ids."""
+    from ssd_jax.algorithm import round_steps
+    from ssd_jax.runtime.device_loop import DeviceLoop
+    _, _, eng = tiny
+    events = []
+    chunk, read = round_steps.sd_chunk, DeviceLoop._sd_chunk_read
+    monkeypatch.setattr(round_steps, "sd_chunk",
+                        lambda *a, **k: (events.append("C"), chunk(*a, **k))[1])
+    monkeypatch.setattr(DeviceLoop, "_sd_chunk_read",
+                        lambda self, *a: (events.append("R"), read(self, *a))[1])
+    prompts = [[1, 2, 3], [4, 5]]
+    kw = dict(mode="sd", max_new_tokens=48, k=2, eos_ids=[])  # a chunk commits <= 8 x 3 tokens
+    out = eng.generate(prompts, **kw)
+    seq = "".join(events)
+    assert seq.startswith("CC"), seq  # the second chunk went in with the first unread
+    assert seq.count("C") == seq.count("R"), seq  # a budget end dispatches no void chunk
+    assert all(len(t) == 48 for t in out.token_ids)
+
+    def broken(*a, **k):
+        raise RuntimeError("planted: the chunk does not compile")
+    monkeypatch.setattr(round_steps, "sd_chunk", broken)
+    again = eng.generate(prompts, **kw)
+    assert again.token_ids == out.token_ids and again.metrics.fallback is None
+    assert again.metrics.rounds == out.metrics.rounds
 
 
 def test_memory_reports_the_last_calls_speculation_cache(tiny):

@@ -49,10 +49,11 @@ CHILD = textwrap.dedent("""
     def run():
         return [engine.generate([[3, 1, 4, 1, 5], [2, 7]], mode=m, max_new_tokens=8, k=3,
                                 sampling=s, seed=5, ssd=SSDConfig(fanout=(1, 1, 1, 1))).token_ids
-                for m, s in (("ar", SamplingParams()), ("ssd", SamplingParams(1.0, 0, 0.9)))]
+                for m, s in (("ar", SamplingParams()), ("sd", SamplingParams(0.8)),
+                             ("ssd", SamplingParams(1.0, 0, 0.9)))]
     outs = run()
-    fns = (steps.prefill, steps.prefill_cache, round_steps.decode_chunk, steps.verify,
-           steps.draft_chain, tree.draft_tree)
+    fns = (steps.prefill, steps.prefill_cache, round_steps.decode_chunk, round_steps.sd_chunk,
+           steps.verify, steps.draft_chain, tree.draft_tree)
     res = {"tokens": outs, "traced": traced[before:],
            "store": {f.__name__: [f.exported, f.loaded, f.plain_calls] for f in fns}}
     if sys.argv[2] == "then-off":  # the same calls again as plain jits, the store off
@@ -62,7 +63,8 @@ CHILD = textwrap.dedent("""
         res["plain_store"] = {f.__name__: [f.exported, f.loaded, f.plain_calls] for f in fns}
     print("RESULT " + json.dumps(res))
 """)
-STEPS = ("prefill", "prefill_cache", "decode_chunk", "verify", "draft_chain", "draft_tree")
+STEPS = ("prefill", "prefill_cache", "decode_chunk", "sd_chunk", "verify", "draft_chain",
+         "draft_tree")
 
 
 def _run(cache_dir, store):
@@ -94,8 +96,9 @@ def test_a_second_process_reads_every_step_back_and_traces_none(tmp_path):
     for name, (exported, loaded, plain) in second["store"].items():
         assert (exported, loaded, plain) == (0, first["store"][name][0], 0), (name, second)
     assert not set(STEPS) & set(second["traced"]), second["traced"]
-    # the same tokens in both processes and as the plain jits: AR greedy and SSD sampled; so the
-    # exactness the engine tests prove for the jitted steps holds for stored ones
+    # the same tokens in both processes and as the plain jits: AR greedy, SD (one device: in
+    # chunks of rounds) and SSD sampled; so the exactness the engine tests prove for the jitted
+    # steps holds for stored ones
     assert first["tokens"] == second["tokens"] == first["plain_tokens"]
 
 

@@ -12,6 +12,8 @@ without reading anything but one `report` (docs/ARCHITECTURE.md, "The round on t
   reads it back instead of tracing the model.
 - `commit_verify` (target): a verify's outcome into the state and the accept histograms; returns
   what the draft needs of it (`Outcome`).
+- `sd_chunk` (one mesh): up to N SD rounds (verify, commit, the next draft chain) in one
+  `lax.while_loop`, one report for the chunk, for a draft on the target's mesh.
 - `resolve` (draft): the speculation-cache lookup for the outcome, the backup for the rows that
   missed (a neural draft chain under `lax.cond`, only when a row missed, or the random backup),
   the hit counters, and the report with its hit column.
@@ -127,6 +129,60 @@ def decode_chunk(params, cfg, cache, state: ds.DecodeState, seed, request_ids, s
     init = (jnp.int32(0), state, cache, toks, lps, jnp.zeros(B, jnp.int32))
     _, state, cache, toks, lps, kept = jax.lax.while_loop(running, step, init)
     return state, state.active, cache, ds.report(active0, kept, state, toks, lps)
+
+
+SD_CHUNK = 8  # SD rounds per dispatch (and per report read) when the draft shares the target's mesh
+
+
+@stored_jit(static_argnames=("tcfg", "dcfg", "vocab_size", "draft_vocab_size", "row_vocab", "k",
+                             "verifier", "row_dtype", "tops", "dops", "rounds_max"),
+            donate_argnames=("tcache", "dcache"))
+def sd_chunk(tparams, tcfg, tcache, dparams, dcfg, dcache, state: ds.DecodeState, spec, rows,
+             seed, draft_seed, request_ids, sampling, draft_sampling, *, vocab_size: int,
+             draft_vocab_size: int, row_vocab: int, k: int, verifier, row_dtype: str = "float32",
+             tops: Ops = XLA, dops: Ops = XLA, rounds_max: int = SD_CHUNK):
+    """Up to `rounds_max` SD rounds in one `lax.while_loop`, which stops once no row runs: each
+    round verifies the speculation (spec `[B, K]`, rows `[B, K, V]` with V = row_vocab) with
+    `steps.verify`, commits its outcome (`commit_verify`'s rule and histograms) and drafts the
+    next speculation from the new state with `steps.draft_chain` — the same calls, keys and
+    tokens as that many rounds dispatched one by one, one dispatch. For a draft on the target's
+    mesh (one device, or a colocated placement).
+
+    tcache / dcache (the target's and the draft's KV caches) are donated; `state` is not, so a
+    failure read late can roll back to it. Returns (state, active `[B]` after it, tcache, dcache,
+    the next speculation (spec, rows), the chunk's report `[B, 4 + 2R]` (R = rounds_max): its
+    kept column is the chunk's tokens per row and its token columns hold each round's kept count
+    (a row ran round i iff that is > 0), log-prob columns 0). Static: both configs, the target's
+    and the draft's `vocab_size`, `row_vocab`, `k`, `verifier`, `row_dtype`, both op tables and
+    `rounds_max`; the verify's `seed` and the draft's `draft_seed` (each as its step takes it),
+    request_ids `[B]`, `sampling` and `draft_sampling` are traced.
+    """
+    B = state.bonus.shape[0]
+    active0 = state.active
+
+    def running(c):
+        return (c[0] < rounds_max) & jnp.any(c[1].active)
+
+    def one_round(c):
+        i, st, tc, dc, spec, rows, kept, per_round = c
+        with inside_step():  # traced into this step, not calls of their own
+            res, lp, tc = steps.verify(tparams, tcfg, tc, st.bonus, spec, rows, st.active, seed,
+                                       request_ids, sampling, vocab_size, verifier, ops=tops)
+            st, _, _ = _commit_verify(st, res.num_accepted, res.bonus, res.tokens, lp)
+            k1 = st.count - c[1].count
+            nspec, nrows, dc = steps.draft_chain(
+                dparams, dcfg, dc, st.prev, st.bonus, st.n, draft_seed, request_ids, draft_sampling,
+                draft_vocab_size, k, (), 1.0, row_dtype, ops=dops)
+        nrows = fit_rows(nrows, row_vocab).astype(rows.dtype)
+        return (i + 1, st, tc, dc, nspec, nrows, kept + k1,
+                jax.lax.dynamic_update_index_in_dim(per_round, k1, i, axis=1))
+
+    init = (jnp.int32(0), state, tcache, dcache, spec, rows, jnp.zeros(B, jnp.int32),
+            jnp.zeros((B, rounds_max), jnp.int32))
+    _, state, tcache, dcache, spec, rows, kept, per_round = jax.lax.while_loop(
+        running, one_round, init)
+    rep = ds.report(active0, kept, state, per_round, jnp.zeros((B, rounds_max), jnp.float32))
+    return state, state.active, tcache, dcache, spec, rows, rep
 
 
 @jax.jit

@@ -25,7 +25,8 @@ One SSD round, as the host dispatches it (nothing waits until the last line):
     fetch report(T-1)    the one device->host read of the round (report(T) unpipelined)
 
 SD: verify(T), commit_verify(T), draft_chain(T+1) from the new state, then the report (made to
-wait for that speculation) is read. AR: decode_chunk (up to 16 tokens in one while_loop), read;
+wait for that speculation) is read; with the draft on the target's own mesh, `sd_chunk` runs up to
+`round_steps.SD_CHUNK` such rounds in one dispatch and one read. AR: decode_chunk (up to 16 tokens in one while_loop), read;
 decode, commit_tokens, read per token when the host needs each token.
 """
 from __future__ import annotations
@@ -38,7 +39,7 @@ import numpy as np
 from ssd_jax.algorithm import decode_state as ds
 from ssd_jax.algorithm import round_steps as rs
 from ssd_jax.algorithm import steps
-from ssd_jax.runtime.draft_worker import DraftRun, RoundState
+from ssd_jax.runtime.draft_worker import DraftRun, DraftWorker, RoundState
 from ssd_jax.runtime.metrics import Metrics, RoundTimes
 from ssd_jax.runtime.placement import to_mesh
 
@@ -108,13 +109,13 @@ class DeviceLoop:
             if hit[row] == 0:
                 c["backups"][rs.BACKUP_INDEX[self.backup]] += 1
 
-    def read_draft(self, rep, during: str) -> None:
+    def read_draft(self, rep, during: str) -> np.ndarray:
         """`read` of an array the draft's work of the round feeds: an error raised by it is the
         draft's (DraftDown, the call falls back) unless the target's own report of the round
         fails too (then it is the target's, raised as is)."""
         from ssd_jax.runtime.fallback import DraftDown
         try:
-            self.read(rep)
+            return self.read(rep)
         except Exception as e:  # noqa: BLE001 - any failure of the draft's device work
             if self.pending is not None:
                 try:
@@ -400,6 +401,10 @@ class DeviceLoop:
         v = self._draft_view()
         spec, rows = draft.propose(_round_state(v), drun)
         self.read_draft(rs.pass_report(v.report, spec), "propose")
+        if self._chunked_sd(draft) and self._sd_chunks(draft.worker, drun, spec, rows):
+            draft.finish()
+            self.counters_into(self.m)
+            return
 
         def dispatch():
             nonlocal spec, rows
@@ -412,6 +417,78 @@ class DeviceLoop:
         self._rounds(dispatch, "propose")
         draft.finish()
         self.counters_into(self.m)
+
+    def _chunked_sd(self, draft) -> bool:
+        """Whether SD runs in chunks of rounds (`round_steps.sd_chunk`): pipelined, and the draft
+        (`draft.worker`, behind the call's `fallback.Guarded`) is this process's `DraftWorker` on
+        the target's own mesh (one device: colocated, or split on a single device)."""
+        p, w = self.e.placement, getattr(draft, "worker", None)
+        return (self.pipelined and type(w) is DraftWorker and w.cache is not None
+                and p.target_mesh is p.draft_mesh and jax.process_count() == 1)
+
+    def _sd_chunks(self, draft: DraftWorker, drun: DraftRun, spec, rows) -> bool:
+        """SD's rounds in chunks of up to `round_steps.SD_CHUNK`, one dispatch and one read each,
+        chunk c+1 dispatched before chunk c's report is read (as AR's `_ar_chunks`). A chunk
+        dispatched after the last round runs none. Returns False, having run nothing, when the
+        first chunk fails to compile (the rounds then go one by one, where a failure is the
+        draft's or the target's by its step). The state is not donated: a failure read late
+        (either model's: one computation here) is contained as the draft's, and rolls back to
+        the state before the chunk in flight, whose verify took the target's KV cache
+        (`recover`); a target that really failed fails again in the fallback's plain decoding."""
+        from ssd_jax.runtime.fallback import DraftDown
+        e, run, N = self.e, self.run, rs.SD_CHUNK
+        dseed, _ = draft._call_values(drun)
+        dsampling = draft._placed_sampling(drun.sampling)
+        tspec = to_mesh(spec, self.tgt)
+        trows = to_mesh(rows, e.placement.target_rows(rows.shape[-1]))
+        prev = None  # (report, state before it) of the chunk dispatched and not read yet
+        t0, c0 = time.perf_counter(), e._timer.seconds
+        first = True
+        while self.running:
+            before = self.state
+            try:
+                try:
+                    out = rs.sd_chunk(
+                        e.tparams, e.tcfg, e.tcache, draft.params, draft.cfg, draft.cache,
+                        self.state, tspec, trows, run["seed"], dseed, self.rids_t,
+                        run["sampling"], dsampling, vocab_size=e.vocab_size, draft_vocab_size=draft.vocab_size,
+                        row_vocab=draft.row_vocab, k=run["k"], verifier=run["verifier"],
+                        row_dtype=drun.row_dtype, tops=e.tops, dops=draft.ops, rounds_max=N)
+                except Exception:  # noqa: BLE001 - raised before anything ran: nothing donated
+                    if not first:
+                        raise
+                    return False
+                first = False
+                self.state, self.active, e.tcache, draft.cache, tspec, trows, rep = out
+                if prev is not None:
+                    self._sd_chunk_read(prev[0], t0, c0)
+                    prev = None
+                    t0, c0 = time.perf_counter(), e._timer.seconds
+                    if not self.running:
+                        break
+                if self._ahead(N * (run["k"] + 1)):
+                    prev = (rep, before)
+                    continue
+                self._sd_chunk_read(rep, t0, c0)
+            except DraftDown:
+                back = prev[1] if prev is not None else before
+                self.state, self.active, self.pending = back, back.active, None
+                self.lost = True  # the chunk's verify took the target's KV cache with it
+                raise
+            t0, c0 = time.perf_counter(), e._timer.seconds
+        return True
+
+    def _sd_chunk_read(self, rep, t0: float, c0: float) -> None:
+        """Read an SD chunk's report; the timeline gets one entry per round it ran (the rows
+        that kept tokens in it), the chunk's wall split evenly among them."""
+        r = self.read_draft(rep, "propose")  # a failed chunk raises here: DraftDown, the fallback
+        per_round = r[:, ds.R_TOKENS:ds.R_TOKENS + rs.SD_CHUNK]
+        ran = int((per_round > 0).any(axis=0).sum())
+        wall, compiled = time.perf_counter() - t0, self.e._timer.seconds > c0
+        for i in range(ran):
+            got = per_round[:, i]
+            self.m.add_round(RoundTimes(active=int((got > 0).sum()), tokens=int(got.sum()),
+                                        round_s=wall / ran, compiled=compiled))
 
     def ssd(self, draft, drun: DraftRun) -> None:
         """SSD: verify and the tree overlap; the lookup and backup run on the draft mesh."""
