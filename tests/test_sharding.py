@@ -110,10 +110,15 @@ def test_data_parallel_draft_never_communicates():
     assert {n: c for n, c in progs.items() if c} == {}, progs
 
 
-@pytest.mark.slow
-def test_two_process_multi_controller_smoke():
-    """jax.distributed on two CPU processes (2 devices each, gloo): layout 2+2 with one device of
-    each process per mesh; AR and SSD give the single-process tokens on both processes."""
+# What the coordination service or gloo print when the transport between the two processes
+# fails, not our code: a peer's heartbeat timing out, gloo's "Received data size doesn't match".
+# Seen about once in ten full runs on the loaded 2-core VM, always with no RESULT from either
+# process (never tokens that differ).
+_TRANSPORT_FAILURES = ("heartbeat timeout", "Received data size", "Barrier failed", "gloo::")
+
+
+def _multi_controller_pair() -> list[tuple[int, str, str]]:
+    """(returncode, stdout, stderr) of both processes of one multi-controller run."""
     import socket
 
     with socket.socket() as sock:
@@ -124,18 +129,46 @@ def test_two_process_multi_controller_smoke():
                                "--process-id", str(i), "--port", str(port)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
-    res = []
+    runs = []
     try:
         for p in procs:
-            out, err = p.communicate(timeout=600)
-            lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
-            assert p.returncode == 0 and lines, f"process failed:\n{out[-2000:]}\n{err[-4000:]}"
-            res.append(json.loads(lines[-1][len("RESULT "):]))
+            try:
+                out, err = p.communicate(timeout=600)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, err = p.communicate()
+            runs.append((p.returncode, out, err))
     finally:  # one that failed leaves its peer waiting in a collective: end it too
         for q in procs:
             if q.poll() is None:
                 q.kill()
                 q.wait()
+    return runs
+
+
+@pytest.mark.slow
+def test_two_process_multi_controller_smoke():
+    """jax.distributed on two CPU processes (2 devices each, gloo): layout 2+2 with one device of
+    each process per mesh; AR and SSD give the single-process tokens on both processes. A run
+    whose processes die in the transport (`_TRANSPORT_FAILURES`, neither printing a result) is
+    run once more, with a warning that shows both processes' logs; a second failure fails."""
+    import warnings
+
+    def report(runs):
+        return "\n".join(f"process {i} (exit {rc}):\n{out[-1500:]}\n{err[-3000:]}"
+                         for i, (rc, out, err) in enumerate(runs))
+
+    for attempt in (1, 2):
+        runs = _multi_controller_pair()
+        lines = [[l for l in out.splitlines() if l.startswith("RESULT ")] for _, out, _ in runs]
+        if all(rc == 0 and ls for (rc, _, _), ls in zip(runs, lines)):
+            break
+        transport = not any(lines) and any(m in err for _, _, err in runs
+                                           for m in _TRANSPORT_FAILURES)
+        if attempt == 2 or not transport:
+            pytest.fail(f"the multi-controller run failed (attempt {attempt}):\n{report(runs)}")
+        warnings.warn(f"multi-controller run retried after a transport failure:\n{report(runs)}")
+    res = [json.loads(ls[-1][len("RESULT "):]) for ls in lines]
     ref = [row[:8] for row in _worker("engine")["ar"]["1+1"][:2]]
     for i, r in enumerate(res):
         assert r["process"] == i and r["devices"] == 4 and r["local"] == 2
