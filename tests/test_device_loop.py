@@ -80,7 +80,7 @@ def tiny():
     host = _host_overhead()
     target, draft = host.build_pair(64, 1, 0.1)
     eng = Engine(target, draft, placement="colocated", backend="xla", compilation_cache=False,
-                 max_len=64)
+                 max_len=64, sd_chunks=True)  # SD in chunks of rounds, which a CPU leaves off
     return host, target, eng
 
 
@@ -229,6 +229,28 @@ def test_rounds_are_enqueued_one_ahead_and_a_budget_end_runs_no_void_round(tiny,
     if mode == "ssd":
         assert (ended.metrics.lookups, ended.metrics.hits) == (unpiped.metrics.lookups,
                                                                unpiped.metrics.hits)
+
+
+def test_sd_chunks_default_follows_the_platform(tiny, monkeypatch):
+    """`Engine(sd_chunks=None)`: off on a CPU (a while loop there cost the default pair's SD call
+    15%), on elsewhere; True / False force it; anything else is a TypeError."""
+    from ssd_jax.algorithm import round_steps
+    host, target, eng = tiny
+    calls, chunk = [0], round_steps.sd_chunk
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return chunk(*a, **k)
+    monkeypatch.setattr(round_steps, "sd_chunk", counted)
+    kw = dict(mode="sd", max_new_tokens=12, k=2)
+    monkeypatch.setattr(eng, "sd_chunks", None)
+    off = eng.generate([[1, 2, 3]], **kw)
+    assert calls[0] == 0
+    monkeypatch.setattr(eng, "sd_chunks", True)
+    on = eng.generate([[1, 2, 3]], **kw)
+    assert calls[0] > 0 and on.token_ids == off.token_ids
+    with pytest.raises(TypeError, match="sd_chunks must be"):
+        Engine(target, sd_chunks="yes")
 
 
 @pytest.mark.parametrize("temperature,eos", [(0.0, []), (1.0, [3]), (0.7, [5, 9])])

@@ -44,7 +44,7 @@ CHILD = textwrap.dedent("""
     t = Model(cfg, random_params(cfg, 0, scale=1.0))
     d = Model(cfg, perturb(t.params, jax.random.key(2), 0.3))
     engine = Engine(t, d, max_len=64, compilation_cache=sys.argv[1], backend="xla",
-                    step_store=True)
+                    step_store=True, sd_chunks=True)
     before = len(traced)
     def run():
         return [engine.generate([[3, 1, 4, 1, 5], [2, 7]], mode=m, max_new_tokens=8, k=3,

@@ -25,9 +25,11 @@ One SSD round, as the host dispatches it (nothing waits until the last line):
     fetch report(T-1)    the one device->host read of the round (report(T) unpipelined)
 
 SD: verify(T), commit_verify(T), draft_chain(T+1) from the new state, then the report (made to
-wait for that speculation) is read; with the draft on the target's own mesh, `sd_chunk` runs up to
-`round_steps.SD_CHUNK` such rounds in one dispatch and one read. AR: decode_chunk (up to 16 tokens in one while_loop), read;
-decode, commit_tokens, read per token when the host needs each token.
+wait for that speculation) is read; with the draft on the target's own mesh (and
+`Engine.sd_chunks`), `sd_chunk` runs up to `round_steps.SD_CHUNK` such rounds in one dispatch and
+one read. AR: decode_chunk (up to 16
+tokens in one while_loop), read; decode, commit_tokens, read per token when the host needs each
+token.
 """
 from __future__ import annotations
 
@@ -419,11 +421,15 @@ class DeviceLoop:
         self.counters_into(self.m)
 
     def _chunked_sd(self, draft) -> bool:
-        """Whether SD runs in chunks of rounds (`round_steps.sd_chunk`): pipelined, and the draft
-        (`draft.worker`, behind the call's `fallback.Guarded`) is this process's `DraftWorker` on
-        the target's own mesh (one device: colocated, or split on a single device)."""
+        """Whether SD runs in chunks of rounds (`round_steps.sd_chunk`): the engine's `sd_chunks`
+        (None: not on a CPU), pipelined, and the draft (`draft.worker`, behind the call's
+        `fallback.Guarded`) is this process's `DraftWorker` on the target's own mesh (one
+        device: colocated, or split on a single device)."""
         p, w = self.e.placement, getattr(draft, "worker", None)
-        return (self.pipelined and type(w) is DraftWorker and w.cache is not None
+        want = self.e.sd_chunks
+        if want is None:
+            want = p.target_mesh.devices.flat[0].platform != "cpu"
+        return (want and self.pipelined and type(w) is DraftWorker and w.cache is not None
                 and p.target_mesh is p.draft_mesh and jax.process_count() == 1)
 
     def _sd_chunks(self, draft: DraftWorker, drun: DraftRun, spec, rows) -> bool:
@@ -451,9 +457,10 @@ class DeviceLoop:
                     out = rs.sd_chunk(
                         e.tparams, e.tcfg, e.tcache, draft.params, draft.cfg, draft.cache,
                         self.state, tspec, trows, run["seed"], dseed, self.rids_t,
-                        run["sampling"], dsampling, vocab_size=e.vocab_size, draft_vocab_size=draft.vocab_size,
-                        row_vocab=draft.row_vocab, k=run["k"], verifier=run["verifier"],
-                        row_dtype=drun.row_dtype, tops=e.tops, dops=draft.ops, rounds_max=N)
+                        run["sampling"], dsampling, vocab_size=e.vocab_size,
+                        draft_vocab_size=draft.vocab_size, row_vocab=draft.row_vocab, k=run["k"],
+                        verifier=run["verifier"], row_dtype=drun.row_dtype, tops=e.tops,
+                        dops=draft.ops, rounds_max=N)
                 except Exception:  # noqa: BLE001 - raised before anything ran: nothing donated
                     if not first:
                         raise
