@@ -231,17 +231,23 @@ def test_rounds_are_enqueued_one_ahead_and_a_budget_end_runs_no_void_round(tiny,
                                                                unpiped.metrics.hits)
 
 
-def test_sd_chunks_default_follows_the_platform(tiny, monkeypatch):
-    """`Engine(sd_chunks=None)`: off on a CPU (a while loop there cost the default pair's SD call
-    15%), on elsewhere; True / False force it; anything else is a TypeError."""
+def _count_chunks(monkeypatch) -> list[int]:
+    """Counts `round_steps.sd_chunk` dispatches in the returned list's one entry."""
     from ssd_jax.algorithm import round_steps
-    host, target, eng = tiny
     calls, chunk = [0], round_steps.sd_chunk
 
     def counted(*a, **k):
         calls[0] += 1
         return chunk(*a, **k)
     monkeypatch.setattr(round_steps, "sd_chunk", counted)
+    return calls
+
+
+def test_sd_chunks_default_follows_the_platform(tiny, monkeypatch):
+    """`Engine(sd_chunks=None)`: off on a CPU (a while loop there cost the default pair's SD call
+    15%), on elsewhere; True / False force it; anything else is a TypeError."""
+    host, target, eng = tiny
+    calls = _count_chunks(monkeypatch)
     kw = dict(mode="sd", max_new_tokens=12, k=2)
     monkeypatch.setattr(eng, "sd_chunks", None)
     off = eng.generate([[1, 2, 3]], **kw)
@@ -260,12 +266,7 @@ def test_sd_chunks_equal_rounds_one_by_one(tiny, monkeypatch, temperature, eos):
     rounds dispatched one by one, with one dispatch and one read a chunk."""
     from ssd_jax.algorithm import round_steps
     _, _, eng = tiny
-    calls, chunk = [0], round_steps.sd_chunk
-
-    def counted(*a, **k):
-        calls[0] += 1
-        return chunk(*a, **k)
-    monkeypatch.setattr(round_steps, "sd_chunk", counted)
+    calls = _count_chunks(monkeypatch)
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [2], [7, 7, 7, 1, 2]]
     kw = dict(mode="sd", max_new_tokens=40, k=2, seed=3, eos_ids=eos,
               sampling=SamplingParams(temperature=temperature))
