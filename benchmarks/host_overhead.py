@@ -485,6 +485,7 @@ def main(argv=None) -> int:
 
     checks = self_test()
     target, draft = build_pair(a.vocab, a.layers, a.perturb)
+    # sd_chunks only when asked: without it the script still runs an older engine (A/B worktrees)
     engine = Engine(target, draft, placement="colocated", backend="xla", compilation_cache=False,
                     **({"sd_chunks": True} if a.sd_chunks else {}))
     rows = []

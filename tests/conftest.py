@@ -14,7 +14,8 @@ import pytest  # noqa: E402
 # and read without a lock (jax/_src/lru_cache.py, unless eviction is on), and full runs here
 # segfaulted twice reading one back (compilation_cache.get_executable_and_time, both times
 # draft_tree's executable): once with the two workers sharing a directory, once with a directory
-# each, so it is not only the race. pytest-xdist 3.8.0 could then hang replacing the worker. The tests that check the cache give it their own directories.
+# each, so it is not only the race. pytest-xdist 3.8.0 could then hang replacing the worker. The
+# tests that check the cache give it their own directories.
 if os.environ.get("PYTEST_XDIST_WORKER") and "SSD_JAX_COMPILE_CACHE" not in os.environ:
     os.environ["SSD_JAX_COMPILE_CACHE"] = "0"
 
@@ -26,10 +27,10 @@ from ssd_jax.runtime.defaults import describe  # noqa: E402  (after the cache se
 # worker (`--dist loadgroup`, marked here until 2026-12) were never what ran: pytest 9.2 derives
 # `nodeid` from a structured id and xdist 3.8.0's loadgroup still renames `item._nodeid`, so
 # every test was its own group (pytest-dev/pytest-xdist#1386); every CI time on record is of
-# this spread, which keeps both workers busy to the end. The modules
-# that hold the real 0.5B / 1.5B weights, or run the CLI or HF's fp32 oracle on them, are marked
-# `real_weights` and run after, in one process of their own: beside two workers (5-6 GB each by
-# then) the 1.5B oracle's 13 GB did not fit a 24 GiB machine.
+# this spread, which keeps both workers busy to the end. The modules that hold the real 0.5B /
+# 1.5B weights, or run the CLI or HF's fp32 oracle on them, are marked `real_weights` and run
+# after, in one process of their own: beside two workers (5-6 GB each by then) the 1.5B oracle's
+# 13 GB did not fit a 24 GiB machine.
 REAL_WEIGHT_MODULES = {"test_real_models.py", "test_loading.py", "test_cli.py"}
 
 

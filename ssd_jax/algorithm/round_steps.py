@@ -168,8 +168,8 @@ def sd_chunk(tparams, tcfg, tcache, dparams, dcfg, dcache, state: ds.DecodeState
         with inside_step():  # traced into this step, not calls of their own
             res, lp, tc = steps.verify(tparams, tcfg, tc, st.bonus, spec, rows, st.active, seed,
                                        request_ids, sampling, vocab_size, verifier, ops=tops)
-            st, _, _ = _commit_verify(st, res.num_accepted, res.bonus, res.tokens, lp)
-            k1 = st.count - c[1].count
+            st = ds.count_accepts(st, res.num_accepted, st.active, None)  # commit_verify's rule
+            st, k1 = ds.commit(st, res.tokens, lp, res.num_accepted + 1)
             nspec, nrows, dc = steps.draft_chain(
                 dparams, dcfg, dc, st.prev, st.bonus, st.n, draft_seed, request_ids, draft_sampling,
                 draft_vocab_size, k, (), 1.0, row_dtype, ops=dops)

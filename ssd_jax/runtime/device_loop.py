@@ -27,9 +27,8 @@ One SSD round, as the host dispatches it (nothing waits until the last line):
 SD: verify(T), commit_verify(T), draft_chain(T+1) from the new state, then the report (made to
 wait for that speculation) is read; with the draft on the target's own mesh (and
 `Engine.sd_chunks`), `sd_chunk` runs up to `round_steps.SD_CHUNK` such rounds in one dispatch and
-one read. AR: decode_chunk (up to 16
-tokens in one while_loop), read; decode, commit_tokens, read per token when the host needs each
-token.
+one read. AR: decode_chunk (up to 16 tokens in one while_loop), read; decode, commit_tokens, read
+per token when the host needs each token.
 """
 from __future__ import annotations
 
@@ -261,10 +260,15 @@ class DeviceLoop:
         iff it kept more than i tokens), the chunk's wall split evenly among them."""
         kept = self.read(rep)[:, ds.R_KEPT]
         ran = int(kept.max()) if kept.size else 0
+        self._chunk_rounds([(int((kept > i).sum()),) * 2 for i in range(ran)], t0, c0)
+
+    def _chunk_rounds(self, rounds, t0: float, c0: float) -> None:
+        """The timeline's entries for a chunk read: one per (active rows, tokens) of `rounds`,
+        the chunk's wall since t0 split evenly among them."""
         wall, compiled = time.perf_counter() - t0, self.e._timer.seconds > c0
-        for i in range(ran):
-            n = int((kept > i).sum())
-            self.m.add_round(RoundTimes(active=n, tokens=n, round_s=wall / ran, compiled=compiled))
+        for active, tokens in rounds:
+            self.m.add_round(RoundTimes(active=active, tokens=tokens, round_s=wall / len(rounds),
+                                        compiled=compiled))
 
     def _ar_tokens(self) -> None:
         """AR one token a dispatch (`ar`), for rows whose tokens pass through the host."""
@@ -491,11 +495,8 @@ class DeviceLoop:
         r = self.read_draft(rep, "propose")  # a failed chunk raises here: DraftDown, the fallback
         per_round = r[:, ds.R_TOKENS:ds.R_TOKENS + rs.SD_CHUNK]
         ran = int((per_round > 0).any(axis=0).sum())
-        wall, compiled = time.perf_counter() - t0, self.e._timer.seconds > c0
-        for i in range(ran):
-            got = per_round[:, i]
-            self.m.add_round(RoundTimes(active=int((got > 0).sum()), tokens=int(got.sum()),
-                                        round_s=wall / ran, compiled=compiled))
+        self._chunk_rounds([(int((per_round[:, i] > 0).sum()), int(per_round[:, i].sum()))
+                            for i in range(ran)], t0, c0)
 
     def ssd(self, draft, drun: DraftRun) -> None:
         """SSD: verify and the tree overlap; the lookup and backup run on the draft mesh."""
