@@ -21,6 +21,10 @@ if os.environ.get("PYTEST_XDIST_WORKER") and "SSD_JAX_COMPILE_CACHE" not in os.e
 
 from ssd_jax.runtime.defaults import describe  # noqa: E402  (after the cache setting)
 
+# a test whose worker dies of a signal runs once more (tests/_crash_rerun.py says why and how)
+from _crash_rerun import (  # noqa: E402,F401
+    pytest_handlecrashitem, pytest_report_teststatus, pytest_terminal_summary)
+
 # Under pytest-xdist (the README's test command: `-n 2` over everything but the real-weight
 # modules) tests are spread over the workers as they free up (xdist's default `load`), so a
 # module's fixtures are built in each worker that runs one of its tests. Modules whole on one
