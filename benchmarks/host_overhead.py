@@ -462,8 +462,9 @@ def git_commit(*paths: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", default="ar,sd,ssd")
-    ap.add_argument("--sd-chunks", action="store_true",
-                    help="Engine(sd_chunks=True): SD in chunks of rounds (a CPU's default is off)")
+    ap.add_argument("--round-chunks", action="store_true",
+                    help="Engine(round_chunks=True): SD and SSD in chunks of rounds (a CPU's "
+                         "default is off)")
     ap.add_argument("--batch", default="1,16,64", help="batch sizes, comma-separated")
     ap.add_argument("--tokens", type=int, default=96, help="new tokens per row")
     ap.add_argument("--k", type=int, default=4, help="lookahead K")
@@ -485,9 +486,10 @@ def main(argv=None) -> int:
 
     checks = self_test()
     target, draft = build_pair(a.vocab, a.layers, a.perturb)
-    # sd_chunks only when asked: without it the script still runs an older engine (A/B worktrees)
+    # round_chunks only when asked: without it the script still runs an older engine (A/B
+    # worktrees)
     engine = Engine(target, draft, placement="colocated", backend="xla", compilation_cache=False,
-                    **({"sd_chunks": True} if a.sd_chunks else {}))
+                    **({"round_chunks": True} if a.round_chunks else {}))
     rows = []
     for b in (int(x) for x in a.batch.split(",")):
         for mode in a.modes.split(","):

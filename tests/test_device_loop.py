@@ -7,8 +7,9 @@
   set (AR <= 400 a token, SD / SSD <= 1,000 a round, one read a round plus a few per call) and
   not growing with the batch. The counters are benchmarks/host_overhead.py's own.
 - The device loop and the timed host loop (`timeline=True`) give the same tokens and counters;
-  tests/test_golden_ids.py holds both to the ids of the engine before the rewrite. SD on one
-  mesh runs in chunks of rounds (`round_steps.sd_chunk`): the same as its rounds one by one.
+  tests/test_golden_ids.py holds both to the ids of the engine before the rewrite. SD and SSD
+  on one mesh run in chunks of rounds (`round_steps.sd_chunk` / `ssd_chunk`): the same as their
+  rounds one by one.
 """
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ def tiny():
     host = _host_overhead()
     target, draft = host.build_pair(64, 1, 0.1)
     eng = Engine(target, draft, placement="colocated", backend="xla", compilation_cache=False,
-                 max_len=64, sd_chunks=True)  # SD in chunks of rounds, which a CPU leaves off
+                 max_len=64, round_chunks=True)  # SD / SSD in chunks of rounds, which a CPU leaves off
     return host, target, eng
 
 
@@ -130,7 +131,7 @@ def _one_round_at_a_time(monkeypatch):
     """SD's rounds dispatched one by one, as for a draft on a mesh of its own, on the colocated
     `tiny` engine (which otherwise runs SD in chunks of rounds, `round_steps.sd_chunk`)."""
     from ssd_jax.runtime.device_loop import DeviceLoop
-    monkeypatch.setattr(DeviceLoop, "_chunked_sd", lambda self, draft: False)
+    monkeypatch.setattr(DeviceLoop, "_chunked", lambda self, draft: False)
 
 
 class _FailsOnRead:
@@ -140,14 +141,15 @@ class _FailsOnRead:
         raise RuntimeError("INTERNAL: planted device failure")
 
 
-@pytest.mark.parametrize("mode,armed", [("ssd", 3), ("sd", None), ("sd-chunks", 2)])
+@pytest.mark.parametrize("mode,armed", [("ssd", 3), ("sd", None), ("sd-chunks", 2),
+                                        ("ssd-chunks", 2)])
 def test_a_draft_failure_read_a_round_late_rolls_back_and_refills_the_target(tiny, tmp_path,
                                                                             monkeypatch, mode, armed):
     """Pipelined, the round after a failing draft round is already enqueued (its verify took the
     target's KV cache): the call rolls back to the state before it, re-prefills the target, and
-    finishes with plain decoding exactly as the target alone (greedy: the same ids). SD in
-    chunks of rounds (one computation for both models): a chunk whose read fails rolls back to
-    the state before it the same way."""
+    finishes with plain decoding exactly as the target alone (greedy: the same ids). SD and SSD
+    in chunks of rounds (one computation for both models): a chunk whose read fails rolls back
+    to the state before it the same way."""
     import _two_process_faults as faults
     from ssd_jax.algorithm import round_steps
     from ssd_jax.runtime.device_loop import DeviceLoop
@@ -159,17 +161,21 @@ def test_a_draft_failure_read_a_round_late_rolls_back_and_refills_the_target(tin
     lost = []
     real = DeviceLoop.recover
     monkeypatch.setattr(DeviceLoop, "recover", lambda self, n: (lost.append(self.lost), real(self, n))[1])
-    if mode == "sd-chunks":  # the second chunk (of 2 rounds) fails at its read
-        mode, calls, chunk = "sd", [0], round_steps.sd_chunk
+    chunked = mode.endswith("-chunks")
+    if chunked:  # the second chunk (of 2 rounds) fails at its read
+        mode = mode[:-len("-chunks")]
+        name = f"{mode}_chunk"
+        calls, chunk = [0], getattr(round_steps, name)
         monkeypatch.setattr(round_steps, "SD_CHUNK", 2)
 
         def failing_chunk(*a, **k):
             calls[0] += 1
             out = chunk(*a, **k)
             return out[:-1] + (_FailsOnRead(),) if calls[0] == armed else out
-        monkeypatch.setattr(round_steps, "sd_chunk", failing_chunk)
+        monkeypatch.setattr(round_steps, name, failing_chunk)
         undo = lambda: None  # noqa: E731
     elif armed:  # the tree raises on the device: read late, with the next round in flight
+        _one_round_at_a_time(monkeypatch)
         path = str(tmp_path / "armed")
         undo = faults.install_tree_fault(path)
         faults.arm(path, "raise", armed)
@@ -194,8 +200,9 @@ def test_a_draft_failure_read_a_round_late_rolls_back_and_refills_the_target(tin
     assert lost == [True], lost
     assert out.metrics.fallback is not None and out.metrics.fallback["tokens_before"] > len(prompts)
     assert out.token_ids == ar.token_ids
-    if mode == "sd" and armed:  # the failing chunk, and the one enqueued before its read
-        assert calls[0] in (armed, armed + 1) and out.metrics.fallback["during"] == "propose"
+    if chunked:  # the failing chunk, and the one enqueued before its read
+        assert calls[0] in (armed, armed + 1)
+        assert out.metrics.fallback["during"] == ("propose" if mode == "sd" else "resolve")
 
 
 @pytest.mark.parametrize("mode", ["sd", "ssd"])
@@ -231,45 +238,61 @@ def test_rounds_are_enqueued_one_ahead_and_a_budget_end_runs_no_void_round(tiny,
                                                                unpiped.metrics.hits)
 
 
-def _count_chunks(monkeypatch) -> list[int]:
-    """Counts `round_steps.sd_chunk` dispatches in the returned list's one entry."""
+def _count_chunks(monkeypatch, mode: str) -> list[int]:
+    """Counts `round_steps.sd_chunk` / `ssd_chunk` (by `mode`) dispatches in the returned list's
+    one entry."""
     from ssd_jax.algorithm import round_steps
-    calls, chunk = [0], round_steps.sd_chunk
+    name = f"{mode}_chunk"
+    calls, chunk = [0], getattr(round_steps, name)
 
     def counted(*a, **k):
         calls[0] += 1
         return chunk(*a, **k)
-    monkeypatch.setattr(round_steps, "sd_chunk", counted)
+    monkeypatch.setattr(round_steps, name, counted)
     return calls
 
 
-def test_sd_chunks_default_follows_the_platform(tiny, monkeypatch):
-    """`Engine(sd_chunks=None)`: off on a CPU (a while loop there cost the default pair's SD call
-    15%), on elsewhere; True / False force it; anything else is a TypeError."""
+CHUNK_SSD = SSDConfig(fanout=(2, 2, 1))
+
+
+def test_round_chunks_default_follows_the_platform(tiny, monkeypatch):
+    """`Engine(round_chunks=None)`: off on a CPU (a while loop there cost the default pair's SD
+    call 15%), on elsewhere; True / False force it; anything else is a TypeError."""
     host, target, eng = tiny
-    calls = _count_chunks(monkeypatch)
-    kw = dict(mode="sd", max_new_tokens=12, k=2)
-    monkeypatch.setattr(eng, "sd_chunks", None)
-    off = eng.generate([[1, 2, 3]], **kw)
-    assert calls[0] == 0
-    monkeypatch.setattr(eng, "sd_chunks", True)
-    on = eng.generate([[1, 2, 3]], **kw)
-    assert calls[0] > 0 and on.token_ids == off.token_ids
-    with pytest.raises(TypeError, match="sd_chunks must be"):
-        Engine(target, sd_chunks="yes")
+    for mode in ("sd", "ssd"):
+        calls = _count_chunks(monkeypatch, mode)
+        kw = dict(mode=mode, max_new_tokens=12, k=2, ssd=CHUNK_SSD)
+        monkeypatch.setattr(eng, "round_chunks", None)
+        off = eng.generate([[1, 2, 3]], **kw)
+        assert calls[0] == 0
+        monkeypatch.setattr(eng, "round_chunks", True)
+        on = eng.generate([[1, 2, 3]], **kw)
+        assert calls[0] > 0 and on.token_ids == off.token_ids
+    with pytest.raises(TypeError, match="round_chunks must be"):
+        Engine(target, round_chunks="yes")
 
 
-@pytest.mark.parametrize("temperature,eos", [(0.0, []), (1.0, [3]), (0.7, [5, 9])])
-def test_sd_chunks_equal_rounds_one_by_one(tiny, monkeypatch, temperature, eos):
-    """SD on one mesh runs chunks of up to SD_CHUNK rounds (`round_steps.sd_chunk`): the same
-    ids, log-probs, finish reasons, accept histograms and per-round timeline counts as the
-    rounds dispatched one by one, with one dispatch and one read a chunk."""
+SSD_CHUNK_CASES = [("neural", 0.0, [], 1.0), ("random", 1.0, [9], 1.0), ("ngram", 1.0, [3], 1.0),
+                   ("neural", 0.7, [5, 9], 0.6)]
+
+
+@pytest.mark.parametrize("mode,backup,temperature,eos,saguaro_c",
+                         [("sd", "neural", 0.0, [], 1.0), ("sd", "neural", 1.0, [3], 1.0),
+                          ("sd", "neural", 0.7, [5, 9], 1.0)]
+                         + [("ssd",) + c for c in SSD_CHUNK_CASES])
+def test_round_chunks_equal_rounds_one_by_one(tiny, monkeypatch, mode, backup, temperature, eos,
+                                              saguaro_c):
+    """SD and SSD on one mesh run chunks of up to SD_CHUNK rounds (`round_steps.sd_chunk` /
+    `ssd_chunk`): the same ids, log-probs, finish reasons, accept histograms, SSD's lookup, hit
+    and backup counters (each backup; Saguaro) and per-round timeline counts as the rounds
+    dispatched one by one, with one dispatch and one read a chunk."""
     from ssd_jax.algorithm import round_steps
     _, _, eng = tiny
-    calls = _count_chunks(monkeypatch)
+    calls = _count_chunks(monkeypatch, mode)
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [2], [7, 7, 7, 1, 2]]
-    kw = dict(mode="sd", max_new_tokens=40, k=2, seed=3, eos_ids=eos,
-              sampling=SamplingParams(temperature=temperature))
+    kw = dict(mode=mode, max_new_tokens=40, k=2, seed=3, eos_ids=eos,
+              sampling=SamplingParams(temperature=temperature),
+              ssd=SSDConfig(fanout=(2, 2, 1), backup=backup, saguaro_c=saguaro_c))
     a = eng.generate(prompts, **kw)
     most = -(-a.metrics.rounds // round_steps.SD_CHUNK) + 1  # + a void chunk after an EOS
     assert 0 < calls[0] <= most, (calls, a.metrics.rounds)
@@ -277,15 +300,20 @@ def test_sd_chunks_equal_rounds_one_by_one(tiny, monkeypatch, temperature, eos):
     b = eng.generate(prompts, **kw)
     assert a.token_ids == b.token_ids and a.finish_reasons == b.finish_reasons
     assert a.logprobs == b.logprobs
-    assert (a.metrics.rounds, a.metrics.accept_hist) == (b.metrics.rounds, b.metrics.accept_hist)
-    assert [(r.active, r.tokens) for r in a.metrics.timeline] == \
-        [(r.active, r.tokens) for r in b.metrics.timeline]
+    for key in ("rounds", "accept_hist", "accept_hist_after_hit", "accept_hist_after_miss",
+                "hits", "lookups", "hits_by_accept", "lookups_by_accept", "backups"):
+        assert getattr(a.metrics, key) == getattr(b.metrics, key), key
+    assert [(r.active, r.tokens, r.hit, r.lookups) for r in a.metrics.timeline] == \
+        [(r.active, r.tokens, r.hit, r.lookups) for r in b.metrics.timeline]
+    if mode == "ssd":
+        assert 0 < a.metrics.hits < a.metrics.lookups and a.metrics.backups.get(backup, 0) > 0
     if eos:
         assert "eos" in a.finish_reasons
 
 
-def test_sd_chunks_are_enqueued_one_ahead_and_one_that_fails_to_compile_runs_rounds(tiny,
-                                                                                   monkeypatch):
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_round_chunks_are_enqueued_one_ahead_and_one_that_fails_to_compile_runs_rounds(
+        tiny, monkeypatch, mode):
     """Chunk c+1 is dispatched before chunk c's report is read while some row needs more than a
     chunk can commit; and a first chunk that raises at dispatch (a compile error, before
     anything ran) leaves the call to the rounds one by one, with the same ids."""
@@ -293,13 +321,15 @@ def test_sd_chunks_are_enqueued_one_ahead_and_one_that_fails_to_compile_runs_rou
     from ssd_jax.runtime.device_loop import DeviceLoop
     _, _, eng = tiny
     events = []
-    chunk, read = round_steps.sd_chunk, DeviceLoop._sd_chunk_read
-    monkeypatch.setattr(round_steps, "sd_chunk",
+    name, reader = f"{mode}_chunk", f"_{mode}_chunk_read"
+    chunk, read = getattr(round_steps, name), getattr(DeviceLoop, reader)
+    monkeypatch.setattr(round_steps, name,
                         lambda *a, **k: (events.append("C"), chunk(*a, **k))[1])
-    monkeypatch.setattr(DeviceLoop, "_sd_chunk_read",
+    monkeypatch.setattr(DeviceLoop, reader,
                         lambda self, *a: (events.append("R"), read(self, *a))[1])
     prompts = [[1, 2, 3], [4, 5]]
-    kw = dict(mode="sd", max_new_tokens=48, k=2, eos_ids=[])  # a chunk commits <= 8 x 3 tokens
+    kw = dict(mode=mode, max_new_tokens=48, k=2, eos_ids=[],  # a chunk commits <= 8 x 3 tokens
+              ssd=CHUNK_SSD)
     out = eng.generate(prompts, **kw)
     seq = "".join(events)
     assert seq.startswith("CC"), seq  # the second chunk went in with the first unread
@@ -308,7 +338,7 @@ def test_sd_chunks_are_enqueued_one_ahead_and_one_that_fails_to_compile_runs_rou
 
     def broken(*a, **k):
         raise RuntimeError("planted: the chunk does not compile")
-    monkeypatch.setattr(round_steps, "sd_chunk", broken)
+    monkeypatch.setattr(round_steps, name, broken)
     again = eng.generate(prompts, **kw)
     assert again.token_ids == out.token_ids and again.metrics.fallback is None
     assert again.metrics.rounds == out.metrics.rounds

@@ -20,7 +20,8 @@ from ssd_jax.models.kv_cache import CacheOverflowError, checked, init_cache
 from ssd_jax.models.ops import XLA, xla_attend
 from ssd_jax.models.params import random_params
 
-# One process: AR (greedy) and SSD (sampled: it runs SD's steps too) on a tiny random pair with
+# One process: AR (greedy), SD and SSD (sampled; SSD's rounds one by one and in chunks, the
+# others in chunks, `Engine.round_chunks`) on a tiny random pair with
 # the store on; per step what the store did and whether the step was traced (JAX's trace event
 # names the function it traced: a step read back from the store is never traced); with argv[2]
 # "then-off", the same calls again as plain jits (the store off) for the tokens to compare.
@@ -44,16 +45,21 @@ CHILD = textwrap.dedent("""
     t = Model(cfg, random_params(cfg, 0, scale=1.0))
     d = Model(cfg, perturb(t.params, jax.random.key(2), 0.3))
     engine = Engine(t, d, max_len=64, compilation_cache=sys.argv[1], backend="xla",
-                    step_store=True, sd_chunks=True)
+                    step_store=True)
     before = len(traced)
     def run():
-        return [engine.generate([[3, 1, 4, 1, 5], [2, 7]], mode=m, max_new_tokens=8, k=3,
-                                sampling=s, seed=5, ssd=SSDConfig(fanout=(1, 1, 1, 1))).token_ids
-                for m, s in (("ar", SamplingParams()), ("sd", SamplingParams(0.8)),
-                             ("ssd", SamplingParams(1.0, 0, 0.9)))]
+        outs = []
+        for m, s, chunks in (("ar", SamplingParams(), True), ("sd", SamplingParams(0.8), True),
+                             ("ssd", SamplingParams(1.0, 0, 0.9), False),
+                             ("ssd", SamplingParams(1.0, 0, 0.9), True)):
+            engine.round_chunks = chunks
+            outs.append(engine.generate([[3, 1, 4, 1, 5], [2, 7]], mode=m, max_new_tokens=8, k=3,
+                                        sampling=s, seed=5,
+                                        ssd=SSDConfig(fanout=(1, 1, 1, 1))).token_ids)
+        return outs
     outs = run()
     fns = (steps.prefill, steps.prefill_cache, round_steps.decode_chunk, round_steps.sd_chunk,
-           steps.verify, steps.draft_chain, tree.draft_tree)
+           round_steps.ssd_chunk, steps.verify, steps.draft_chain, tree.draft_tree)
     res = {"tokens": outs, "traced": traced[before:],
            "store": {f.__name__: [f.exported, f.loaded, f.plain_calls] for f in fns}}
     if sys.argv[2] == "then-off":  # the same calls again as plain jits, the store off
@@ -63,8 +69,8 @@ CHILD = textwrap.dedent("""
         res["plain_store"] = {f.__name__: [f.exported, f.loaded, f.plain_calls] for f in fns}
     print("RESULT " + json.dumps(res))
 """)
-STEPS = ("prefill", "prefill_cache", "decode_chunk", "sd_chunk", "verify", "draft_chain",
-         "draft_tree")
+STEPS = ("prefill", "prefill_cache", "decode_chunk", "sd_chunk", "ssd_chunk", "verify",
+         "draft_chain", "draft_tree")
 
 
 def _run(cache_dir, store):
@@ -96,10 +102,11 @@ def test_a_second_process_reads_every_step_back_and_traces_none(tmp_path):
     for name, (exported, loaded, plain) in second["store"].items():
         assert (exported, loaded, plain) == (0, first["store"][name][0], 0), (name, second)
     assert not set(STEPS) & set(second["traced"]), second["traced"]
-    # the same tokens in both processes and as the plain jits: AR greedy, SD (one device: in
-    # chunks of rounds) and SSD sampled; so the exactness the engine tests prove for the jitted
-    # steps holds for stored ones
+    # the same tokens in both processes and as the plain jits: AR greedy, SD (in chunks of
+    # rounds) and SSD sampled, its rounds one by one and in chunks (the same tokens either way);
+    # so the exactness the engine tests prove for the jitted steps holds for stored ones
     assert first["tokens"] == second["tokens"] == first["plain_tokens"]
+    assert first["tokens"][2] == first["tokens"][3]
 
 
 CFG = tiny_config("llama", vocab_size=40)

@@ -14,6 +14,8 @@ without reading anything but one `report` (docs/ARCHITECTURE.md, "The round on t
   what the draft needs of it (`Outcome`).
 - `sd_chunk` (one mesh): up to N SD rounds (verify, commit, the next draft chain) in one
   `lax.while_loop`, one report for the chunk, for a draft on the target's mesh.
+- `ssd_chunk` (one mesh): up to N SSD rounds (verify, tree, commit, resolve) in one
+  `lax.while_loop`, one report for the chunk, for a draft on the target's mesh.
 - `resolve` (draft): the speculation-cache lookup for the outcome, the backup for the rows that
   missed (a neural draft chain under `lax.cond`, only when a row missed, or the random backup),
   the hit counters, and the report with its hit column.
@@ -131,7 +133,7 @@ def decode_chunk(params, cfg, cache, state: ds.DecodeState, seed, request_ids, s
     return state, state.active, cache, ds.report(active0, kept, state, toks, lps)
 
 
-SD_CHUNK = 8  # SD rounds per dispatch (and per report read) when the draft shares the target's mesh
+SD_CHUNK = 8  # SD / SSD rounds per dispatch and report read, the draft on the target's mesh
 
 
 @stored_jit(static_argnames=("tcfg", "dcfg", "vocab_size", "draft_vocab_size", "row_vocab", "k",
@@ -183,6 +185,72 @@ def sd_chunk(tparams, tcfg, tcache, dparams, dcfg, dcache, state: ds.DecodeState
         running, one_round, init)
     rep = ds.report(active0, kept, state, per_round, jnp.zeros((B, rounds_max), jnp.float32))
     return state, state.active, tcache, dcache, spec, rows, rep
+
+
+@stored_jit(static_argnames=("tcfg", "dcfg", "vocab_size", "draft_vocab_size", "row_vocab", "k",
+                             "verifier", "backup", "fanout_hit", "fanout_backup", "row_dtype",
+                             "tops", "dops", "rounds_max"),
+            donate_argnames=("tcache", "dcache"))
+def ssd_chunk(tparams, tcfg, tcache, dparams, dcfg, dcache, state: ds.DecodeState, spec, rows,
+              from_backup, counters: "LookupCounters", history, seed, draft_seed, request_ids,
+              sampling, draft_sampling, saguaro_c, *, vocab_size: int, draft_vocab_size: int,
+              row_vocab: int, k: int, verifier, backup: str, fanout_hit: tuple[int, ...],
+              fanout_backup: tuple[int, ...], row_dtype: str = "float32", tops: Ops = XLA,
+              dops: Ops = XLA, rounds_max: int = SD_CHUNK):
+    """Up to `rounds_max` SSD rounds in one `lax.while_loop`, which stops once no row runs. Each
+    round is the four steps the device loop dispatches one by one, in their order and with their
+    arguments: `steps.verify` of the speculation in flight (spec `[B, K]`, rows `[B, K, V]`, V =
+    row_vocab), `tree.draft_tree` from the same speculation (from_backup `[B]` bool picks each
+    row's fan-out), `commit_verify`'s commit, and `resolve` (lookup, backup for the rows that
+    missed, counters, the n-gram history) — so the same keys, tokens and counters as those rounds,
+    one dispatch. For a draft on the target's mesh (one device, or a colocated placement).
+
+    tcache / dcache are donated; `state` is not (a failure read late rolls back to it). counters:
+    `LookupCounters`; history `[B, H]` for the "ngram" backup, else None. Returns (state, active
+    `[B]`, tcache, dcache, the next speculation (spec, rows), from_backup, counters, history, the
+    chunk's report `[B, 4 + 2R]` (R = rounds_max)): its kept column is the chunk's tokens per row,
+    token column i the tokens a row kept in round i (> 0 iff it ran round i) and the last R
+    columns, as int32, round i's hit code (-1: no lookup, 0: a miss, 1: a hit; not log-probs).
+    Static: both configs, the target's and the draft's `vocab_size`, `row_vocab`, `k`,
+    `verifier`, `backup`, both fan-out lists, `row_dtype`, both op tables and `rounds_max`; the
+    seeds, request_ids `[B]`, both SamplingParams and Saguaro's `saguaro_c` are traced.
+    """
+    from ssd_jax.algorithm.tree import draft_tree
+    B = state.bonus.shape[0]
+    active0 = state.active
+    top_hit = tuple(f + 1 for f in fanout_hit[:-1])
+    top_backup = tuple(f + 1 for f in fanout_backup[:-1])
+
+    def running(c):
+        return (c[0] < rounds_max) & jnp.any(c[1].active)
+
+    def one_round(c):
+        i, st, tc, dc, spec, rows, fb, counters, history, kept, per_round, hits = c
+        with inside_step():  # traced into this step, not calls of their own
+            res, lp, tc = steps.verify(tparams, tcfg, tc, st.bonus, spec, rows, st.active, seed,
+                                       request_ids, sampling, vocab_size, verifier, ops=tops)
+            tree, dc = draft_tree(dparams, dcfg, dc, st.bonus, spec, st.n, st.active, fb,
+                                  draft_seed, request_ids, draft_sampling, draft_vocab_size,
+                                  fanout_hit, fanout_backup, top_hit, saguaro_c, row_dtype,
+                                  ops=dops)
+        st, _, packed = _commit_verify(st, res.num_accepted, res.bonus, res.tokens, lp, fb)
+        k1 = packed[:, 6 + ds.R_KEPT]
+        spec, rows, fb, dc, counters, rep, _, history = resolve(
+            dparams, dcfg, dc, tree, packed, counters, draft_seed, request_ids, draft_sampling,
+            saguaro_c, history, vocab_size=draft_vocab_size, row_vocab=row_vocab, k=k,
+            backup=backup, saguaro_top_n=top_backup, row_dtype=row_dtype, ops=dops)
+        put = functools.partial(jax.lax.dynamic_update_index_in_dim, index=i, axis=1)
+        return (i + 1, st, tc, dc, spec, rows, fb, counters, history, kept + k1,
+                put(per_round, k1), put(hits, rep[:, ds.R_HIT]))
+
+    zeros = jnp.zeros((B, rounds_max), jnp.int32)
+    init = (jnp.int32(0), state, tcache, dcache, spec, rows, from_backup, counters, history,
+            jnp.zeros(B, jnp.int32), zeros, zeros - 1)
+    (_, state, tcache, dcache, spec, rows, from_backup, counters, history, kept, per_round,
+     hits) = jax.lax.while_loop(running, one_round, init)
+    rep = ds.report(active0, kept, state, per_round, jnp.zeros((B, rounds_max), jnp.float32))
+    rep = rep.at[:, ds.R_TOKENS + rounds_max:].set(hits)
+    return (state, state.active, tcache, dcache, spec, rows, from_backup, counters, history, rep)
 
 
 @jax.jit

@@ -25,10 +25,12 @@ One SSD round, as the host dispatches it (nothing waits until the last line):
     fetch report(T-1)    the one device->host read of the round (report(T) unpipelined)
 
 SD: verify(T), commit_verify(T), draft_chain(T+1) from the new state, then the report (made to
-wait for that speculation) is read; with the draft on the target's own mesh (and
-`Engine.sd_chunks`), `sd_chunk` runs up to `round_steps.SD_CHUNK` such rounds in one dispatch and
-one read. AR: decode_chunk (up to 16 tokens in one while_loop), read; decode, commit_tokens, read
-per token when the host needs each token.
+wait for that speculation) is read. With the draft on the target's own mesh (and
+`Engine.round_chunks`), `sd_chunk` / `ssd_chunk` run up to `round_steps.SD_CHUNK` such rounds
+(SSD's four steps above, in that order) in one dispatch and one read
+(`ssd_jax.runtime.round_chunks`, whose methods `DeviceLoop` inherits). AR: decode_chunk (up to
+16 tokens in one while_loop), read; decode, commit_tokens, read per token when the host needs
+each token.
 """
 from __future__ import annotations
 
@@ -40,12 +42,13 @@ import numpy as np
 from ssd_jax.algorithm import decode_state as ds
 from ssd_jax.algorithm import round_steps as rs
 from ssd_jax.algorithm import steps
-from ssd_jax.runtime.draft_worker import DraftRun, DraftWorker, RoundState
+from ssd_jax.runtime.draft_worker import DraftRun, RoundState
 from ssd_jax.runtime.metrics import Metrics, RoundTimes
 from ssd_jax.runtime.placement import to_mesh
+from ssd_jax.runtime.round_chunks import RoundChunks
 
 
-class DeviceLoop:
+class DeviceLoop(RoundChunks):
     """One generate call's device state and its rounds (made by `Engine.generate`)."""
 
     def __init__(self, engine, batch, rids, run: dict, metrics: Metrics, k: int):
@@ -260,15 +263,8 @@ class DeviceLoop:
         iff it kept more than i tokens), the chunk's wall split evenly among them."""
         kept = self.read(rep)[:, ds.R_KEPT]
         ran = int(kept.max()) if kept.size else 0
-        self._chunk_rounds([(int((kept > i).sum()),) * 2 for i in range(ran)], t0, c0)
-
-    def _chunk_rounds(self, rounds, t0: float, c0: float) -> None:
-        """The timeline's entries for a chunk read: one per (active rows, tokens) of `rounds`,
-        the chunk's wall since t0 split evenly among them."""
-        wall, compiled = time.perf_counter() - t0, self.e._timer.seconds > c0
-        for active, tokens in rounds:
-            self.m.add_round(RoundTimes(active=active, tokens=tokens, round_s=wall / len(rounds),
-                                        compiled=compiled))
+        self._chunk_rounds([dict(active=int((kept > i).sum()), tokens=int((kept > i).sum()))
+                            for i in range(ran)], t0, c0)
 
     def _ar_tokens(self) -> None:
         """AR one token a dispatch (`ar`), for rows whose tokens pass through the host."""
@@ -407,7 +403,7 @@ class DeviceLoop:
         v = self._draft_view()
         spec, rows = draft.propose(_round_state(v), drun)
         self.read_draft(rs.pass_report(v.report, spec), "propose")
-        if self._chunked_sd(draft) and self._sd_chunks(draft.worker, drun, spec, rows):
+        if self._chunked(draft) and self._sd_chunks(draft.worker, drun, spec, rows):
             draft.finish()
             self.counters_into(self.m)
             return
@@ -424,80 +420,6 @@ class DeviceLoop:
         draft.finish()
         self.counters_into(self.m)
 
-    def _chunked_sd(self, draft) -> bool:
-        """Whether SD runs in chunks of rounds (`round_steps.sd_chunk`): the engine's `sd_chunks`
-        (None: not on a CPU), pipelined, and the draft (`draft.worker`, behind the call's
-        `fallback.Guarded`) is this process's `DraftWorker` on the target's own mesh (one
-        device: colocated, or split on a single device)."""
-        p, w = self.e.placement, getattr(draft, "worker", None)
-        want = self.e.sd_chunks
-        if want is None:
-            want = p.target_mesh.devices.flat[0].platform != "cpu"
-        return (want and self.pipelined and type(w) is DraftWorker and w.cache is not None
-                and p.target_mesh is p.draft_mesh and jax.process_count() == 1)
-
-    def _sd_chunks(self, draft: DraftWorker, drun: DraftRun, spec, rows) -> bool:
-        """SD's rounds in chunks of up to `round_steps.SD_CHUNK`, one dispatch and one read each,
-        chunk c+1 dispatched before chunk c's report is read (as AR's `_ar_chunks`). A chunk
-        dispatched after the last round runs none. Returns False, having run nothing, when the
-        first chunk fails to compile (the rounds then go one by one, where a failure is the
-        draft's or the target's by its step). The state is not donated: a failure read late
-        (either model's: one computation here) is contained as the draft's, and rolls back to
-        the state before the chunk in flight, whose verify took the target's KV cache
-        (`recover`); a target that really failed fails again in the fallback's plain decoding."""
-        from ssd_jax.runtime.fallback import DraftDown
-        e, run, N = self.e, self.run, rs.SD_CHUNK
-        dseed, _ = draft._call_values(drun)
-        dsampling = draft._placed_sampling(drun.sampling)
-        tspec = to_mesh(spec, self.tgt)
-        trows = to_mesh(rows, e.placement.target_rows(rows.shape[-1]))
-        prev = None  # (report, state before it) of the chunk dispatched and not read yet
-        t0, c0 = time.perf_counter(), e._timer.seconds
-        first = True
-        while self.running:
-            before = self.state
-            try:
-                try:
-                    out = rs.sd_chunk(
-                        e.tparams, e.tcfg, e.tcache, draft.params, draft.cfg, draft.cache,
-                        self.state, tspec, trows, run["seed"], dseed, self.rids_t,
-                        run["sampling"], dsampling, vocab_size=e.vocab_size,
-                        draft_vocab_size=draft.vocab_size, row_vocab=draft.row_vocab, k=run["k"],
-                        verifier=run["verifier"], row_dtype=drun.row_dtype, tops=e.tops,
-                        dops=draft.ops, rounds_max=N)
-                except Exception:  # noqa: BLE001 - raised before anything ran: nothing donated
-                    if not first:
-                        raise
-                    return False
-                first = False
-                self.state, self.active, e.tcache, draft.cache, tspec, trows, rep = out
-                if prev is not None:
-                    self._sd_chunk_read(prev[0], t0, c0)
-                    prev = None
-                    t0, c0 = time.perf_counter(), e._timer.seconds
-                    if not self.running:
-                        break
-                if self._ahead(N * (run["k"] + 1)):
-                    prev = (rep, before)
-                    continue
-                self._sd_chunk_read(rep, t0, c0)
-            except DraftDown:
-                back = prev[1] if prev is not None else before
-                self.state, self.active, self.pending = back, back.active, None
-                self.lost = True  # the chunk's verify took the target's KV cache with it
-                raise
-            t0, c0 = time.perf_counter(), e._timer.seconds
-        return True
-
-    def _sd_chunk_read(self, rep, t0: float, c0: float) -> None:
-        """Read an SD chunk's report; the timeline gets one entry per round it ran (the rows
-        that kept tokens in it), the chunk's wall split evenly among them."""
-        r = self.read_draft(rep, "propose")  # a failed chunk raises here: DraftDown, the fallback
-        per_round = r[:, ds.R_TOKENS:ds.R_TOKENS + rs.SD_CHUNK]
-        ran = int((per_round > 0).any(axis=0).sum())
-        self._chunk_rounds([(int((per_round[:, i] > 0).sum()), int(per_round[:, i].sum()))
-                            for i in range(ran)], t0, c0)
-
     def ssd(self, draft, drun: DraftRun) -> None:
         """SSD: verify and the tree overlap; the lookup and backup run on the draft mesh."""
         run = self.run
@@ -510,6 +432,10 @@ class DeviceLoop:
         spec, rows = draft.backup(_round_state(v), drun)  # round 1: no cache yet
         self.read_draft(rs.pass_report(v.report, spec), "backup")
         ones = np.ones(self.batch.size, bool)
+        if self._chunked(draft) and self._ssd_chunks(worker, drun, _round_state(v), spec, rows, ones):
+            draft.finish()
+            self.counters_into(self.m, worker.counters)
+            return
         from_backup, from_backup_d = to_mesh(ones, self.tgt), to_mesh(ones, worker.rows)
 
         def dispatch():

@@ -93,7 +93,8 @@ class DraftWorker:
         self.cache = None
         self._tree = None
         self._tree_s = None
-        self.spec_bytes: dict[str, int] = {}  # {device: bytes} of the last call's tree
+        self._spec_bytes: dict[str, int] = {}  # {device: bytes} of the last call's tree
+        self._tree_shapes = None  # a chunked call's tree arguments, as shapes (`spec_bytes`)
         self._serial = spans_processes(sharding.mesh)
         self._sampling = (None, None)  # (host values, the SamplingParams placed on the draft mesh)
         self._values = (None, None)  # (call, its seed and request ids placed on the draft mesh)
@@ -215,18 +216,7 @@ class DraftWorker:
         wait=True blocks until the tree is ready and records its time (a draft process has
         nothing else to do meanwhile, so this measures T_p without serialising anything)."""
         t0 = time.perf_counter()
-        top_n = tuple(f + 1 for f in run.fanout_hit[:-1])
-        seed, rids = self._call_values(run)
-        if isinstance(s.bonus, jax.Array):  # the device loop: every per-row array in one move
-            bonus, spec, n, active, from_backup = self._put_rows(
-                (s.bonus, spec, s.n, s.active, from_backup))
-        else:
-            bonus, spec, n, active, from_backup = (
-                self._put(s.bonus), to_mesh(spec, self.rows), self._put(s.n),
-                self._put(s.active), self._put(from_backup))
-        args = (self.params, self.cfg, self.cache, bonus, spec, n, active, from_backup, seed,
-                rids, self._placed_sampling(run.sampling), self.vocab_size,
-                run.fanout_hit, run.fanout_backup, top_n, np.float32(run.saguaro_c), run.row_dtype)
+        args = self._tree_args(s, spec, from_backup, run)
         try:
             self._tree, self.cache = draft_tree(*args, ops=self.ops)
         except Exception as e:  # noqa: BLE001 - a kernel that fails to compile at these shapes
@@ -240,6 +230,43 @@ class DraftWorker:
         if wait:
             jax.block_until_ready(self._tree)
             self._tree_s = time.perf_counter() - t0
+
+    def _tree_args(self, s: RoundState, spec, from_backup, run: DraftRun) -> tuple:
+        """`draft_tree`'s positional arguments for the speculation in flight, on the draft mesh."""
+        top_n = tuple(f + 1 for f in run.fanout_hit[:-1])
+        seed, rids = self._call_values(run)
+        if isinstance(s.bonus, jax.Array):  # the device loop: every per-row array in one move
+            bonus, spec, n, active, from_backup = self._put_rows(
+                (s.bonus, spec, s.n, s.active, from_backup))
+        else:
+            bonus, spec, n, active, from_backup = (
+                self._put(s.bonus), to_mesh(spec, self.rows), self._put(s.n),
+                self._put(s.active), self._put(from_backup))
+        return (self.params, self.cfg, self.cache, bonus, spec, n, active, from_backup, seed,
+                rids, self._placed_sampling(run.sampling), self.vocab_size,
+                run.fanout_hit, run.fanout_backup, top_n, np.float32(run.saguaro_c), run.row_dtype)
+
+    def note_tree_layout(self, s: RoundState, spec, from_backup, run: DraftRun) -> None:
+        """Where the tree never leaves a computation (the device loop's chunks of rounds): keep
+        its arguments' shapes, from which `spec_bytes` lays the tree out when asked."""
+        if not self._spec_bytes:
+            self._tree_shapes = jax.tree_util.tree_map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                if isinstance(x, jax.Array) else x, self._tree_args(s, spec, from_backup, run))
+
+    @property
+    def spec_bytes(self) -> dict[str, int]:
+        """{device: bytes} of the last call's tree (`metrics.memory_of`'s spec_cache). A chunked
+        call's is computed here, from shapes (`jax.eval_shape`: a trace, nothing runs), so
+        only a caller who asks pays for it."""
+        if self._tree_shapes is not None:
+            shapes, _ = draft_tree.jit.eval_shape(*self._tree_shapes, ops=self.ops)
+            self._spec_bytes, self._tree_shapes = layout_bytes(shapes, self.rows), None
+        return self._spec_bytes
+
+    @spec_bytes.setter
+    def spec_bytes(self, value: dict[str, int]) -> None:
+        self._spec_bytes, self._tree_shapes = value, None
 
     def resolve(self, num_accepted: np.ndarray, bonus: np.ndarray, s: RoundState, run: DraftRun):
         """Lookup of the realised outcome in the tree just computed; a backup for the rows that
@@ -309,7 +336,7 @@ class DraftWorker:
     def _drop_tree(self) -> None:
         """Forget the round's tree once looked up, keeping its size for `metrics.memory_of` (the
         same every round of a call)."""
-        if self._tree is not None and not self.spec_bytes:
+        if self._tree is not None and not self._spec_bytes:
             self.spec_bytes = layout_bytes(self._tree)
         self._tree = None
 

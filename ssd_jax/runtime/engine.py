@@ -112,7 +112,7 @@ class Engine:
     def __init__(self, target, draft=None, *, placement: str | Placement = "split",
                  max_len: int = 4096, compilation_cache: bool | str = True, remote_draft=None,
                  proposer=None, backend: str = "auto", strict: bool = False,
-                 step_store: bool | None = None, sd_chunks: bool | None = None):
+                 step_store: bool | None = None, round_chunks: bool | None = None):
         """target / draft: `ssd_jax.models.model.Model` (the built-in transformer, or a model of
         one's own from `ssd_jax.models.adapters`: `from_nnx`, `from_functions`; a flax.nnx.Module
         that follows `ssd_jax.models.protocol` is adapted as is; anything else is one TypeError
@@ -132,14 +132,14 @@ class Engine:
         step_store: also store the steps' exported modules there, so a later process skips
         their trace and lowering (`ssd_jax.algorithm.aot`; None: $SSD_JAX_STEP_STORE, default
         off; the CLI turns it on). Leave it off where you patch library code in memory.
-        sd_chunks: SD with the draft on the target's own mesh (colocated, or one device) runs up
-        to 8 rounds a dispatch in one `lax.while_loop` (`round_steps.sd_chunk`; the same tokens).
-        None (default): on a GPU or TPU, where a round's dispatches cost as much as its compute,
-        and off on a CPU, where the default pair's SD call ran 15% slower in the loop
-        (benchmarks/README.md); True / False force it."""
-        if sd_chunks is not None and not isinstance(sd_chunks, bool):
-            raise TypeError(f"sd_chunks must be True, False or None, got {sd_chunks!r}")
-        self.sd_chunks = sd_chunks
+        round_chunks: SD and SSD with the draft on the target's own mesh (colocated, or one
+        device) run up to 8 rounds a dispatch in one `lax.while_loop` (`round_steps.sd_chunk` /
+        `ssd_chunk`; the same tokens). None (default): on a GPU or TPU, where a round's
+        dispatches cost as much as its compute, and off on a CPU, where the default pair's SD
+        call ran 15% slower in the loop (benchmarks/README.md); True / False force it."""
+        if round_chunks is not None and not isinstance(round_chunks, bool):
+            raise TypeError(f"round_chunks must be True, False or None, got {round_chunks!r}")
+        self.round_chunks = round_chunks
         enable_compilation_cache(compilation_cache, step_store)
         target = as_model(target, "target")  # one TypeError naming what a wrong object lacks
         draft = None if draft is None else as_model(draft, "draft")

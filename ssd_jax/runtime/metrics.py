@@ -257,15 +257,20 @@ def device_bytes(*trees) -> dict[str, int]:
     return out
 
 
-def layout_bytes(tree) -> dict[str, int]:
+def layout_bytes(tree, sharding=None) -> dict[str, int]:
     """{device: bytes} the jax.Arrays of `tree` occupy by their shapes and shardings (no buffer
-    is touched, so arrays still in flight are not waited for)."""
+    is touched, so arrays still in flight are not waited for); with a `sharding`, also its
+    `jax.ShapeDtypeStruct`s, laid out by it."""
     out: dict[str, int] = {}
     for x in jax.tree_util.tree_leaves(tree):
-        if not isinstance(x, jax.Array):
+        if isinstance(x, jax.Array):
+            sh = x.sharding
+        elif sharding is not None and isinstance(x, jax.ShapeDtypeStruct):
+            sh = sharding
+        else:
             continue
-        shard = int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
-        for d in x.sharding.addressable_devices:
+        shard = int(np.prod(sh.shard_shape(x.shape))) * x.dtype.itemsize
+        for d in sh.addressable_devices:
             key = f"{d.platform}:{d.id}"
             out[key] = out.get(key, 0) + shard
     return out

@@ -1,0 +1,164 @@
+"""SD and SSD in chunks of rounds on one mesh: the device loop's `RoundChunks` part.
+
+With the draft on the target's own mesh (one device, or a colocated placement), nothing
+streaming, and `Engine.round_chunks` on (by default off a CPU), `round_steps.sd_chunk` /
+`ssd_chunk` run up to `round_steps.SD_CHUNK` rounds in one `lax.while_loop`: one dispatch and one
+report read for up to 8 rounds, chunk c+1 enqueued before chunk c is read. `DeviceLoop`
+(`ssd_jax.runtime.device_loop`) inherits these methods; they use its state, reads and rollback.
+"""
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from ssd_jax.algorithm import decode_state as ds
+from ssd_jax.algorithm import round_steps as rs
+from ssd_jax.runtime.draft_worker import DraftRun, DraftWorker, RoundState
+from ssd_jax.runtime.metrics import RoundTimes
+from ssd_jax.runtime.placement import to_mesh
+
+
+class RoundChunks:
+    """The chunked rounds of a `DeviceLoop` (module docstring)."""
+
+    def _chunk_rounds(self, rounds, t0: float, c0: float) -> None:
+        """The timeline's entries for a chunk read: one per dict of `RoundTimes` counts (active,
+        tokens; SSD's hit, lookups) in `rounds`, the chunk's wall since t0 split evenly among
+        them."""
+        wall, compiled = time.perf_counter() - t0, self.e._timer.seconds > c0
+        for counts in rounds:
+            self.m.add_round(RoundTimes(**counts, round_s=wall / len(rounds), compiled=compiled))
+
+    def _chunked(self, draft) -> bool:
+        """Whether SD / SSD run in chunks of rounds (`round_steps.sd_chunk` / `ssd_chunk`): the
+        engine's `round_chunks` (None: not on a CPU), pipelined, and the draft (`draft.worker`,
+        behind the call's `fallback.Guarded`) is this process's `DraftWorker` on the target's own
+        mesh (one device: colocated, or split on a single device)."""
+        p, w = self.e.placement, getattr(draft, "worker", None)
+        want = self.e.round_chunks
+        if want is None:
+            want = p.target_mesh.devices.flat[0].platform != "cpu"
+        return (want and self.pipelined and type(w) is DraftWorker and w.cache is not None
+                and p.target_mesh is p.draft_mesh and jax.process_count() == 1)
+
+    def _chunk_loop(self, dispatch, read, tokens_max: int) -> bool:
+        """Chunks of rounds, one dispatch and one read each, chunk c+1 dispatched before chunk
+        c's report is read (as AR's `_ar_chunks`) while some row needs more than `tokens_max`
+        tokens (a chunk's most). `dispatch()` enqueues one chunk (it sets the state and the
+        caches) and returns its report; `read(rep, t0, c0)` reads one. A chunk dispatched after
+        the last round runs none. Returns False, having run nothing, when the first chunk fails
+        to compile (the rounds then go one by one, where a failure is the draft's or the
+        target's by its step). The state is not donated: a failure read late (either model's:
+        one computation here) is contained as the draft's, and rolls back to the state before
+        the chunk in flight, whose verify took the target's KV cache (`recover`); a target that
+        really failed fails again in the fallback's plain decoding."""
+        from ssd_jax.runtime.fallback import DraftDown
+        e = self.e
+        prev = None  # (report, state before it) of the chunk dispatched and not read yet
+        t0, c0 = time.perf_counter(), e._timer.seconds
+        first = True
+        while self.running:
+            before = self.state
+            try:
+                try:
+                    rep = dispatch()
+                except Exception:  # noqa: BLE001 - raised before anything ran: nothing donated
+                    if not first:
+                        raise
+                    return False
+                first = False
+                if prev is not None:
+                    read(prev[0], t0, c0)
+                    prev = None
+                    t0, c0 = time.perf_counter(), e._timer.seconds
+                    if not self.running:
+                        break
+                if self._ahead(tokens_max):
+                    prev = (rep, before)
+                    continue
+                read(rep, t0, c0)
+            except DraftDown:
+                back = prev[1] if prev is not None else before
+                self.state, self.active, self.pending = back, back.active, None
+                self.lost = True  # the chunk's verify took the target's KV cache with it
+                raise
+            t0, c0 = time.perf_counter(), e._timer.seconds
+        return True
+
+    def _sd_chunks(self, draft: DraftWorker, drun: DraftRun, spec, rows) -> bool:
+        """SD's rounds in chunks of up to `round_steps.SD_CHUNK` (`_chunk_loop`)."""
+        e, run, N = self.e, self.run, rs.SD_CHUNK
+        dseed, _ = draft._call_values(drun)
+        dsampling = draft._placed_sampling(drun.sampling)
+        tspec = to_mesh(spec, self.tgt)
+        trows = to_mesh(rows, e.placement.target_rows(rows.shape[-1]))
+
+        def dispatch():
+            nonlocal tspec, trows
+            out = rs.sd_chunk(
+                e.tparams, e.tcfg, e.tcache, draft.params, draft.cfg, draft.cache, self.state,
+                tspec, trows, run["seed"], dseed, self.rids_t, run["sampling"], dsampling,
+                vocab_size=e.vocab_size, draft_vocab_size=draft.vocab_size,
+                row_vocab=draft.row_vocab, k=run["k"], verifier=run["verifier"],
+                row_dtype=drun.row_dtype, tops=e.tops, dops=draft.ops, rounds_max=N)
+            self.state, self.active, e.tcache, draft.cache, tspec, trows, rep = out
+            return rep
+
+        return self._chunk_loop(dispatch, self._sd_chunk_read, N * (run["k"] + 1))
+
+    def _sd_chunk_read(self, rep, t0: float, c0: float) -> None:
+        """Read an SD chunk's report; the timeline gets one entry per round it ran (the rows
+        that kept tokens in it), the chunk's wall split evenly among them."""
+        r = self.read_draft(rep, "propose")  # a failed chunk raises here: DraftDown, the fallback
+        per_round = r[:, ds.R_TOKENS:ds.R_TOKENS + rs.SD_CHUNK]
+        ran = int((per_round > 0).any(axis=0).sum())
+        self._chunk_rounds([dict(active=int((per_round[:, i] > 0).sum()),
+                                 tokens=int(per_round[:, i].sum())) for i in range(ran)], t0, c0)
+
+    def _ssd_chunks(self, draft: DraftWorker, drun: DraftRun, v: RoundState, spec, rows,
+                    from_backup) -> bool:
+        """SSD's rounds in chunks of up to `round_steps.SD_CHUNK` (`round_steps.ssd_chunk`,
+        `_chunk_loop`) from the first speculation (spec, rows) and the rows' round state `v`;
+        the draft's counters and n-gram history stay on the device."""
+        e, run, N = self.e, self.run, rs.SD_CHUNK
+        dseed, _ = draft._call_values(drun)
+        dsampling = draft._placed_sampling(drun.sampling)
+        saguaro_c = np.float32(drun.saguaro_c)
+        tspec = to_mesh(spec, self.tgt)
+        trows = to_mesh(rows, e.placement.target_rows(rows.shape[-1]))
+        fb = to_mesh(from_backup, self.tgt)
+        draft.note_tree_layout(v, spec, fb, drun)  # memory_of: the tree's bytes
+
+        def dispatch():
+            nonlocal tspec, trows, fb
+            out = rs.ssd_chunk(
+                e.tparams, e.tcfg, e.tcache, draft.params, draft.cfg, draft.cache, self.state,
+                tspec, trows, fb, draft.counters,
+                draft.history if drun.backup == "ngram" else None, run["seed"], dseed,
+                self.rids_t, run["sampling"], dsampling, saguaro_c, vocab_size=e.vocab_size,
+                draft_vocab_size=draft.vocab_size, row_vocab=draft.row_vocab, k=run["k"],
+                verifier=run["verifier"], backup=drun.backup, fanout_hit=drun.fanout_hit,
+                fanout_backup=drun.fanout_backup, row_dtype=drun.row_dtype, tops=e.tops,
+                dops=draft.ops, rounds_max=N)
+            (self.state, self.active, e.tcache, draft.cache, tspec, trows, fb, draft.counters,
+             history, rep) = out
+            if history is not None:
+                draft.history = history
+            return rep
+
+        return self._chunk_loop(dispatch, self._ssd_chunk_read, N * (run["k"] + 1))
+
+    def _ssd_chunk_read(self, rep, t0: float, c0: float) -> None:
+        """Read an SSD chunk's report: one timeline entry per round it ran, with its hits and
+        lookups (the report's last columns, `round_steps.ssd_chunk`)."""
+        r = self.read_draft(rep, "resolve")
+        N = rs.SD_CHUNK
+        per_round = r[:, ds.R_TOKENS:ds.R_TOKENS + N]
+        hits = r[:, ds.R_TOKENS + N:]
+        ran = int((per_round > 0).any(axis=0).sum())
+        self._chunk_rounds([dict(active=int((per_round[:, i] > 0).sum()),
+                                 tokens=int(per_round[:, i].sum()),
+                                 hit=int((hits[:, i] > 0).sum()),
+                                 lookups=int((hits[:, i] >= 0).sum())) for i in range(ran)], t0, c0)
