@@ -8,7 +8,10 @@ agrees often but not always) generates greedily on one device (colocated placeme
     engine's default on a GPU: the tree-attention and gather kernels);
   * SD and both SSDs must emit plain decoding's tokens (docs/ALGORITHM.md §3 near-tie rule), the
     two SSDs must see the same cache hits, and the pallas engine must report that no kernel fell
-    back to XLA.
+    back to XLA;
+  * SD and SSD again with `Engine(round_chunks=False)` (their rounds one by one): the same tokens
+    and hits as the default, which on a GPU runs up to 8 rounds a dispatch; the walls side by
+    side say whether that default pays there.
 
 On a CPU (`--smoke`) the kernels run in Pallas interpret mode at a smaller shape. Prints wall times
 (compile excluded) for orientation only; exit status 1 on any mismatch.
@@ -58,12 +61,17 @@ def main(argv=None) -> int:
         "sd": dict(mode="sd", k=k),
         "ssd reference": dict(mode="ssd", k=k, ssd=SSDConfig(fanout=fan)),
         "ssd pallas": dict(mode="ssd", k=k, ssd=SSDConfig(fanout=fan)),
+        # Engine(round_chunks=False): the rounds one by one, beside the default (chunks of
+        # rounds on a GPU / TPU, off on a CPU), for the same tokens and the wall of each
+        "sd rounds": dict(mode="sd", k=k),
+        "ssd rounds": dict(mode="ssd", k=k, ssd=SSDConfig(fanout=fan)),
     }
     engines = {b: Engine(target, draft, placement="colocated", compilation_cache=False, backend=b)
                for b in ("xla", "pallas")}
     out = {}
     for name, kw in runs.items():
         eng = engines["pallas" if name == "ssd pallas" else "xla"]
+        eng.round_chunks = False if name.endswith(" rounds") else None
         eng.generate(prompts, max_new_tokens=new, **kw)  # compile
         t0 = time.perf_counter()
         out[name] = eng.generate(prompts, max_new_tokens=new, **kw)
@@ -80,6 +88,10 @@ def main(argv=None) -> int:
         except AssertionError as e:
             print(f"  {name}: MISMATCH with plain decoding: {str(e)[:300]}")
             ok = False
+    for a, b in (("sd", "sd rounds"), ("ssd reference", "ssd rounds")):
+        same = (out[a].token_ids == out[b].token_ids and out[a].metrics.hits == out[b].metrics.hits)
+        print(f"  {a} vs {b}: {'same tokens and hits' if same else 'DIFFERENT'}")
+        ok &= same
     ref, ker = out["ssd reference"], out["ssd pallas"]
     same = ref.token_ids == ker.token_ids and ref.metrics.hits == ker.metrics.hits
     print(f"  pallas vs reference SSD: {'same tokens and hits' if same else 'DIFFERENT'}")
