@@ -33,8 +33,10 @@ from _crash_rerun import (  # noqa: E402,F401
 # every test was its own group (pytest-dev/pytest-xdist#1386); every CI time on record is of
 # this spread, which keeps both workers busy to the end. The modules that hold the real 0.5B /
 # 1.5B weights, or run the CLI or HF's fp32 oracle on them, are marked `real_weights` and run
-# after, in one process of their own: beside two workers (5-6 GB each by then) the 1.5B oracle's
-# 13 GB did not fit a 24 GiB machine.
+# after, in two workers of their own (peak 8.6 GB used for both; 266 s against 390 s in one
+# process, benchmarks/README.md "The test suite's time"), except the test marked `alone`: its
+# 1.5B fp32 HF oracle takes 13 GB, which beside two workers (5-6 GB each by then) did not fit a
+# 24 GiB machine, so it runs last, in a process of its own.
 REAL_WEIGHT_MODULES = {"test_real_models.py", "test_loading.py", "test_cli.py"}
 
 

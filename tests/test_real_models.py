@@ -66,6 +66,7 @@ def test_smollm2_sd_and_ssd_with_a_layer_skip_draft(smollm):
             assert 0 < out.metrics.hits < out.metrics.lookups
 
 
+@pytest.mark.alone  # the 1.5B fp32 oracle's 13 GB: a process of its own (tests/conftest.py)
 def test_qwen_pair_loads_and_target_matches_hf_transformers():
     for name in (registry.DEFAULT_TARGET, registry.DEFAULT_DRAFT):
         registry.fetch(name, progress=False)
