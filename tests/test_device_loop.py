@@ -318,12 +318,12 @@ def test_round_chunks_are_enqueued_one_ahead_and_one_that_fails_to_compile_runs_
     from ssd_jax.runtime.device_loop import DeviceLoop
     _, _, eng = tiny
     events = []
-    name, reader = f"{mode}_chunk", f"_{mode}_chunk_read"
-    chunk, read = getattr(round_steps, name), getattr(DeviceLoop, reader)
+    name = f"{mode}_chunk"
+    chunk, read = getattr(round_steps, name), DeviceLoop._rounds_read
     monkeypatch.setattr(round_steps, name,
                         lambda *a, **k: (events.append("C"), chunk(*a, **k))[1])
-    monkeypatch.setattr(DeviceLoop, reader,
-                        lambda self, *a: (events.append("R"), read(self, *a))[1])
+    monkeypatch.setattr(DeviceLoop, "_rounds_read",
+                        lambda self, *a, **k: (events.append("R"), read(self, *a, **k))[1])
     prompts = [[1, 2, 3], [4, 5]]
     kw = dict(mode=mode, max_new_tokens=48, k=2, eos_ids=[],  # a chunk commits <= 8 x 3 tokens
               ssd=CHUNK_SSD)

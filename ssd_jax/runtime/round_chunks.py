@@ -8,6 +8,7 @@ report read for up to 8 rounds, chunk c+1 enqueued before chunk c is read. `Devi
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
@@ -87,13 +88,18 @@ class RoundChunks:
             t0, c0 = time.perf_counter(), e._timer.seconds
         return True
 
+    def _chunk_inputs(self, draft: DraftWorker, drun: DraftRun, spec, rows) -> tuple:
+        """What every chunk of the call takes besides the state and caches: the draft's seed and
+        sampling on its mesh, and the first speculation (spec `[B, K]`, rows `[B, K, V]`) on the
+        target's."""
+        dseed, _ = draft._call_values(drun)
+        return (dseed, draft._placed_sampling(drun.sampling), to_mesh(spec, self.tgt),
+                to_mesh(rows, self.e.placement.target_rows(rows.shape[-1])))
+
     def _sd_chunks(self, draft: DraftWorker, drun: DraftRun, spec, rows) -> bool:
         """SD's rounds in chunks of up to `round_steps.SD_CHUNK` (`_chunk_loop`)."""
         e, run, N = self.e, self.run, rs.SD_CHUNK
-        dseed, _ = draft._call_values(drun)
-        dsampling = draft._placed_sampling(drun.sampling)
-        tspec = to_mesh(spec, self.tgt)
-        trows = to_mesh(rows, e.placement.target_rows(rows.shape[-1]))
+        dseed, dsampling, tspec, trows = self._chunk_inputs(draft, drun, spec, rows)
 
         def dispatch():
             nonlocal tspec, trows
@@ -106,16 +112,25 @@ class RoundChunks:
             self.state, self.active, e.tcache, draft.cache, tspec, trows, rep = out
             return rep
 
-        return self._chunk_loop(dispatch, self._sd_chunk_read, N * (run["k"] + 1))
+        return self._chunk_loop(dispatch, functools.partial(self._rounds_read, ssd=False),
+                                N * (run["k"] + 1))
 
-    def _sd_chunk_read(self, rep, t0: float, c0: float) -> None:
-        """Read an SD chunk's report; the timeline gets one entry per round it ran (the rows
-        that kept tokens in it), the chunk's wall split evenly among them."""
-        r = self.read_draft(rep, "propose")  # a failed chunk raises here: DraftDown, the fallback
-        per_round = r[:, ds.R_TOKENS:ds.R_TOKENS + rs.SD_CHUNK]
+    def _rounds_read(self, rep, t0: float, c0: float, *, ssd: bool) -> None:
+        """Read a chunk's report (a failed chunk raises here: DraftDown, the fallback); the
+        timeline gets one entry per round it ran (the rows that kept tokens in it, and for SSD
+        its hits and lookups from the report's last columns, `round_steps.ssd_chunk`), the
+        chunk's wall split evenly among them."""
+        r = self.read_draft(rep, "resolve" if ssd else "propose")
+        N = rs.SD_CHUNK
+        per_round = r[:, ds.R_TOKENS:ds.R_TOKENS + N]
         ran = int((per_round > 0).any(axis=0).sum())
-        self._chunk_rounds([dict(active=int((per_round[:, i] > 0).sum()),
-                                 tokens=int(per_round[:, i].sum())) for i in range(ran)], t0, c0)
+        rounds = [dict(active=int((per_round[:, i] > 0).sum()), tokens=int(per_round[:, i].sum()))
+                  for i in range(ran)]
+        if ssd:
+            hits = r[:, ds.R_TOKENS + N:]
+            for i, counts in enumerate(rounds):
+                counts.update(hit=int((hits[:, i] > 0).sum()), lookups=int((hits[:, i] >= 0).sum()))
+        self._chunk_rounds(rounds, t0, c0)
 
     def _ssd_chunks(self, draft: DraftWorker, drun: DraftRun, v: RoundState, spec, rows,
                     from_backup) -> bool:
@@ -123,11 +138,8 @@ class RoundChunks:
         `_chunk_loop`) from the first speculation (spec, rows) and the rows' round state `v`;
         the draft's counters and n-gram history stay on the device."""
         e, run, N = self.e, self.run, rs.SD_CHUNK
-        dseed, _ = draft._call_values(drun)
-        dsampling = draft._placed_sampling(drun.sampling)
+        dseed, dsampling, tspec, trows = self._chunk_inputs(draft, drun, spec, rows)
         saguaro_c = np.float32(drun.saguaro_c)
-        tspec = to_mesh(spec, self.tgt)
-        trows = to_mesh(rows, e.placement.target_rows(rows.shape[-1]))
         fb = to_mesh(from_backup, self.tgt)
         draft.note_tree_layout(v, spec, fb, drun)  # memory_of: the tree's bytes
 
@@ -148,17 +160,5 @@ class RoundChunks:
                 draft.history = history
             return rep
 
-        return self._chunk_loop(dispatch, self._ssd_chunk_read, N * (run["k"] + 1))
-
-    def _ssd_chunk_read(self, rep, t0: float, c0: float) -> None:
-        """Read an SSD chunk's report: one timeline entry per round it ran, with its hits and
-        lookups (the report's last columns, `round_steps.ssd_chunk`)."""
-        r = self.read_draft(rep, "resolve")
-        N = rs.SD_CHUNK
-        per_round = r[:, ds.R_TOKENS:ds.R_TOKENS + N]
-        hits = r[:, ds.R_TOKENS + N:]
-        ran = int((per_round > 0).any(axis=0).sum())
-        self._chunk_rounds([dict(active=int((per_round[:, i] > 0).sum()),
-                                 tokens=int(per_round[:, i].sum()),
-                                 hit=int((hits[:, i] > 0).sum()),
-                                 lookups=int((hits[:, i] >= 0).sum())) for i in range(ran)], t0, c0)
+        return self._chunk_loop(dispatch, functools.partial(self._rounds_read, ssd=True),
+                                N * (run["k"] + 1))
