@@ -19,19 +19,18 @@ from __future__ import annotations
 import pytest
 
 MAX_CRASH_RERUNS = 2
-_rerun: list[str] = []  # the crash messages of the tests put back, in order (controller only)
+_rerun: dict[str, str] = {}  # test id -> its crash message, for the tests put back (controller)
 
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: absent under -p no:xdist
 def pytest_handlecrashitem(crashitem, report, sched):
-    seen = any(line.endswith(f"{crashitem!r}") for line in _rerun)
-    if seen or len(_rerun) >= MAX_CRASH_RERUNS:
+    if crashitem in _rerun or len(_rerun) >= MAX_CRASH_RERUNS:
         return None  # failed, as xdist reports it
     try:
         sched.mark_test_pending(crashitem)
     except NotImplementedError:  # a scheduler that cannot queue a test again (loadscope)
         return None
-    _rerun.append(str(report.longrepr))
+    _rerun[crashitem] = str(report.longrepr)
     report.outcome = "rerun"
     return True
 
@@ -46,5 +45,5 @@ def pytest_terminal_summary(terminalreporter):
     if _rerun:
         tr = terminalreporter
         tr.write_sep("=", "crashed workers: these tests ran again on a fresh worker", yellow=True)
-        for line in _rerun:
+        for line in _rerun.values():
             tr.write_line(line)
