@@ -3,6 +3,7 @@ time per round of AR / SD / SSD on tiny random models, whose compute is next to 
 
     python benchmarks/host_overhead.py                          # b = 1, 16, 64; K = 4; 96 tokens
     python benchmarks/host_overhead.py --batch 1 --tokens 24 --cprofile ssd@1
+    python benchmarks/host_overhead.py --modes ssd --backup auto --cprofile ''      # backup="auto"
 
 Models: a random qwen2-shaped target (vocab 256, 2 layers, hidden 64) and a draft that is the
 target's weights perturbed (`--perturb`), both built deterministically.
@@ -273,8 +274,13 @@ def measure(engine, target, mode: str, b: int, a) -> dict:
     """One table row (module docstring) for `mode` at batch `b`."""
     prompts = make_prompts(b, a.prompt_len, a.vocab)
 
+    kw = {}
+    if mode == "ssd" and getattr(a, "backup", "neural") != "neural":
+        from ssd_jax.runtime.engine import SSDConfig
+        kw = dict(ssd=SSDConfig(backup=a.backup))
+
     def gen():
-        return engine.generate(prompts, mode=mode, max_new_tokens=a.tokens, k=a.k)
+        return engine.generate(prompts, mode=mode, max_new_tokens=a.tokens, k=a.k, **kw)
 
     warm = gen()  # compiles
     out, py, c = count_calls(gen)
@@ -466,6 +472,8 @@ def main(argv=None) -> int:
                     help="Engine(round_chunks=True): SD and SSD in chunks of rounds (a CPU's "
                          "default is off)")
     ap.add_argument("--batch", default="1,16,64", help="batch sizes, comma-separated")
+    ap.add_argument("--backup", default="neural", choices=("neural", "random", "ngram", "auto"),
+                    help="SSD's backup (greedy: the tokens do not depend on it)")
     ap.add_argument("--tokens", type=int, default=96, help="new tokens per row")
     ap.add_argument("--k", type=int, default=4, help="lookahead K")
     ap.add_argument("--vocab", type=int, default=256)

@@ -104,22 +104,29 @@ def test_host_work_per_round_is_bounded_and_flat_in_the_batch(tiny, mode):
     assert rows[8]["py_calls_per_round"] <= 1.15 * rows[1]["py_calls_per_round"], per_call
 
 
-@pytest.mark.parametrize("mode,backup", [("sd", None), ("ssd", "random"), ("ssd", "ngram")])
+@pytest.mark.parametrize("mode,backup", [("sd", None), ("ssd", "random"), ("ssd", "ngram"),
+                                         ("ssd", "auto")])
 def test_device_loop_and_timed_host_loop_agree(tiny, mode, backup):
     """The n-gram backup's device form (the rows' history kept on the draft mesh, matched as
     array code) against the host loop's Python lookup over each row's list: prompts with
-    repeats, so some missed rows match an n-gram and others fall back to random tokens."""
+    repeats, so some missed rows match an n-gram and others fall back to random tokens.
+    backup="auto" with its chooser alternating random, neural, ... (tests/_golden_cases.py's
+    `deterministic_auto`): both loops ask it once a round from the second, so the same kind
+    serves each round's misses, chosen on the device loop as a traced flag of the round's resolve."""
+    import contextlib
+    from _golden_cases import deterministic_auto
     _, _, eng = tiny
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
     if backup == "ngram":
         prompts = [[1, 2, 3, 1, 2, 3, 1], [4, 5, 4, 5], [6, 7, 8, 9], [9, 9, 9, 9, 9], [5]]
     kw = dict(mode=mode, max_new_tokens=12, k=2, sampling=SamplingParams(temperature=0.9),
               seed=4, eos_ids=[3], ssd=SSDConfig(fanout=(2, 1, 1), backup=backup or "neural"))
-    a = eng.generate(prompts, timeline=True, **kw)
-    b = eng.generate(prompts, **kw)
+    with deterministic_auto() if backup == "auto" else contextlib.nullcontext():
+        a = eng.generate(prompts, timeline=True, **kw)
+        b = eng.generate(prompts, **kw)
     assert a.token_ids == b.token_ids and a.finish_reasons == b.finish_reasons
-    if backup:
-        assert b.metrics.backups.get(backup, 0) > 0, b.metrics.backups
+    for kind in ("neural", "random") if backup == "auto" else (backup,) if backup else ():
+        assert b.metrics.backups.get(kind, 0) > 0, b.metrics.backups
     for key in ("accept_hist", "accept_hist_after_hit", "accept_hist_after_miss", "hits",
                 "lookups", "hits_by_accept", "lookups_by_accept", "backups", "rounds"):
         assert getattr(a.metrics, key) == getattr(b.metrics, key), key
@@ -306,6 +313,40 @@ def test_round_chunks_equal_rounds_one_by_one(tiny, monkeypatch, mode, backup, t
         assert 0 < a.metrics.hits < a.metrics.lookups and a.metrics.backups.get(backup, 0) > 0
     if eos:
         assert "eos" in a.finish_reasons
+
+
+def test_auto_backup_in_chunks_chooses_once_a_chunk(tiny, monkeypatch):
+    """backup="auto" in chunks of rounds asks its chooser once a chunk, the chunk's kind a traced
+    flag of `ssd_chunk`: a chooser that says random from the second chunk on gives the ids,
+    log-probs and counters of the rounds one by one whose chooser says neural for rounds 2 to
+    SD_CHUNK and random after (round 1's backup, so the first chunk's, is neural by rule)."""
+    from ssd_jax.algorithm import round_steps
+    from ssd_jax.algorithm.policy import BackupChooser
+    from ssd_jax.runtime import engine as engine_module
+    _, _, eng = tiny
+    N = round_steps.SD_CHUNK
+
+    class Chooser(BackupChooser):
+        per_round = False
+
+        def choose(self, p_hit, tv, tp, e_hit):
+            self.calls = getattr(self, "calls", 0) + 1
+            return "neural" if self.per_round and self.calls < N else "random"
+
+    monkeypatch.setattr(engine_module, "BackupChooser", Chooser)
+    calls = _count_chunks(monkeypatch, "ssd")
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [2], [7, 7, 7, 1, 2]]
+    kw = dict(mode="ssd", max_new_tokens=40, k=2, seed=3, sampling=SamplingParams(temperature=1.0),
+              ssd=SSDConfig(fanout=(2, 2, 1), backup="auto"))
+    a = eng.generate(prompts, **kw)
+    assert calls[0] > 1 and a.metrics.rounds > N, (calls, a.metrics.rounds)
+    Chooser.per_round = True
+    _one_round_at_a_time(monkeypatch)
+    b = eng.generate(prompts, **kw)
+    assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    for key in ("rounds", "accept_hist", "hits", "lookups", "hits_by_accept", "backups"):
+        assert getattr(a.metrics, key) == getattr(b.metrics, key), key
+    assert a.metrics.backups.get("neural", 0) > 0 and a.metrics.backups.get("random", 0) > 0
 
 
 @pytest.mark.parametrize("mode", ["sd", "ssd"])

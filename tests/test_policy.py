@@ -274,12 +274,16 @@ def engine():
 
 
 def test_auto_backup_is_exact_and_prediction_is_reported(engine):
+    # The device loop (the default) and the timed host loop (timeline=True, which also predicts
+    # the speedup) each choose their backups from their own measurements.
     ar = engine.generate(PROMPTS, mode="ar", max_new_tokens=24)
-    out = engine.generate(PROMPTS, mode="ssd", max_new_tokens=24, k=3,
-                          ssd=SSDConfig(fanout=(2, 2, 1, 1), backup="auto"))
-    for p, g, w in zip(PROMPTS, out.token_ids, ar.token_ids):
-        assert_greedy_agreement(engine.target.params, CFG, p, g, w)
-    assert sum(out.metrics.backups.values()) > 0
+    auto = SSDConfig(fanout=(2, 2, 1, 1), backup="auto")
+    dev = engine.generate(PROMPTS, mode="ssd", max_new_tokens=24, k=3, ssd=auto)
+    out = engine.generate(PROMPTS, mode="ssd", max_new_tokens=24, k=3, ssd=auto, timeline=True)
+    for res in (dev, out):
+        for p, g, w in zip(PROMPTS, res.token_ids, ar.token_ids):
+            assert_greedy_agreement(engine.target.params, CFG, p, g, w)
+        assert sum(res.metrics.backups.values()) > 0
     assert out.metrics.predicted_speedup is not None and out.metrics.predicted_speedup > 0
     d = out.metrics.to_dict()
     assert d["predicted_speedup"] == out.metrics.predicted_speedup

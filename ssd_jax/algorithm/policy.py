@@ -200,13 +200,16 @@ class BackupChooser:
             self.tb[kind] = backup_s if self.tb[kind] is None else 0.7 * self.tb[kind] + 0.3 * backup_s
         self.tokens_after[kind].extend(tokens)
 
-    def choose(self, p_hit: float, tv: float, tp: float, e_hit: float) -> str:
+    def choose(self, p_hit: float, tv: float | None, tp: float | None, e_hit: float) -> str:
         """The backup ("neural" / "random") with the higher `ssd_speedup` at this batch, given the
         running per-sequence hit rate p_hit, verify time tv, tree time tp (seconds) and tokens per
         round after a hit e_hit. A miss stalls the batch for T_b (so a costly neural backup loses
-        as p_hit^b falls), while each missed sequence emits its backup's measured tokens per round."""
+        as p_hit^b falls), while each missed sequence emits its backup's measured tokens per round.
+        tv / tp None: the caller cannot time a round apart from its backup yet (the device loop
+        prices T_b against a round that ran no neural backup): once neural has served rows, a
+        random round is tried so that it can."""
         if self.tb["neural"] is None:
-            return "neural"
+            return "random" if tv is None and self.tokens_after["neural"] else "neural"
         def e(kind):
             t = self.tokens_after[kind]
             return float(np.mean(t)) if t else 1.0

@@ -193,7 +193,8 @@ def sd_chunk(tparams, tcfg, tcache, dparams, dcfg, dcache, state: ds.DecodeState
             donate_argnames=("tcache", "dcache"))
 def ssd_chunk(tparams, tcfg, tcache, dparams, dcfg, dcache, state: ds.DecodeState, spec, rows,
               from_backup, counters: "LookupCounters", history, seed, draft_seed, request_ids,
-              sampling, draft_sampling, saguaro_c, *, vocab_size: int, draft_vocab_size: int,
+              sampling, draft_sampling, saguaro_c, neural=None, *, vocab_size: int,
+              draft_vocab_size: int,
               row_vocab: int, k: int, verifier, backup: str, fanout_hit: tuple[int, ...],
               fanout_backup: tuple[int, ...], row_dtype: str = "float32", tops: Ops = XLA,
               dops: Ops = XLA, rounds_max: int = SD_CHUNK):
@@ -206,14 +207,15 @@ def ssd_chunk(tparams, tcfg, tcache, dparams, dcfg, dcache, state: ds.DecodeStat
     one dispatch. For a draft on the target's mesh (one device, or a colocated placement).
 
     tcache / dcache are donated; `state` is not (a failure read late rolls back to it). counters:
-    `LookupCounters`; history `[B, H]` for the "ngram" backup, else None. Returns (state, active
+    `LookupCounters`; history `[B, H]` for the "ngram" backup, else None; neural: backup "auto"'s
+    choice for every round of the chunk (a traced bool, `resolve`), else None. Returns (state, active
     `[B]`, tcache, dcache, the next speculation (spec, rows), from_backup, counters, history, the
     chunk's report `[B, 4 + 2R]` (R = rounds_max)): its kept column is the chunk's tokens per row,
     token column i the tokens a row kept in round i (> 0 iff it ran round i) and the last R
     columns, as int32, round i's hit code (-1: no lookup, 0: a miss, 1: a hit; not log-probs).
     Static: both configs, the target's and the draft's `vocab_size`, `row_vocab`, `k`,
     `verifier`, `backup`, both fan-out lists, `row_dtype`, both op tables and `rounds_max`; the
-    seeds, request_ids `[B]`, both SamplingParams and Saguaro's `saguaro_c` are traced.
+    seeds, request_ids `[B]`, both SamplingParams, Saguaro's `saguaro_c` and `neural` are traced.
     """
     from ssd_jax.algorithm.tree import draft_tree
     B = state.bonus.shape[0]
@@ -237,7 +239,7 @@ def ssd_chunk(tparams, tcfg, tcache, dparams, dcfg, dcache, state: ds.DecodeStat
         k1 = packed[:, 6 + ds.R_KEPT]
         spec, rows, fb, dc, counters, rep, _, history = resolve(
             dparams, dcfg, dc, tree, packed, counters, draft_seed, request_ids, draft_sampling,
-            saguaro_c, history, vocab_size=draft_vocab_size, row_vocab=row_vocab, k=k,
+            saguaro_c, history, neural, vocab_size=draft_vocab_size, row_vocab=row_vocab, k=k,
             backup=backup, saguaro_top_n=top_backup, row_dtype=row_dtype, ops=dops)
         put = functools.partial(jax.lax.dynamic_update_index_in_dim, index=i, axis=1)
         return (i + 1, st, tc, dc, spec, rows, fb, counters, history, kept + k1,
@@ -308,8 +310,8 @@ def fit_rows(rows: jax.Array, row_vocab: int) -> jax.Array:
                                              "saguaro_top_n", "row_dtype", "ops"),
                    donate_argnames=("cache",))
 def resolve(params, cfg, cache, tree: SpeculationCache, outcome: jax.Array,
-            counters: LookupCounters, seed, request_ids, sampling, saguaro_c, history=None, *,
-            vocab_size: int, row_vocab: int, k: int, backup: str,
+            counters: LookupCounters, seed, request_ids, sampling, saguaro_c, history=None,
+            neural=None, *, vocab_size: int, row_vocab: int, k: int, backup: str,
             saguaro_top_n: tuple[int, ...] = (), row_dtype: str = "float32", ops: Ops = XLA):
     """The next round's speculation from the realised outcome (docs/ALGORITHM.md §2, step 3).
 
@@ -320,14 +322,17 @@ def resolve(params, cfg, cache, tree: SpeculationCache, outcome: jax.Array,
     (`backups.random_speculation`) and "ngram" looks each row's history up
     (`backups.ngram_speculation_on_device`): history `[B, H]` int32, each row's tokens by
     position up to the last round's bonus, to which this round's committed tokens are added
-    (`backups.record_committed`; None for the other backups). Returns (spec `[B, K]`, rows
+    (`backups.record_committed`; None for the other backups). "auto" (`SSDConfig(backup="auto")`)
+    runs the neural or the random backup as the traced scalar bool `neural` says (`lax.cond`: one
+    compile serves both, and only the chosen one runs), so the host switches kinds between rounds
+    without a recompile. Returns (spec `[B, K]`, rows
     `[B, K, V]` with V = row_vocab, missed `[B]` bool (the next round's from_backup), the draft
     cache (donated), counters, the round's report with its hit column, the outcome unpacked on
     the draft mesh (its n, prev, bonus, active: the next tree's round state), the history (None
     when none was given)). outcome: an `Outcome`, packed. Static: the draft's `cfg`, `vocab_size` (its real
     rows), `row_vocab` (the target's), `k`, `backup`, Saguaro's per-step `saguaro_top_n` for the
     backup, `row_dtype` and the draft's op table `ops`; seed, request_ids `[B]`, the draft's
-    `sampling` and `saguaro_c` are traced.
+    `sampling`, `saguaro_c` and `neural` are traced.
     """
     o = Outcome.unpack(outcome)
     if history is not None:
@@ -335,20 +340,34 @@ def resolve(params, cfg, cache, tree: SpeculationCache, outcome: jax.Array,
     hit, spec, rows = lookup(tree, o.num_accepted, o.bonus_out, ops=ops)
     rows = fit_rows(rows, row_vocab)
     missed = ~hit & o.active
-    if backup == "neural":
-        def chain(c):
-            with inside_step():  # traced into this step, not a call of its own
-                bspec, brows, c = steps.draft_chain(
-                    params, cfg, c, o.prev, o.bonus, o.n, seed, request_ids, sampling, vocab_size,
-                    k, saguaro_top_n, saguaro_c, row_dtype, ops=ops, draft_rows=missed)
-            return bspec, fit_rows(brows, row_vocab).astype(rows.dtype), c
 
-        bspec, brows, cache = jax.lax.cond(jnp.any(missed), chain,
-                                           lambda c: (spec, rows, c), cache)
-    elif backup == "random":
+    def chain(c):
+        with inside_step():  # traced into this step, not a call of its own
+            bspec, brows, c = steps.draft_chain(
+                params, cfg, c, o.prev, o.bonus, o.n, seed, request_ids, sampling, vocab_size,
+                k, saguaro_top_n, saguaro_c, row_dtype, ops=ops, draft_rows=missed)
+        return bspec, fit_rows(brows, row_vocab).astype(rows.dtype), c
+
+    def uniform(c):
         bspec, brows = backups.random_speculation(seed, request_ids, o.n, k=k,
                                                   vocab_size=vocab_size, row_vocab=row_vocab,
                                                   row_dtype=row_dtype)
+        return bspec, brows.astype(rows.dtype), c
+
+    kind = BACKUP_INDEX.get(backup, 0)
+    if backup == "neural":
+        bspec, brows, cache = jax.lax.cond(jnp.any(missed), chain,
+                                           lambda c: (spec, rows, c), cache)
+    elif backup == "random":
+        bspec, brows, _ = uniform(None)
+    elif backup == "auto":
+        if neural is None:
+            raise ValueError("backup 'auto' on the device needs the round's choice (neural)")
+        neural = jnp.asarray(neural, bool)
+        bspec, brows, cache = jax.lax.cond(
+            neural, lambda c: jax.lax.cond(jnp.any(missed), chain, lambda c: (spec, rows, c), c),
+            uniform, cache)
+        kind = jnp.where(neural, BACKUP_INDEX["neural"], BACKUP_INDEX["random"])
     elif backup == "ngram":
         if history is None:
             raise ValueError("backup 'ngram' on the device needs the rows' history")
@@ -356,7 +375,7 @@ def resolve(params, cfg, cache, tree: SpeculationCache, outcome: jax.Array,
             history, seed, request_ids, o.n, k=k, vocab_size=vocab_size, row_vocab=row_vocab,
             row_dtype=row_dtype)
     else:
-        raise ValueError(f"backup {backup!r} has no device form (neural, random, ngram)")
+        raise ValueError(f"backup {backup!r} has no device form (neural, random, ngram, auto)")
     spec = jnp.where(missed[:, None], bspec, spec)
     rows = jnp.where(missed[:, None, None], brows.astype(rows.dtype), rows)
     onehot = jax.nn.one_hot(o.num_accepted, k + 1, dtype=jnp.int32)
@@ -364,7 +383,7 @@ def resolve(params, cfg, cache, tree: SpeculationCache, outcome: jax.Array,
     counters = LookupCounters(
         lookups_by_accept=counters.lookups_by_accept + (onehot * looked).sum(0),
         hits_by_accept=counters.hits_by_accept + (onehot * looked * hit[:, None]).sum(0),
-        backups=counters.backups.at[BACKUP_INDEX[backup]].add(missed.sum(dtype=jnp.int32)))
+        backups=counters.backups.at[kind].add(missed.sum(dtype=jnp.int32)))
     return (spec, rows, missed, cache, counters, ds.with_hits(o.report, hit, o.active),
             o.replace(report=jnp.zeros((), jnp.int32)), history)
 

@@ -1,7 +1,7 @@
 """The round loop with the call's state on the device: one fetch per round, no per-row Python.
 
 `Engine.generate` runs here unless the call asks for the host loop (`timeline=True`, a draft in
-another process, a proposer, the "auto" backup, a mesh over several processes). The
+another process, a proposer, a data-parallel draft, a mesh over several processes). The
 call's per-row state is a `DecodeState` on the target mesh; the jitted steps advance it
 (`ssd_jax.algorithm.round_steps`); the draft's side of a round (lookup, backup, next tree) runs on
 the draft mesh from the verify's `Outcome`, moved device to device. The host dispatches each round
@@ -42,6 +42,7 @@ import numpy as np
 from ssd_jax.algorithm import decode_state as ds
 from ssd_jax.algorithm import round_steps as rs
 from ssd_jax.algorithm import steps
+from ssd_jax.runtime.auto_backup import AutoBackup
 from ssd_jax.runtime.draft_worker import DraftRun, RoundState
 from ssd_jax.runtime.metrics import Metrics, RoundTimes
 from ssd_jax.runtime.placement import to_mesh
@@ -64,7 +65,8 @@ class DeviceLoop(RoundChunks):
         self.running = True  # from the last report read
         self.pending = None  # a target-side report not read yet (read if the draft fails)
         self.pending_packed = False  # whether `pending` is a packed Outcome (SD, SSD rounds)
-        self.backup = "neural"  # SSD's backup kind (the call's; set by `ssd`)
+        self.backup = "neural"  # SSD's backup kind (the call's, or auto's of the round read)
+        self.auto = None  # SSD's AutoBackup under backup="auto" (set by `ssd`)
         self.lost = False  # pipelined: a draft failure left the target's KV cache lost (`recover`)
         self.count = np.zeros(batch.size, np.int64)  # tokens per row, from the reports read
         self.alive = np.ones(batch.size, bool)  # rows running after the last report read
@@ -187,12 +189,14 @@ class DeviceLoop(RoundChunks):
                 if int(c.backups[i] - u["backups"][i]):
                     m.backups[kind] = int(c.backups[i] - u["backups"][i])
 
-    def _round(self, t0, c0, **kw) -> None:
+    def _round(self, t0, c0, **kw) -> float:
+        """Add a round read now to the timeline (its wall since t0); returns that wall."""
         r = RoundTimes(**kw)
         r.round_s = time.perf_counter() - t0
         r.tokens = self.last["tokens"]
         r.compiled = self.e._timer.seconds > c0
         self.m.add_round(r)
+        return r.round_s
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, cache_len: int, draft) -> None:
@@ -348,9 +352,8 @@ class DeviceLoop(RoundChunks):
                 cur = (packed, rep, before, kept)
                 if prev is not None:
                     self.pending = prev[0]  # the target's side of the round read now
-                    self.read_draft(prev[1], during)
+                    self._round_read(prev[1], during, t0, c0, ssd)
                     prev = None
-                    self._round(t0, c0, **self._round_counts(ssd))
                     t0, c0 = time.perf_counter(), e._timer.seconds
                     if not self.running:
                         void = cur
@@ -359,18 +362,27 @@ class DeviceLoop(RoundChunks):
                     prev = cur
                     continue
                 self.pending = packed
-                self.read_draft(rep, during)
+                self._round_read(rep, during, t0, c0, ssd)
             except DraftDown:
                 if prev is not None:  # a round went in after one not read: back to before it
                     self.state, self.active, self.pending = before, before.active, None
                     self.lost = True
                 raise
-            self._round(t0, c0, **self._round_counts(ssd))
             t0, c0 = time.perf_counter(), e._timer.seconds
         if void is not None:  # enqueued after the last round: it committed nothing
             self.state, self.pending = void[2], None
             self.active = self.state.active
             restore(void[3])
+
+    def _round_read(self, rep, during: str, t0: float, c0: float, ssd: bool) -> None:
+        """Read one SD / SSD round's report and add the round to the timeline (and, under
+        backup="auto", to what `AutoBackup` chooses from)."""
+        if self.auto is not None:
+            self.backup = self.auto.pending_kind  # the kind `read` takes back lookups of
+        r = self.read_draft(rep, during)
+        round_s = self._round(t0, c0, **self._round_counts(ssd))
+        if self.auto is not None:
+            self.auto.read(r, round_s)
 
     def _round_counts(self, ssd: bool) -> dict:
         c = dict(active=self.last["active"])
@@ -420,12 +432,15 @@ class DeviceLoop(RoundChunks):
         draft.finish()
         self.counters_into(self.m)
 
-    def ssd(self, draft, drun: DraftRun) -> None:
-        """SSD: verify and the tree overlap; the lookup and backup run on the draft mesh."""
+    def ssd(self, draft, drun: DraftRun, chooser=None) -> None:
+        """SSD: verify and the tree overlap; the lookup and backup run on the draft mesh.
+        chooser: backup="auto"'s `BackupChooser` (then each round's or chunk's backup is chosen
+        at its dispatch, `AutoBackup`), or None."""
         run = self.run
         worker = self.e.worker
         worker.start_counters(run["k"])
         self.backup = drun.backup
+        self.auto = AutoBackup(chooser) if chooser is not None else None
         v = self._draft_view()
         if drun.backup == "ngram":
             worker.start_history(v)
@@ -443,7 +458,8 @@ class DeviceLoop(RoundChunks):
             res, lp = self._verify(spec, rows)
             draft.dispatch_tree(_round_state(v), spec, from_backup_d, drun)  # overlaps the verify
             packed = self._commit(res, lp, from_backup)
-            spec, rows, from_backup_d, rep, v = draft.resolve_on_device(packed, drun)
+            neural = self.auto.next() if self.auto is not None else None
+            spec, rows, from_backup_d, rep, v = draft.resolve_on_device(packed, drun, neural)
             from_backup = to_mesh(from_backup_d, self.tgt)
             return packed, rep
 

@@ -302,23 +302,26 @@ class DraftWorker:
         """Zero SSD's lookup counters for a call at lookahead k (the device loop's)."""
         self.counters = to_mesh(round_steps.LookupCounters.zeros(k), self.sharding)
 
-    def resolve_on_device(self, outcome, run: DraftRun):
+    def resolve_on_device(self, outcome, run: DraftRun, neural: bool | None = None):
         """`resolve` for the device loop: the verify's packed `Outcome` (on the target mesh;
         moved here device to device) -> (spec `[B, K]`, rows `[B, K, V]`, missed `[B]`, the
         round's report with its hit column, the outcome unpacked here), all on the draft mesh and
-        nothing waited for; the call's counters are updated in place (`self.counters`)."""
+        nothing waited for; the call's counters are updated in place (`self.counters`).
+        neural: backup="auto"'s choice for this round (then `run.backup` is not looked at)."""
         seed, rids = self._call_values(run)
         outcome = self._put_rows(outcome)
+        backup = run.backup if neural is None else "auto"
         kw = dict(vocab_size=self.vocab_size, row_vocab=self.row_vocab, k=run.k,
-                  backup=run.backup, row_dtype=run.row_dtype,
+                  backup=backup, row_dtype=run.row_dtype,
                   saguaro_top_n=tuple(f + 1 for f in run.fanout_backup[:-1]))
+        choice = None if neural is None else np.bool_(neural)
 
         def call():
             return round_steps.resolve(self.params, self.cfg, self.cache, self._tree, outcome,
                                        self.counters, seed, rids,
                                        self._placed_sampling(run.sampling),
                                        np.float32(run.saguaro_c),
-                                       self.history if run.backup == "ngram" else None,
+                                       self.history if backup == "ngram" else None, choice,
                                        ops=self.ops, **kw)
         try:
             spec, rows, missed, self.cache, self.counters, rep, view, history = call()

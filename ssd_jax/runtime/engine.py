@@ -313,8 +313,8 @@ class Engine(HostLoop):
     def _on_device(self, mode: str, ssd: SSDConfig, timeline: bool) -> bool:
         """Whether a call runs the device loop: not when it asks for the timed host loop, not on
         a mesh over several processes, and for SD / SSD only with an in-process draft model on
-        one device (not data-parallel) and (SSD) a backup with a device form (neural, random,
-        ngram; "auto" times each backup on the host)."""
+        one device (not data-parallel); every backup has a device form ("auto":
+        `ssd_jax.runtime.auto_backup`)."""
         if timeline or self._serial:
             return False
         if mode == "ar":
@@ -326,7 +326,7 @@ class Engine(HostLoop):
             # resolve's any-miss condition and counters reduce over the batch, a collective
             # across its shards: the host loop keeps each shard's work local
             return False
-        return mode == "sd" or ssd.backup in ("neural", "random", "ngram")
+        return mode == "sd" or ssd.backup in ("neural", "random", "ngram", "auto")
 
     def _generate_on_device(self, batch: Batch, rids, cache_len: int, run: dict, m: Metrics,
                             mode: str, ssd: SSDConfig, draft) -> None:
@@ -338,9 +338,9 @@ class Engine(HostLoop):
             elif mode == "sd":
                 loop.sd(draft)
             else:
-                run, drun, _ = self._ssd_setup(batch, rids, run, m, ssd)
+                run, drun, chooser = self._ssd_setup(batch, rids, run, m, ssd)
                 loop.run = run
-                loop.ssd(draft, drun)
+                loop.ssd(draft, drun, chooser)
         except DraftDown as down:  # go on with the target alone from the committed tokens
             loop.sync_host()
             loop.counters_into(m, None)

@@ -130,13 +130,16 @@ class RoundChunks:
             hits = r[:, ds.R_TOKENS + N:]
             for i, counts in enumerate(rounds):
                 counts.update(hit=int((hits[:, i] > 0).sum()), lookups=int((hits[:, i] >= 0).sum()))
+            if self.auto is not None and ran:
+                self.auto.read_chunk(per_round[:, :ran], hits[:, :ran], time.perf_counter() - t0)
         self._chunk_rounds(rounds, t0, c0)
 
     def _ssd_chunks(self, draft: DraftWorker, drun: DraftRun, v: RoundState, spec, rows,
                     from_backup) -> bool:
         """SSD's rounds in chunks of up to `round_steps.SD_CHUNK` (`round_steps.ssd_chunk`,
         `_chunk_loop`) from the first speculation (spec, rows) and the rows' round state `v`;
-        the draft's counters and n-gram history stay on the device."""
+        the draft's counters and n-gram history stay on the device. backup="auto" chooses one
+        kind a chunk (`AutoBackup.read_chunk` prices it from the chunk's wall)."""
         e, run, N = self.e, self.run, rs.SD_CHUNK
         dseed, dsampling, tspec, trows = self._chunk_inputs(draft, drun, spec, rows)
         saguaro_c = np.float32(drun.saguaro_c)
@@ -145,15 +148,23 @@ class RoundChunks:
 
         def dispatch():
             nonlocal tspec, trows, fb
-            out = rs.ssd_chunk(
-                e.tparams, e.tcfg, e.tcache, draft.params, draft.cfg, draft.cache, self.state,
-                tspec, trows, fb, draft.counters,
-                draft.history if drun.backup == "ngram" else None, run["seed"], dseed,
-                self.rids_t, run["sampling"], dsampling, saguaro_c, vocab_size=e.vocab_size,
-                draft_vocab_size=draft.vocab_size, row_vocab=draft.row_vocab, k=run["k"],
-                verifier=run["verifier"], backup=drun.backup, fanout_hit=drun.fanout_hit,
-                fanout_backup=drun.fanout_backup, row_dtype=drun.row_dtype, tops=e.tops,
-                dops=draft.ops, rounds_max=N)
+            neural = None if self.auto is None else np.bool_(self.auto.next())
+            try:
+                out = rs.ssd_chunk(
+                    e.tparams, e.tcfg, e.tcache, draft.params, draft.cfg, draft.cache, self.state,
+                    tspec, trows, fb, draft.counters,
+                    draft.history if drun.backup == "ngram" else None, run["seed"], dseed,
+                    self.rids_t, run["sampling"], dsampling, saguaro_c, neural,
+                    vocab_size=e.vocab_size, draft_vocab_size=draft.vocab_size,
+                    row_vocab=draft.row_vocab, k=run["k"], verifier=run["verifier"],
+                    backup="auto" if self.auto is not None else drun.backup,
+                    fanout_hit=drun.fanout_hit, fanout_backup=drun.fanout_backup,
+                    row_dtype=drun.row_dtype, tops=e.tops,
+                    dops=draft.ops, rounds_max=N)
+            except Exception:  # noqa: BLE001 - it never ran: its choice is taken back
+                if self.auto is not None:
+                    self.auto.take_back()
+                raise
             (self.state, self.active, e.tcache, draft.cache, tspec, trows, fb, draft.counters,
              history, rep) = out
             if history is not None:

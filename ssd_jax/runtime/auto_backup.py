@@ -1,0 +1,109 @@
+"""backup="auto" in the device loop: the host loop's `BackupChooser`, fed without a sync.
+
+The host loop waits between a round's phases and times the backup itself. The device loop reads
+one report a round and knows only the wall between two reads, so `AutoBackup` prices the neural
+backup from those walls: a round that ran no neural backup (no row missed, or the random backup
+served the misses) is a base round, max(T_v, T_p); a round whose misses the neural backup
+drafted costs T_b more. The report's hit and kept columns give the hit rate and the tokens after
+a hit and after each kind's backup, as vector sums (no per-row Python). Each round's choice goes
+to `round_steps.resolve` as a traced bool, so switching kinds compiles nothing. Nothing here is
+fetched that the round did not already read.
+"""
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+from ssd_jax.algorithm import decode_state as ds
+from ssd_jax.algorithm.policy import BackupChooser
+
+
+class AutoBackup:
+    """One call's backup choices (`next`, at each round's dispatch) and what its reports say
+    (`read`, at each round's read), in dispatch order: a pipelined loop reads round T after it
+    has dispatched round T+1."""
+
+    def __init__(self, chooser: BackupChooser):
+        self.chooser = chooser
+        self.kinds: collections.deque[str] = collections.deque()  # dispatched, not read yet
+        self.dispatched = 0
+        self.base: float | None = None  # smoothed wall of a round without a neural backup
+        self.unpriced: list[tuple] = []  # (wall, rounds, missed) of neural rounds before a base
+        self.hits = self.lookups = 0
+        self.hit_tokens = self.hit_rows = 0
+        self.prev_hit: np.ndarray | None = None  # the last report's hit codes [B]
+        self.prev_kind = "neural"  # the first speculation is the neural backup's
+
+    @property
+    def pending_kind(self) -> str:
+        """The kind of the oldest round dispatched and not read (the next `read`'s)."""
+        return self.kinds[0]
+
+    def next(self) -> bool:
+        """The backup for the round being dispatched; True for neural. The first round uses
+        neural, as the host loop's does; every later one asks the chooser, with the base
+        round's wall as T_v and T_p (None until a base round was read)."""
+        self.dispatched += 1
+        kind = "neural"
+        if self.dispatched > 1:
+            p_hit = self.hits / self.lookups if self.lookups else 0.0
+            e_hit = self.hit_tokens / self.hit_rows if self.hit_rows else 1.0
+            kind = self.chooser.choose(p_hit, self.base, self.base, e_hit)
+        self.kinds.append(kind)
+        return kind == "neural"
+
+    def take_back(self) -> None:
+        """Forget the last `next`: what it was for never ran (a chunk that failed to compile)."""
+        self.kinds.pop()
+        self.dispatched -= 1
+
+    def read(self, report: np.ndarray, wall: float) -> None:
+        """One round's report `[B, 4 + 2M]`, read `wall` seconds after the one before it."""
+        act, kept, _, hit, _, _ = ds.read_report(report)
+        missed = self._count(act, kept, hit)
+        self._price(self.kinds.popleft(), wall, 1, int(missed))
+
+    def read_chunk(self, kept: np.ndarray, hit: np.ndarray, wall: float) -> None:
+        """A chunk of rounds (`round_steps.ssd_chunk`, one kind for all of them): kept and hit
+        `[B, R]` for the R rounds it ran, read `wall` seconds after the chunk before it. Its
+        neural backup's cost is the wall over R base rounds, spread over the rounds that missed."""
+        kind = self.kinds.popleft()
+        missed = 0
+        for i in range(kept.shape[1]):
+            missed += self._count(kept[:, i] > 0, kept[:, i], hit[:, i])
+            self.prev_kind = kind  # the chunk's later rounds verify its own backups
+        self._price(kind, wall, kept.shape[1], missed)
+
+    def _count(self, act, kept, hit) -> bool:
+        """One round's rows: active `[B]` bool, kept and hit codes `[B]`; whether any missed."""
+        before_miss = np.ones_like(act) if self.prev_hit is None else self.prev_hit == 0
+        before_hit = np.zeros_like(act) if self.prev_hit is None else self.prev_hit > 0
+        self.chooser.record(self.prev_kind, tokens=kept[act & before_miss])
+        self.hit_tokens += int(kept[act & before_hit].sum())
+        self.hit_rows += int((act & before_hit).sum())
+        self.hits += int((hit > 0).sum())
+        self.lookups += int((hit >= 0).sum())
+        self.prev_hit = hit
+        return bool((hit == 0).any())
+
+    def _price(self, kind: str, wall: float, rounds: int, missed: int) -> None:
+        """`rounds` rounds of `kind` took `wall` seconds, `missed` of them with a miss: a base
+        wall, or the neural backup's cost over it (kept until a base is known)."""
+        if kind == "neural" and missed:
+            if self.base is None:
+                self.unpriced.append((wall, rounds, missed))
+            else:
+                self.chooser.record("neural", backup_s=self._over_base(wall, rounds, missed))
+        else:
+            per_round = wall / rounds
+            self.base = per_round if self.base is None else 0.7 * self.base + 0.3 * per_round
+            for w in self.unpriced:
+                self.chooser.record("neural", backup_s=self._over_base(*w))
+            self.unpriced = []
+            if missed:  # the random backup: its cost is inside every base round
+                self.chooser.record("random", backup_s=0.0)
+        self.prev_kind = kind
+
+    def _over_base(self, wall: float, rounds: int, missed: int) -> float:
+        return max(0.0, wall - rounds * self.base) / missed
