@@ -106,16 +106,19 @@ def test_host_work_per_round_is_bounded_and_flat_in_the_batch(tiny, mode):
 
 @pytest.mark.parametrize("mode,backup", [("sd", None), ("ssd", "random"), ("ssd", "ngram"),
                                          ("ssd", "auto")])
-def test_device_loop_and_timed_host_loop_agree(tiny, mode, backup):
+def test_device_loop_and_timed_host_loop_agree(tiny, monkeypatch, mode, backup):
     """The n-gram backup's device form (the rows' history kept on the draft mesh, matched as
     array code) against the host loop's Python lookup over each row's list: prompts with
     repeats, so some missed rows match an n-gram and others fall back to random tokens.
     backup="auto" with its chooser alternating random, neural, ... (tests/_golden_cases.py's
     `deterministic_auto`): both loops ask it once a round from the second, so the same kind
-    serves each round's misses, chosen on the device loop as a traced flag of the round's resolve."""
+    serves each round's misses, chosen on the device loop as a traced flag of the round's resolve
+    (in rounds one by one: `tiny` runs chunks of rounds, where auto asks once a chunk)."""
     import contextlib
     from _golden_cases import deterministic_auto
     _, _, eng = tiny
+    if backup == "auto":
+        _one_round_at_a_time(monkeypatch)
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
     if backup == "ngram":
         prompts = [[1, 2, 3, 1, 2, 3, 1], [4, 5, 4, 5], [6, 7, 8, 9], [9, 9, 9, 9, 9], [5]]
