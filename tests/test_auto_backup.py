@@ -19,6 +19,7 @@ import pytest
 from ssd_jax.algorithm import decode_state as ds
 from ssd_jax.algorithm.policy import BackupChooser
 from ssd_jax.runtime.auto_backup import AutoBackup
+from ssd_jax.runtime.metrics import RoundTimes
 
 
 def _report(kept, hit, active=None) -> np.ndarray:
@@ -32,14 +33,22 @@ def _report(kept, hit, active=None) -> np.ndarray:
     return rep
 
 
+def _read(auto: AutoBackup, kept, hit, wall: float, active=None) -> None:
+    """`auto.read` of a round's report and its timeline entry (wall, hits, lookups), as the
+    device loop reads one."""
+    hit_ = np.asarray(hit)
+    entry = RoundTimes(round_s=wall, hit=int((hit_ > 0).sum()), lookups=int((hit_ >= 0).sum()))
+    auto.read(_report(kept, hit, active), entry)
+
+
 def test_the_neural_backup_is_priced_against_a_round_without_one():
     chooser = BackupChooser(batch=2)
     auto = AutoBackup(chooser)
     assert auto.next() is True  # round 1: neural, as the host loop
-    auto.read(_report([2, 1], [0, 1]), wall=5.0)  # a miss served by neural, no base yet
+    _read(auto, [2, 1], [0, 1], 5.0)  # a miss served by neural, no base yet
     assert chooser.tb["neural"] is None and auto.base is None
     assert auto.next() is False  # the probe: a round with no neural backup
-    auto.read(_report([1, 3], [1, 1]), wall=1.0)
+    _read(auto, [1, 3], [1, 1], 1.0)
     assert auto.base == 1.0
     assert chooser.tb["neural"] == pytest.approx(4.0)
     # three hits of four lookups, and a neural backup that stalls the batch 4x a round: random
@@ -50,11 +59,11 @@ def test_a_cheap_neural_backup_with_better_tokens_is_kept():
     chooser = BackupChooser(batch=2)
     auto = AutoBackup(chooser)
     assert auto.next() is True
-    auto.read(_report([3, 3], [0, 1]), wall=1.0)
+    _read(auto, [3, 3], [0, 1], 1.0)
     assert auto.next() is False  # the probe
-    auto.read(_report([3, 1], [0, 1]), wall=1.0)  # row 0 missed again: random serves it
+    _read(auto, [3, 1], [0, 1], 1.0)  # row 0 missed again: random serves it
     auto.next()
-    auto.read(_report([1, 3], [1, 1]), wall=1.0)  # 1 token after random's speculation
+    _read(auto, [1, 3], [1, 1], 1.0)  # 1 token after random's speculation
     assert chooser.tb["neural"] == pytest.approx(0.0)
     assert auto.next() is True  # no stall, and 3 tokens after neural against 1 after random
 
@@ -64,12 +73,12 @@ def test_tokens_after_each_kind_and_after_a_hit_come_from_the_round_before():
     auto = AutoBackup(chooser)
     auto.next()
     # round 1 verifies the first speculation (the neural backup's) of every active row
-    auto.read(_report([2, 3, 1], [1, 0, -1], active=[1, 1, 1]), wall=2.0)
+    _read(auto, [2, 3, 1], [1, 0, -1], 2.0, active=[1, 1, 1])
     assert list(chooser.tokens_after["neural"]) == [2, 3, 1]
     assert auto.next() is False  # the probe
     # rows verified now: row 0 after its hit, row 1 after neural's backup (round 1's kind);
     # row 2 ended in round 1 and counts nowhere
-    auto.read(_report([3, 2, 0], [0, 1, -1], active=[1, 1, 0]), wall=2.0)
+    _read(auto, [3, 2, 0], [0, 1, -1], 2.0, active=[1, 1, 0])
     assert list(chooser.tokens_after["neural"]) == [2, 3, 1, 2]
     assert (auto.hit_tokens, auto.hit_rows) == (3, 1)
     assert (auto.hits, auto.lookups) == (2, 4)

@@ -348,6 +348,9 @@ def resolve(params, cfg, cache, tree: SpeculationCache, outcome: jax.Array,
                 k, saguaro_top_n, saguaro_c, row_dtype, ops=ops, draft_rows=missed)
         return bspec, fit_rows(brows, row_vocab).astype(rows.dtype), c
 
+    def neural_backup(c):  # a round where every row hit drafts nothing
+        return jax.lax.cond(jnp.any(missed), chain, lambda c: (spec, rows, c), c)
+
     def uniform(c):
         bspec, brows = backups.random_speculation(seed, request_ids, o.n, k=k,
                                                   vocab_size=vocab_size, row_vocab=row_vocab,
@@ -356,17 +359,14 @@ def resolve(params, cfg, cache, tree: SpeculationCache, outcome: jax.Array,
 
     kind = BACKUP_INDEX.get(backup, 0)
     if backup == "neural":
-        bspec, brows, cache = jax.lax.cond(jnp.any(missed), chain,
-                                           lambda c: (spec, rows, c), cache)
+        bspec, brows, cache = neural_backup(cache)
     elif backup == "random":
-        bspec, brows, _ = uniform(None)
+        bspec, brows, cache = uniform(cache)
     elif backup == "auto":
         if neural is None:
             raise ValueError("backup 'auto' on the device needs the round's choice (neural)")
         neural = jnp.asarray(neural, bool)
-        bspec, brows, cache = jax.lax.cond(
-            neural, lambda c: jax.lax.cond(jnp.any(missed), chain, lambda c: (spec, rows, c), c),
-            uniform, cache)
+        bspec, brows, cache = jax.lax.cond(neural, neural_backup, uniform, cache)
         kind = jnp.where(neural, BACKUP_INDEX["neural"], BACKUP_INDEX["random"])
     elif backup == "ngram":
         if history is None:

@@ -4,8 +4,9 @@ The host loop waits between a round's phases and times the backup itself. The de
 one report a round and knows only the wall between two reads, so `AutoBackup` prices the neural
 backup from those walls: a round that ran no neural backup (no row missed, or the random backup
 served the misses) is a base round, max(T_v, T_p); a round whose misses the neural backup
-drafted costs T_b more. The report's hit and kept columns give the hit rate and the tokens after
-a hit and after each kind's backup, as vector sums (no per-row Python). Each round's choice goes
+drafted costs T_b more. The walls, hits and lookups are the timeline's entries for the rounds;
+the report's hit and kept columns give the tokens after a hit and after each kind's backup, as
+vector sums (no per-row Python). Each round's choice goes
 to `round_steps.resolve` as a traced bool, so switching kinds compiles nothing. Nothing here is
 fetched that the round did not already read.
 """
@@ -17,6 +18,7 @@ import numpy as np
 
 from ssd_jax.algorithm import decode_state as ds
 from ssd_jax.algorithm.policy import BackupChooser
+from ssd_jax.runtime.metrics import RoundTimes
 
 
 class AutoBackup:
@@ -58,32 +60,33 @@ class AutoBackup:
         self.kinds.pop()
         self.dispatched -= 1
 
-    def read(self, report: np.ndarray, wall: float) -> None:
-        """One round's report `[B, 4 + 2M]`, read `wall` seconds after the one before it."""
+    def read(self, report: np.ndarray, entry: RoundTimes) -> None:
+        """One round's report `[B, 4 + 2M]` and its timeline entry (wall, hits, lookups)."""
         act, kept, _, hit, _, _ = ds.read_report(report)
-        missed = self._count(act, kept, hit)
-        self._price(self.kinds.popleft(), wall, 1, int(missed))
+        missed = self._count(act, kept, hit, entry)
+        self._price(self.kinds.popleft(), entry.round_s, 1, int(missed))
 
-    def read_chunk(self, kept: np.ndarray, hit: np.ndarray, wall: float) -> None:
+    def read_chunk(self, kept: np.ndarray, hit: np.ndarray, entries: list[RoundTimes]) -> None:
         """A chunk of rounds (`round_steps.ssd_chunk`, one kind for all of them): kept and hit
-        `[B, R]` for the R rounds it ran, read `wall` seconds after the chunk before it. Its
-        neural backup's cost is the wall over R base rounds, spread over the rounds that missed."""
+        `[B, R]` for the R rounds it ran and their timeline entries. Its neural backup's cost is
+        the chunk's wall over R base rounds, spread over the rounds that missed."""
         kind = self.kinds.popleft()
         missed = 0
-        for i in range(kept.shape[1]):
-            missed += self._count(kept[:, i] > 0, kept[:, i], hit[:, i])
+        for i, entry in enumerate(entries):
+            missed += self._count(kept[:, i] > 0, kept[:, i], hit[:, i], entry)
             self.prev_kind = kind  # the chunk's later rounds verify its own backups
-        self._price(kind, wall, kept.shape[1], missed)
+        self._price(kind, sum(e.round_s for e in entries), len(entries), missed)
 
-    def _count(self, act, kept, hit) -> bool:
-        """One round's rows: active `[B]` bool, kept and hit codes `[B]`; whether any missed."""
+    def _count(self, act, kept, hit, entry: RoundTimes) -> bool:
+        """One round's rows: active `[B]` bool, kept and hit codes `[B]`, and its entry; whether
+        any row missed."""
         before_miss = np.ones_like(act) if self.prev_hit is None else self.prev_hit == 0
         before_hit = np.zeros_like(act) if self.prev_hit is None else self.prev_hit > 0
         self.chooser.record(self.prev_kind, tokens=kept[act & before_miss])
         self.hit_tokens += int(kept[act & before_hit].sum())
         self.hit_rows += int((act & before_hit).sum())
-        self.hits += int((hit > 0).sum())
-        self.lookups += int((hit >= 0).sum())
+        self.hits += entry.hit
+        self.lookups += entry.lookups
         self.prev_hit = hit
         return bool((hit == 0).any())
 

@@ -189,14 +189,14 @@ class DeviceLoop(RoundChunks):
                 if int(c.backups[i] - u["backups"][i]):
                     m.backups[kind] = int(c.backups[i] - u["backups"][i])
 
-    def _round(self, t0, c0, **kw) -> float:
-        """Add a round read now to the timeline (its wall since t0); returns that wall."""
+    def _round(self, t0, c0, **kw) -> RoundTimes:
+        """Add a round read now to the timeline (its wall since t0); returns its entry."""
         r = RoundTimes(**kw)
         r.round_s = time.perf_counter() - t0
         r.tokens = self.last["tokens"]
         r.compiled = self.e._timer.seconds > c0
         self.m.add_round(r)
-        return r.round_s
+        return r
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, cache_len: int, draft) -> None:
@@ -380,9 +380,9 @@ class DeviceLoop(RoundChunks):
         if self.auto is not None:
             self.backup = self.auto.pending_kind  # the kind `read` takes back lookups of
         r = self.read_draft(rep, during)
-        round_s = self._round(t0, c0, **self._round_counts(ssd))
+        entry = self._round(t0, c0, **self._round_counts(ssd))
         if self.auto is not None:
-            self.auto.read(r, round_s)
+            self.auto.read(r, entry)
 
     def _round_counts(self, ssd: bool) -> dict:
         c = dict(active=self.last["active"])

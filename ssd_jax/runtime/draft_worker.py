@@ -314,14 +314,13 @@ class DraftWorker:
         kw = dict(vocab_size=self.vocab_size, row_vocab=self.row_vocab, k=run.k,
                   backup=backup, row_dtype=run.row_dtype,
                   saguaro_top_n=tuple(f + 1 for f in run.fanout_backup[:-1]))
-        choice = None if neural is None else np.bool_(neural)
 
         def call():
             return round_steps.resolve(self.params, self.cfg, self.cache, self._tree, outcome,
                                        self.counters, seed, rids,
                                        self._placed_sampling(run.sampling),
                                        np.float32(run.saguaro_c),
-                                       self.history if backup == "ngram" else None, choice,
+                                       self.history if backup == "ngram" else None, neural,
                                        ops=self.ops, **kw)
         try:
             spec, rows, missed, self.cache, self.counters, rep, view, history = call()

@@ -24,13 +24,16 @@ from ssd_jax.runtime.placement import to_mesh
 class RoundChunks:
     """The chunked rounds of a `DeviceLoop` (module docstring)."""
 
-    def _chunk_rounds(self, rounds, t0: float, c0: float) -> None:
+    def _chunk_rounds(self, rounds, t0: float, c0: float) -> list[RoundTimes]:
         """The timeline's entries for a chunk read: one per dict of `RoundTimes` counts (active,
         tokens; SSD's hit, lookups) in `rounds`, the chunk's wall since t0 split evenly among
-        them."""
+        them. Returns the entries."""
         wall, compiled = time.perf_counter() - t0, self.e._timer.seconds > c0
-        for counts in rounds:
-            self.m.add_round(RoundTimes(**counts, round_s=wall / len(rounds), compiled=compiled))
+        added = [RoundTimes(**counts, round_s=wall / len(rounds), compiled=compiled)
+                 for counts in rounds]
+        for r in added:
+            self.m.add_round(r)
+        return added
 
     def _chunked(self, draft) -> bool:
         """Whether SD / SSD run in chunks of rounds (`round_steps.sd_chunk` / `ssd_chunk`): the
@@ -130,9 +133,9 @@ class RoundChunks:
             hits = r[:, ds.R_TOKENS + N:]
             for i, counts in enumerate(rounds):
                 counts.update(hit=int((hits[:, i] > 0).sum()), lookups=int((hits[:, i] >= 0).sum()))
-            if self.auto is not None and ran:
-                self.auto.read_chunk(per_round[:, :ran], hits[:, :ran], time.perf_counter() - t0)
-        self._chunk_rounds(rounds, t0, c0)
+        added = self._chunk_rounds(rounds, t0, c0)
+        if ssd and self.auto is not None and ran:
+            self.auto.read_chunk(per_round[:, :ran], hits[:, :ran], added)
 
     def _ssd_chunks(self, draft: DraftWorker, drun: DraftRun, v: RoundState, spec, rows,
                     from_backup) -> bool:
@@ -148,7 +151,7 @@ class RoundChunks:
 
         def dispatch():
             nonlocal tspec, trows, fb
-            neural = None if self.auto is None else np.bool_(self.auto.next())
+            neural = None if self.auto is None else self.auto.next()
             try:
                 out = rs.ssd_chunk(
                     e.tparams, e.tcfg, e.tcache, draft.params, draft.cfg, draft.cache, self.state,
