@@ -311,7 +311,9 @@ def measure(engine, target, mode: str, b: int, a) -> dict:
             "hit_rate": _hit_rate(out),
             "py_calls": py, "c_calls": c, "py_calls_per_round": round(py / rounds, 1),
             "c_calls_per_round": round(c / rounds, 1), "syncs": s.syncs,
-            "syncs_per_round": round(s.syncs / rounds, 2), "arrays_fetched": s.arrays,
+            # over the counted call's own rounds: backup="auto" follows measured walls, so its
+            # calls may run different rounds
+            "syncs_per_round": round(s.syncs / rounds_of(out2, mode), 2), "arrays_fetched": s.arrays,
             "syncs_by_kind": dict(sorted(s.by_kind.items())),
             "ms_per_round": ms and round(ms, 3), "minimal_step_ms": step_ms and round(step_ms, 3),
             "ratio": ms and round(ms / step_ms, 2),
