@@ -21,6 +21,8 @@ if os.environ.get("PYTEST_XDIST_WORKER") and "SSD_JAX_COMPILE_CACHE" not in os.e
 
 from ssd_jax.runtime.defaults import describe  # noqa: E402  (after the cache setting)
 
+from _compile_level import LEAN_BY_DEFAULT, set_lean  # noqa: E402
+
 # a test whose worker dies of a signal runs once more (tests/_crash_rerun.py says why and how)
 from _crash_rerun import (  # noqa: E402,F401
     pytest_handlecrashitem, pytest_report_teststatus, pytest_terminal_summary)
@@ -46,6 +48,14 @@ def pytest_collection_modifyitems(config, items):
         name = item.path.name
         if name in REAL_WEIGHT_MODULES:
             item.add_marker(pytest.mark.real_weights)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Each test compiles lean (tests/_compile_level.py says why) unless it runs the real weights.
+    Set before the test's fixtures, module-scoped ones included, and again for every test, so one
+    that changed the level cannot pass it on."""
+    set_lean(LEAN_BY_DEFAULT and item.get_closest_marker("real_weights") is None)
 
 
 # read once, at start-up: a failing test may have changed SSD_JAX_CPU_ISA by the time it reports

@@ -1,0 +1,51 @@
+"""The suite's compile level (tests/_compile_level.py): lean for ordinary tests, full inside
+`optimized()` and for the real-weight modules, and never leaked from one test to the next."""
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from _compile_level import LEAN_BY_DEFAULT, is_lean, optimized, set_lean
+
+pytestmark = pytest.mark.skipif(not LEAN_BY_DEFAULT, reason="SSD_JAX_TEST_FULL_OPT=1: no lean level")
+
+
+def test_an_ordinary_test_compiles_lean_here_and_in_its_subprocesses():
+    assert is_lean()
+    assert os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS") == "1"
+
+
+def test_optimized_compiles_fully_inside_and_restores_after():
+    with optimized():
+        assert not is_lean() and "JAX_DISABLE_MOST_OPTIMIZATIONS" not in os.environ
+        # a program compiled here still computes what a lean one does
+        full = jax.jit(lambda x: jnp.tanh(x) @ x.T)(jnp.arange(12.0).reshape(3, 4) / 7)
+    assert is_lean() and os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS") == "1"
+    lean = jax.jit(lambda x: jnp.tanh(x) @ x.T + 0)(jnp.arange(12.0).reshape(3, 4) / 7)
+    assert jnp.allclose(full, lean, rtol=1e-6)
+    with pytest.raises(RuntimeError), optimized():
+        raise RuntimeError
+    assert is_lean()
+
+
+class _Item:
+    """What the setup hook reads of a test item."""
+
+    def __init__(self, *markers):
+        self.markers = markers
+
+    def get_closest_marker(self, name):
+        return name if name in self.markers else None
+
+
+def test_the_setup_hook_sets_the_level_for_every_test():
+    import conftest  # tests/conftest.py: the hook pytest runs before each test's fixtures
+
+    set_lean(False)  # as a test that changed the level and did not restore it
+    conftest.pytest_runtest_setup(_Item())
+    assert is_lean()
+    conftest.pytest_runtest_setup(_Item("real_weights"))
+    assert not is_lean()
+    conftest.pytest_runtest_setup(_Item("slow"))
+    assert is_lean()
