@@ -78,9 +78,14 @@ it and the measured numbers:
   cached and 12,000 requests: 28 of 111,752 tokens are not (the correct engine: 0).
 
 The deterministic checks (SSD emits SD's tokens with the neural backup and C = 1; batch order;
-every speculated token drawn from the verifier's rows, float32 and bf16) run on the correct
-engine in the quick loop, where they must hold exactly.
+every speculated token drawn from the verifier's rows) run on the correct engine, where they
+must hold exactly. The last runs over every proposal source whose rows reach the verifier
+(PROPOSAL_SOURCES: Saguaro with float32 and bf16 rows, draft sampling unlike the target's, a
+greedy draft, the random and n-gram backups, int8 / int4 drafts, a cut draft head, SD's draft
+sampling and prompt lookup), each row checked by its own rule (one-hot, uniform keyed on
+STREAM_BACKUP, or the exponential race keyed on STREAM_DRAFT); the first two in the quick loop.
 """
+import collections
 import contextlib
 import dataclasses
 
@@ -92,10 +97,12 @@ import pytest
 import ssd_jax.algorithm.steps
 import ssd_jax.algorithm.tree
 from ssd_jax.algorithm import saguaro
-from ssd_jax.algorithm.sampling import (STREAM_DRAFT, SamplingParams, position_keys,
-                                        sample_from_probs)
+from ssd_jax.algorithm.sampling import (STREAM_BACKUP, STREAM_DRAFT, SamplingParams,
+                                        position_keys, sample_from_probs)
 from ssd_jax.models.draft_head import truncate_model_head
+from ssd_jax.models.quant import quantize_model
 from ssd_jax.runtime.engine import Engine, SSDConfig
+from ssd_jax.runtime.proposer import PromptLookupProposer
 from ssd_jax.testing import (PLANTED_BUG_VERIFIERS, PLANTED_SSD_BUGS, detection_power_by_alternative,
                              plant_ssd_bug)
 
@@ -321,18 +328,35 @@ def recorded_verifies(monkeypatch):
     monkeypatch.setattr(ssd_jax.algorithm.steps, "verify", real)
 
 
-def draws_not_from_their_rows(log) -> tuple[int, int]:
-    """(speculated tokens that are not the exponential-race winner of the rows handed to the
-    verifier with them under key (request id, position, STREAM_DRAFT), tokens checked), over the
-    active rows of a `recorded_verifies` log. The neural backup and the tree draw so; the random
-    and n-gram backups do not (use neither here)."""
+def draws_not_from_their_rows(log, vocab: int = V, kinds=None) -> tuple[int, int]:
+    """(speculated tokens not drawn from the rows handed to the verifier with them, tokens
+    checked), over the active rows of a `recorded_verifies` log. What "drawn from" means depends
+    on the row, so every proposal source is checked (ALGORITHM.md §3, §5): a one-hot row (an
+    n-gram match, a greedy draft) must be one-hot at its token; a row uniform over the `vocab`
+    real ids (the random backup, an n-gram miss) must hold the uniform draw of key (request id,
+    position, STREAM_BACKUP); any other row (the neural draft, the tree, Saguaro, a cut head,
+    quantized or bf16 rows) the exponential-race winner of that very row under key (request id,
+    position, STREAM_DRAFT). `kinds`, a Counter if given, counts the checked tokens by the rule
+    their row took ("one-hot", "uniform", "raced")."""
     bad = checked = 0
     for n, spec, rows, active, rids, seed in log:
         pos = n[:, None] + 1 + np.arange(spec.shape[1])[None, :]
-        keys = position_keys(seed, rids, pos, STREAM_DRAFT)
-        redrawn = np.asarray(sample_from_probs(jnp.asarray(rows).astype(jnp.float32), keys))
-        bad += int(np.sum((redrawn != spec) & active[:, None]))
+        r = np.asarray(jnp.asarray(rows).astype(jnp.float32))
+        raced = np.asarray(sample_from_probs(jnp.asarray(r), position_keys(seed, rids, pos, STREAM_DRAFT)))
+        backup_keys = position_keys(seed, rids, pos, STREAM_BACKUP)
+        uniform_draw = np.asarray(jax.vmap(jax.vmap(
+            lambda key: jax.random.randint(key, (), 0, vocab)))(backup_keys))
+        support = (r > 0).sum(-1)
+        one_hot = support == 1
+        uniform = (support == vocab) & np.all(r[..., :vocab] == r[..., :1], -1)
+        want = np.where(one_hot, r.argmax(-1), np.where(uniform, uniform_draw, raced))
+        bad += int(np.sum((want != spec) & active[:, None]))
         checked += int(np.sum(active)) * spec.shape[1]
+        if kinds is not None:
+            on = np.broadcast_to(active[:, None], spec.shape)
+            kinds.update({"one-hot": int(np.sum(one_hot & on)),
+                          "uniform": int(np.sum(uniform & ~one_hot & on)),
+                          "raced": int(np.sum(~one_hot & ~uniform & on))})
     return bad, checked
 
 
@@ -348,14 +372,61 @@ def test_a_requests_tokens_do_not_depend_on_its_batch_row(pair):
     assert moved == 0, f"{moved} of {DET_BATCH} requests changed with their batch row"
 
 
-@pytest.mark.parametrize("row_dtype", ["float32", "bfloat16"])
-def test_every_speculated_token_is_drawn_from_the_rows_the_verifier_gets(pair, monkeypatch, row_dtype):
+def _quantized(kind):
+    return lambda pair: (pair[0], quantize_model(pair[1], kind))
+
+
+def _cut_head(pair):
+    return pair[0], truncate_model_head(pair[1], V // 2)
+
+
+# proposal source -> (mode, pair transform / "prompt-lookup" / None, generate keywords, the row
+# rules its tokens must exercise): every source of ALGORITHM.md §3 / §5 whose rows reach the
+# verifier. The first two run in the quick loop.
+_RACED, _ONE_HOT, _UNIFORM = {"raced"}, {"one-hot"}, {"uniform"}
+PROPOSAL_SOURCES = {
+    "ssd-saguaro0.5-f32": ("ssd", None, dict(ssd=SAGUARO_SSD), _RACED),
+    "ssd-saguaro0.5-bf16": ("ssd", None, dict(ssd=dataclasses.replace(SAGUARO_SSD, row_dtype="bfloat16")),
+                            _RACED),
+    "ssd-draft-sampling": ("ssd", None, dict(ssd=PLAIN_SSD,
+                                             draft_sampling=SamplingParams(temperature=0.5, top_k=2)),
+                           _RACED),
+    "ssd-greedy-draft": ("ssd", None, dict(ssd=PLAIN_SSD, draft_sampling=SamplingParams(0.0)), _ONE_HOT),
+    "ssd-random-backup": ("ssd", None, dict(ssd=SSDConfig(fanout=(2, 1, 1), backup="random")),
+                          _RACED | _UNIFORM),
+    "ssd-ngram-backup": ("ssd", None, dict(ssd=SSDConfig(fanout=(1, 1, 1), backup="ngram")),
+                         _RACED | _ONE_HOT | _UNIFORM),
+    "ssd-int8-draft": ("ssd", _quantized("int8"), dict(ssd=PLAIN_SSD), _RACED),
+    "ssd-int4-draft": ("ssd", _quantized("int4"), dict(ssd=PLAIN_SSD), _RACED),
+    "ssd-draft-head-cut": ("ssd", _cut_head, dict(ssd=SAGUARO_SSD), _RACED),
+    "sd-draft-sampling": ("sd", None, dict(draft_sampling=SamplingParams(temperature=0.5, top_k=2)),
+                          _RACED),
+    "sd-prompt-lookup": ("sd", "prompt-lookup", dict(), _ONE_HOT | _UNIFORM),
+}
+
+
+@pytest.mark.parametrize("source", [pytest.param(s, marks=[] if i < 2 else [slow])
+                                    for i, s in enumerate(PROPOSAL_SOURCES)])
+def test_every_speculated_token_is_drawn_from_the_rows_the_verifier_gets(pair, monkeypatch, source):
+    mode, transform, kw, rules = PROPOSAL_SOURCES[source]
+    if transform == "prompt-lookup":
+        eng = Engine(pair[0], proposer=PromptLookupProposer(V), max_len=MAX_LEN,
+                     compilation_cache=False)
+    else:
+        eng = Engine(*(transform(pair) if transform else pair), max_len=MAX_LEN,
+                     compilation_cache=False)
     with recorded_verifies(monkeypatch) as log:
-        _, m = _generate(pair, "ssd", range(1000, 1000 + DET_BATCH),
-                         ssd=dataclasses.replace(SAGUARO_SSD, row_dtype=row_dtype))
-    bad, checked = draws_not_from_their_rows(log)
-    assert 0 < m.hits < m.lookups and checked > 8000, (m.hits, m.lookups, checked)
-    assert bad == 0, f"{bad} of {checked} speculated tokens were not drawn from their rows"
+        out = eng.generate([list(PROMPT)] * DET_BATCH, mode=mode, max_new_tokens=8, k=K,
+                           sampling=T10, request_ids=range(1000, 1000 + DET_BATCH), seed=11, **kw)
+    m = out.metrics
+    assert getattr(m, "fallback", None) is None, m.fallback
+    kinds = collections.Counter()
+    bad, checked = draws_not_from_their_rows(log, kinds=kinds)
+    assert checked > 8000, checked
+    assert {k for k, c in kinds.items() if c} == rules, (source, kinds)  # each rule really ran
+    if mode == "ssd":
+        assert 0 < m.hits < m.lookups, (m.hits, m.lookups)
+    assert bad == 0, f"{source}: {bad} of {checked} speculated tokens were not drawn from their rows"
 
 
 # ---------------------------------------------------------------------------------------------
