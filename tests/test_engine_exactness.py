@@ -29,6 +29,8 @@ TV-0.01 column, test_quick_case_power the quick case's TV 0.03):
     ssd-t0.7-saguaro0.5           5-8     150k  24            0.09      0.973    1.000
     ssd-t1.0-random-backup        5-8     175k  35            0.08      0.980    1.000
     ssd-t1.0-ngram-onehot         5-8     175k  35            0.08      0.980    1.000
+    ssd-t1.0-saguaro0.5-random    5-8     175k  35            0.08      0.980    1.000
+    ssd-t1.0-saguaro0.5-ngram     5-8     175k  35            0.08      0.980    1.000
     draft-head sd-t1.0            1-4     175k  27            0.12      0.985    1.000
     draft-head ssd-t0.7-saguaro   1-4     150k  18            0.17      0.990    1.000
     quick ssd-t1.0-saguaro        5-8     20k   35            0.00      0.013    0.39 (0.975 at 0.03)
@@ -130,6 +132,12 @@ EXACT_CASES = {
                                                 ssd=SSDConfig(fanout=(2, 1, 1), backup="random"))),
     "ssd-t1.0-ngram-onehot": ("ssd", T10, dict(n=175_000, skip=4,
                                                ssd=SSDConfig(fanout=(1, 1, 1), backup="ngram"))),
+    # Saguaro's scaled rows in the tree, a fast backup's uniform / one-hot rows after a miss
+    # (fan-out 2 of V = 4 at j < K, so the scaling acts)
+    "ssd-t1.0-saguaro0.5-random-backup": ("ssd", T10, dict(
+        n=175_000, skip=4, ssd=SSDConfig(fanout=(2, 1, 1), saguaro_c=0.5, backup="random"))),
+    "ssd-t1.0-saguaro0.5-ngram-backup": ("ssd", T10, dict(
+        n=175_000, skip=4, ssd=SSDConfig(fanout=(2, 1, 1), saguaro_c=0.5, backup="ngram"))),
 }
 # What a cut draft head changes is the proposal, which round 1 already shows: tokens 1-4 for both.
 DRAFT_HEAD_CASES = {
@@ -146,13 +154,15 @@ DET_BATCH = 2000
 QUICK = ("ssd", T10, dict(n=20_000, chunk=DET_BATCH, skip=4, ssd=SAGUARO_SSD))
 
 
-def _checks_every_path(mode, metrics):
+def _checks_every_path(mode, metrics, ssd=None):
     hist = np.sum([m.accept_hist for m in metrics], axis=0)
     assert np.all(hist > 0), f"every accept length 0..K must occur: {hist}"
     if mode == "ssd":
         hits = sum(m.hits for m in metrics)
         lookups = sum(m.lookups for m in metrics)
         assert 0 < hits < lookups, (hits, lookups)  # both a hit's and a miss's speculations
+        if ssd is not None:  # the misses were served by the case's backup
+            assert sum(m.backups.get(ssd.backup, 0) for m in metrics) > 0, [m.backups for m in metrics]
     assert all(getattr(m, "fallback", None) is None for m in metrics), "the draft fell back"
 
 
@@ -195,7 +205,7 @@ def test_engine_output_has_the_target_distribution(pair, case):
     res, metrics = verdict(pair, mode, sampling, **kw)
     print(case, res)
     assert res.passed, str(res)
-    _checks_every_path(mode, metrics)
+    _checks_every_path(mode, metrics, kw.get("ssd"))
 
 
 def test_quick_ssd_output_has_the_target_distribution(pair):
