@@ -31,6 +31,8 @@ TV-0.01 column, test_quick_case_power the quick case's TV 0.03):
     ssd-t1.0-ngram-onehot         5-8     175k  35            0.08      0.980    1.000
     ssd-t1.0-saguaro0.5-random    5-8     175k  35            0.08      0.980    1.000
     ssd-t1.0-saguaro0.5-ngram     5-8     175k  35            0.08      0.980    1.000
+    ssd-mixed-sampling-0          5-8     150k  (T 0.7 top-k 3 rows of a mixed batch; power asserted)
+    ssd-mixed-sampling-1          5-8     150k  (T 1.0 top-p 0.8 rows of the same batch; power asserted)
     draft-head sd-t1.0            1-4     175k  27            0.12      0.985    1.000
     draft-head ssd-t0.7-saguaro   1-4     150k  18            0.17      0.990    1.000
     quick ssd-t1.0-saguaro        5-8     20k   35            0.00      0.013    0.39 (0.975 at 0.03)
@@ -108,7 +110,7 @@ from ssd_jax.runtime.proposer import PromptLookupProposer
 from ssd_jax.testing import (PLANTED_BUG_VERIFIERS, PLANTED_SSD_BUGS, detection_power_by_alternative,
                              plant_ssd_bug)
 
-from _engine_stats import (K, MAX_LEN, PROMPT, T07, T10, V, check_windows, exact, make_pair,
+from _engine_stats import (CHUNK, K, MAX_LEN, PROMPT, T07, T10, V, check_windows, exact, make_pair,
                            min_expected, sample_windows, verdict)
 
 slow = pytest.mark.slow
@@ -145,6 +147,12 @@ DRAFT_HEAD_CASES = {
     "ssd-t0.7-saguaro0.5": ("ssd", T07, dict(n=150_000,
                                              ssd=SSDConfig(fanout=(2, 2, 1), saguaro_c=0.5))),
 }
+# Per-request sampling in one batch: rows alternate between two target settings (each row's
+# draft sampling its own); each setting's rows are tested against its own exact distribution, so
+# a row that took its neighbour's temperature / top-k / top-p fails. n is per setting.
+MIXED_SAMPLING = (SamplingParams(temperature=0.7, top_k=3), SamplingParams(temperature=1.0, top_p=0.8))
+MIXED_CASES = {f"ssd-mixed-sampling-{i}": ("ssd", sp, dict(n=150_000, skip=4))
+               for i, sp in enumerate(MIXED_SAMPLING)}
 FULL_FANOUT = SSDConfig(fanout=(3, 3, 4))  # every outcome (j, c) of K = 2, V = 4 is cached
 PLAIN_SSD = SSDConfig(fanout=(2, 2, 1))  # hits and misses, neural backup, C = 1: SSD emits SD's tokens
 SAGUARO_SSD = SSDConfig(fanout=(2, 2, 1), saguaro_c=0.5)  # the tree's rows are not SD's
@@ -169,7 +177,8 @@ def _checks_every_path(mode, metrics, ssd=None):
 # ---------------------------------------------------------------------------------------------
 # Power: simulation on each case's exact distribution (no engine)
 # ---------------------------------------------------------------------------------------------
-POWER_CASES = {**EXACT_CASES, **{f"draft-head-{c}": v for c, v in DRAFT_HEAD_CASES.items()}}
+POWER_CASES = {**EXACT_CASES, **{f"draft-head-{c}": v for c, v in DRAFT_HEAD_CASES.items()},
+               **MIXED_CASES}
 
 
 @pytest.mark.parametrize("case", sorted(POWER_CASES))
@@ -206,6 +215,22 @@ def test_engine_output_has_the_target_distribution(pair, case):
     print(case, res)
     assert res.passed, str(res)
     _checks_every_path(mode, metrics, kw.get("ssd"))
+
+
+@slow
+def test_per_request_mixed_sampling_gives_each_row_its_settings_distribution(pair):
+    ssd = SSDConfig(fanout=(2, 2, 1))
+    assert CHUNK % len(MIXED_SAMPLING) == 0  # so a row's setting is its global index mod 2
+    n = sum(kw["n"] for _, _, kw in MIXED_CASES.values())
+    rows = [MIXED_SAMPLING[i % len(MIXED_SAMPLING)] for i in range(CHUNK)]
+    toks, metrics = sample_windows(pair, "ssd", rows, n=n, skip=4, ssd=ssd)
+    for i, (case, (_, sampling, kw)) in enumerate(MIXED_CASES.items()):
+        mine = toks[i::len(MIXED_SAMPLING)]
+        assert len(mine) == kw["n"]
+        res = check_windows(mine, sampling, skip=kw["skip"])
+        print(case, res)
+        assert res.passed, f"{case}: {res}"
+    _checks_every_path("ssd", metrics, ssd)
 
 
 def test_quick_ssd_output_has_the_target_distribution(pair):
