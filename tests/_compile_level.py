@@ -5,8 +5,9 @@ two thirds of a worker's time in XLA:CPU's compiler (benchmarks/README.md, "back
 device loop, and where the suite's time goes"). JAX's `jax_disable_most_optimizations` (LLVM at
 -O0, its expensive passes off; XLA's HLO passes still run) compiles those programs in about half the
 time. Where a program runs long instead - a statistical case's 100k requests through one compiled
-step, the real weights - that code runs slower (a steady stat chunk 0.84 -> 1.43 s), so those keep
-full optimization: `optimized()` around the runs, and every `real_weights` test (tests/conftest.py).
+step, the real weights - lean code runs slower, so those keep full optimization: `optimized()`
+around the runs, and every `real_weights` test (tests/conftest.py). The figures:
+benchmarks/README.md, "The suite compiled lean".
 
 The switch is read when a program is compiled and is part of the persistent cache's key, so the
 two levels never share an executable on disk. It is also exported as JAX's environment variable,
