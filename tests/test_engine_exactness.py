@@ -27,8 +27,6 @@ TV-0.01 column, test_quick_case_power the quick case's TV 0.03):
     sd-t1.0-topp0.8               1-4     100k  12            0.13      0.968    1.000
     sd-draft-t0.5-topk2           1-4     175k  27            0.12      0.985    1.000
     ssd-t0.7-saguaro0.5           5-8     150k  24            0.09      0.973    1.000
-    ssd-t1.0-random-backup        5-8     175k  35            0.08      0.980    1.000
-    ssd-t1.0-ngram-onehot         5-8     175k  35            0.08      0.980    1.000
     ssd-t1.0-saguaro0.5-random    5-8     175k  35            0.08      0.980    1.000
     ssd-t1.0-saguaro0.5-ngram     5-8     175k  35            0.08      0.980    1.000
     ssd-mixed-sampling-0          5-8     150k  (T 0.7 top-k 3 rows of a mixed batch; power asserted)
@@ -130,12 +128,10 @@ EXACT_CASES = {
                                             draft_sampling=SamplingParams(temperature=0.5, top_k=2))),
     "ssd-t0.7-saguaro0.5": ("ssd", T07, dict(n=150_000, skip=4,
                                              ssd=SSDConfig(fanout=(2, 2, 1), saguaro_c=0.5))),
-    "ssd-t1.0-random-backup": ("ssd", T10, dict(n=175_000, skip=4,
-                                                ssd=SSDConfig(fanout=(2, 1, 1), backup="random"))),
-    "ssd-t1.0-ngram-onehot": ("ssd", T10, dict(n=175_000, skip=4,
-                                               ssd=SSDConfig(fanout=(1, 1, 1), backup="ngram"))),
     # Saguaro's scaled rows in the tree, a fast backup's uniform / one-hot rows after a miss
-    # (fan-out 2 of V = 4 at j < K, so the scaling acts)
+    # (fan-out 2 of V = 4 at j < K, so the scaling acts). They replace the C = 1 cases of these
+    # backups: a backup's rows do not depend on C, and the C = 1 tree is tested with the neural
+    # backup (test_engine_paths.py) and emits SD's tokens (test_ssd_emits_sds_tokens).
     "ssd-t1.0-saguaro0.5-random-backup": ("ssd", T10, dict(
         n=175_000, skip=4, ssd=SSDConfig(fanout=(2, 1, 1), saguaro_c=0.5, backup="random"))),
     "ssd-t1.0-saguaro0.5-ngram-backup": ("ssd", T10, dict(
