@@ -312,10 +312,10 @@ def test_a_draft_head_cut_to_half_the_vocabulary_keeps_the_target_distribution(p
 # Deterministic SSD checks: hits are direct drafts, batch rows do not matter, every speculated
 # token is drawn from the rows the verifier gets
 # ---------------------------------------------------------------------------------------------
-def _generate(pair, mode, ids, *, sampling=T10, tokens=8, ssd=PLAIN_SSD):
-    eng = Engine(*pair, max_len=MAX_LEN, compilation_cache=False)
+def _generate(pair, mode, ids, *, sampling=T10, tokens=8, ssd=PLAIN_SSD, engine_kw=None, **kw):
+    eng = Engine(*pair, max_len=MAX_LEN, compilation_cache=False, **(engine_kw or {}))
     out = eng.generate([list(PROMPT)] * len(ids), mode=mode, max_new_tokens=tokens, k=K,
-                       sampling=sampling, request_ids=list(ids), seed=11, ssd=ssd)
+                       sampling=sampling, request_ids=list(ids), seed=11, ssd=ssd, **kw)
     assert getattr(out.metrics, "fallback", None) is None, out.metrics.fallback
     return np.asarray(out.token_ids), out.metrics
 
@@ -411,28 +411,32 @@ def _cut_head(pair):
     return pair[0], truncate_model_head(pair[1], V // 2)
 
 
-# proposal source -> (mode, pair transform / "prompt-lookup" / None, generate keywords, the row
-# rules its tokens must exercise): every source of ALGORITHM.md §3 / §5 whose rows reach the
-# verifier. The first two run in the quick loop.
+def _target_only(pair):
+    return pair[0], None
+
+
+# proposal source -> (mode, pair transform or None, `_generate` keywords, the row rules its
+# tokens must exercise): every source of ALGORITHM.md §3 / §5 whose rows reach the verifier. The
+# first two run in the quick loop.
 _RACED, _ONE_HOT, _UNIFORM = {"raced"}, {"one-hot"}, {"uniform"}
 PROPOSAL_SOURCES = {
     "ssd-saguaro0.5-f32": ("ssd", None, dict(ssd=SAGUARO_SSD), _RACED),
     "ssd-saguaro0.5-bf16": ("ssd", None, dict(ssd=dataclasses.replace(SAGUARO_SSD, row_dtype="bfloat16")),
                             _RACED),
-    "ssd-draft-sampling": ("ssd", None, dict(ssd=PLAIN_SSD,
-                                             draft_sampling=SamplingParams(temperature=0.5, top_k=2)),
+    "ssd-draft-sampling": ("ssd", None, dict(draft_sampling=SamplingParams(temperature=0.5, top_k=2)),
                            _RACED),
-    "ssd-greedy-draft": ("ssd", None, dict(ssd=PLAIN_SSD, draft_sampling=SamplingParams(0.0)), _ONE_HOT),
+    "ssd-greedy-draft": ("ssd", None, dict(draft_sampling=SamplingParams(0.0)), _ONE_HOT),
     "ssd-random-backup": ("ssd", None, dict(ssd=SSDConfig(fanout=(2, 1, 1), backup="random")),
                           _RACED | _UNIFORM),
     "ssd-ngram-backup": ("ssd", None, dict(ssd=SSDConfig(fanout=(1, 1, 1), backup="ngram")),
                          _RACED | _ONE_HOT | _UNIFORM),
-    "ssd-int8-draft": ("ssd", _quantized("int8"), dict(ssd=PLAIN_SSD), _RACED),
-    "ssd-int4-draft": ("ssd", _quantized("int4"), dict(ssd=PLAIN_SSD), _RACED),
+    "ssd-int8-draft": ("ssd", _quantized("int8"), dict(), _RACED),
+    "ssd-int4-draft": ("ssd", _quantized("int4"), dict(), _RACED),
     "ssd-draft-head-cut": ("ssd", _cut_head, dict(ssd=SAGUARO_SSD), _RACED),
     "sd-draft-sampling": ("sd", None, dict(draft_sampling=SamplingParams(temperature=0.5, top_k=2)),
                           _RACED),
-    "sd-prompt-lookup": ("sd", "prompt-lookup", dict(), _ONE_HOT | _UNIFORM),
+    "sd-prompt-lookup": ("sd", _target_only, dict(engine_kw=dict(proposer=PromptLookupProposer(V))),
+                         _ONE_HOT | _UNIFORM),
 }
 
 
@@ -440,17 +444,9 @@ PROPOSAL_SOURCES = {
                                     for i, s in enumerate(PROPOSAL_SOURCES)])
 def test_every_speculated_token_is_drawn_from_the_rows_the_verifier_gets(pair, monkeypatch, source):
     mode, transform, kw, rules = PROPOSAL_SOURCES[source]
-    if transform == "prompt-lookup":
-        eng = Engine(pair[0], proposer=PromptLookupProposer(V), max_len=MAX_LEN,
-                     compilation_cache=False)
-    else:
-        eng = Engine(*(transform(pair) if transform else pair), max_len=MAX_LEN,
-                     compilation_cache=False)
     with recorded_verifies(monkeypatch) as log:
-        out = eng.generate([list(PROMPT)] * DET_BATCH, mode=mode, max_new_tokens=8, k=K,
-                           sampling=T10, request_ids=range(1000, 1000 + DET_BATCH), seed=11, **kw)
-    m = out.metrics
-    assert getattr(m, "fallback", None) is None, m.fallback
+        _, m = _generate(transform(pair) if transform else pair, mode,
+                         range(1000, 1000 + DET_BATCH), **kw)
     kinds = collections.Counter()
     bad, checked = draws_not_from_their_rows(log, kinds=kinds)
     assert checked > 8000, checked
