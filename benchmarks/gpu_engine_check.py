@@ -22,6 +22,7 @@ On a CPU (`--smoke`) the kernels run in Pallas interpret mode at a smaller shape
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -41,6 +42,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="small shapes (CPU, interpret mode)")
     ap.add_argument("--max-new-tokens", type=int, default=None)
+    ap.add_argument("--json", default=None, help="also write the walls, rounds and verdicts here")
     args = ap.parse_args(argv)
     if args.smoke:
         cfg = tiny_config("qwen2", vocab_size=64)
@@ -68,7 +70,7 @@ def main(argv=None) -> int:
     }
     engines = {b: Engine(target, draft, placement="colocated", compilation_cache=False, backend=b)
                for b in ("xla", "pallas")}
-    out = {}
+    out, walls = {}, {}
     for name, kw in runs.items():
         eng = engines["pallas" if name == "ssd pallas" else "xla"]
         eng.round_chunks = False if name.endswith(" rounds") else None
@@ -77,8 +79,11 @@ def main(argv=None) -> int:
         out[name] = eng.generate(prompts, max_new_tokens=new, **kw)
         sec = time.perf_counter() - t0
         m = out[name].metrics
+        walls[name] = dict(ms=sec * 1e3, rounds=m.rounds, ms_per_round=sec * 1e3 / max(1, m.rounds),
+                           hits=m.hits, lookups=m.lookups)
         extra = f", hits {m.hits}/{m.lookups}" if kw["mode"] == "ssd" else ""
-        print(f"  {name:<14s} {sec * 1e3:8.1f} ms{extra}", flush=True)
+        print(f"  {name:<14s} {sec * 1e3:8.1f} ms, {m.rounds} rounds "
+              f"({walls[name]['ms_per_round']:.2f} ms a round){extra}", flush=True)
     ok = True
     for name in ("sd", "ssd reference", "ssd pallas"):
         try:
@@ -100,6 +105,10 @@ def main(argv=None) -> int:
     print(f"  pallas engine's backends: {backend}")
     ok &= backend.get("draft") == "pallas"
     print("RESULT: " + ("ok" if ok else "FAIL"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(ok=bool(ok), device=str(dev), jax=jax.__version__, batch=batch,
+                           new_tokens=new, k=k, fanout=fan, runs=walls, backend=backend), f, indent=1)
     return 0 if ok else 1
 
 

@@ -216,7 +216,7 @@ class EngineCosts:
 
         from ssd_jax.models.config import tiny_config
         from ssd_jax.models.model import Model
-        from ssd_jax.models.params import random_params
+        from ssd_jax.models.params import init_params
         from ssd_jax.runtime.engine import Engine
 
         def build(shape: Shape, seed: int) -> tuple[Model, float]:
@@ -229,7 +229,8 @@ class EngineCosts:
             cut = dataclasses.replace(shape, layers=n)
             scale = ((shape.streamed_params() * BF16 + shape.kv_bytes(context))
                      / (cut.streamed_params() * BF16 + cut.kv_bytes(context)))
-            return Model(cfg, random_params(cfg, seed, scale=0.02)), scale
+            # drawn on the device: a 32B layer's NumPy draw would take the host minutes
+            return Model(cfg, init_params(cfg, jax.random.key(seed), scale=0.02)), scale
 
         (t_model, self.t_scale), (d_model, self.d_scale) = build(target, seed), build(draft, seed + 1)
         self.device = str(jax.devices()[0])

@@ -229,6 +229,36 @@ def random_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.5) -> Params
     return params_from_hf(random_hf_tensors(cfg, seed, scale), cfg)
 
 
+def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.5) -> Params:
+    """Random Params drawn with `jax.random` on the default device, in cfg.dtype: the host never
+    holds them, so a real model's shapes (a 1.5B target on a GPU, say) are ready in a second
+    rather than the minutes `random_params`' NumPy draw and conversion take. The same
+    distribution as `random_params` (norm scales 1 + 0.2 N, biases 0.1 N, the embedding N(0, 1),
+    matrices scale N / sqrt(fan-in)), but not the same numbers: use that one where a test needs
+    HF-named tensors or NumPy's values."""
+    H, KVH, D, E, I, V = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
+                          cfg.intermediate_size, cfg.vocab_size)
+    dt = jnp.dtype(cfg.dtype)
+    keys = iter(jax.random.split(key, 8 + 9 * cfg.num_layers))
+
+    def normal(shape, std, mean=0.0):
+        return (mean + std * jax.random.normal(next(keys), shape, jnp.float32)).astype(dt)
+
+    def matrix(fan_in, fan_out):  # [in, out], the layout Params keeps
+        return normal((fan_in, fan_out), scale / np.sqrt(fan_in))
+
+    qkv = (H + 2 * KVH) * D
+    layers = tuple(LayerParams(
+        attn_norm=normal((E,), 0.2, 1.0), wqkv=matrix(E, qkv),
+        bqkv=normal((qkv,), 0.1) if cfg.qkv_bias else None,
+        q_norm=normal((D,), 0.2, 1.0) if cfg.qk_norm else None,
+        k_norm=normal((D,), 0.2, 1.0) if cfg.qk_norm else None,
+        wo=matrix(H * D, E), mlp_norm=normal((E,), 0.2, 1.0), w_gate_up=matrix(E, 2 * I),
+        w_down=matrix(I, E)) for _ in range(cfg.num_layers))
+    return Params(embed=normal((V, E), 1.0), layers=layers, final_norm=normal((E,), 0.2, 1.0),
+                  lm_head=None if cfg.tie_embeddings else matrix(E, V))
+
+
 def perturb(params: Params, key: jax.Array, rel: float) -> Params:
     """A copy with every weight multiplied by (1 + rel * N(0,1)): a draft that mostly agrees with its target."""
     leaves, treedef = jax.tree_util.tree_flatten(params)

@@ -7,8 +7,9 @@ Run on the GPU machine (one H200, JAX 0.11, no registry access needed):
     python -m ssd_jax.pallas_kernels.bench_gpu --check-only    # device correctness checks only
     python -m ssd_jax.pallas_kernels.bench_gpu --smoke         # tiny shapes, interpret mode, on the CPU
 
-Shapes (the engine's): batch 16, tree of MQ 24 branches, K 7 drafted tokens, 32 query / 8 KV heads,
-head dim 64, live prefix 2048, bf16; lookup rows [16, 24, 7, 151936] bf16.
+Shapes (`--shape paper`, the default): batch 16, tree of MQ 24 branches, K 7 drafted tokens, 32 query / 8 KV heads,
+head dim 64, live prefix 2048, bf16; lookup rows [16, 24, 7, 151936] bf16. `--shape pair`: the
+default pair's draft (Qwen2.5-Coder-0.5B, 14 / 2 heads) at batch 16, K 4, 9 branches, prefix 512.
 
 Each measurement runs many iterations inside one jit (`lax.fori_loop`, partly unrolled); inputs
 change every iteration (step, prefix lengths, a query scale, the outcome) so XLA cannot hoist the
@@ -39,6 +40,10 @@ BF16_DENSE_FLOPS = 989e12  # H200 dense bf16 tensor-core peak, nominal
 FULL = dict(B=16, MQ=24, K=7, H=32, KVH=8, D=64, P=2048, S=2048, V=151936,
             fanout=[6, 5, 4, 3, 2, 2, 1, 1])
 SMOKE = dict(B=2, MQ=6, K=3, H=4, KVH=2, D=64, P=90, S=100, V=300, fanout=[3, 2, 1, 0])
+# the default pair's draft (Qwen2.5-Coder-0.5B: 14 query / 2 KV heads, head dim 64) at batch 16,
+# K 4 and gpu_engine_check's fan-out, with a 512-token live prefix
+PAIR = dict(B=16, MQ=9, K=4, H=14, KVH=2, D=64, P=512, S=1024, V=151936, fanout=[3, 2, 2, 1, 1])
+SHAPES = {"paper": FULL, "pair": PAIR}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -179,6 +184,8 @@ def check_gather(cfg, interpret, kernel_kw, report):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in interpret mode (CPU)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="paper",
+                    help="paper: the shapes above; pair: the default pair's draft at batch 16")
     ap.add_argument("--iters", type=int, default=None, help="iterations per timed loop")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions (best is kept)")
     ap.add_argument("--no-sweep", action="store_true", help="time the default configs only")
@@ -187,7 +194,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     smoke = args.smoke
-    cfg = SMOKE if smoke else FULL
+    cfg = SMOKE if smoke else SHAPES[args.shape]
     interpret = smoke
     iters = args.iters or (3 if smoke else 200)
     reps = 1 if smoke else args.reps

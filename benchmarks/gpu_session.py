@@ -1,0 +1,248 @@
+"""One GPU session: every GPU check and measurement the project has, in one command that fits a
+short lease, each step in a process of its own under a time limit, one JSON at the end.
+
+    python benchmarks/gpu_session.py --out $OUT                       # on the GPU machine (~8 min)
+    JAX_PLATFORMS=cpu python benchmarks/gpu_session.py --smoke --out /tmp/s   # here, end to end
+
+Steps, in order of what matters most if the lease runs out (each one's stdout goes to
+`<out>/logs.txt`, its figures into `<out>/gpu_session.json`, rewritten after every step):
+
+1. `env`: the device, jax's version, nvidia-smi's line.
+2. `engine_check`: benchmarks/gpu_engine_check.py: AR, SD, SSD on the xla and pallas backends
+   emit plain decoding's tokens, no kernel falls back, chunked rounds equal round-by-round.
+3. `kernels_pair` / `kernels_paper`: pallas_kernels/bench_gpu.py at the default pair's draft shape
+   (batch 16) and at the paper's shape: max error against the jnp reference, time per call,
+   bytes/s against the HBM roofline, against XLA's forms.
+4. `pair_cold` then `pair_warm`: the engine on random weights of the default pair's shapes
+   (Qwen2.5-Coder-1.5B target, 0.5B draft), bf16, colocated on the one device, batch 1 and 16:
+   AR / SD / SSD tokens/s; per round the verify alone and the draft alone (`timeline=True`, the
+   host loop that times each) against the engine's whole round (the default device loop: its wall
+   / rounds), whose difference is what the host adds; and each mode's first call (trace, compile,
+   run). `pair_cold` starts with an empty persistent cache and step store, `pair_warm` is a second
+   process that finds them filled: its first calls are what a second start costs.
+5. `host_overhead`: benchmarks/host_overhead.py on tiny models: Python calls and device->host
+   syncs per round and host ms per round on this device.
+6. `projection`: benchmarks/paper_projection.py --measure: the published pairs cut to 4 layers.
+
+Random weights make every time real and every acceptance meaningless (a random draft agrees with
+a random target by chance only): tokens/s here is the engine's speed at that acceptance, not the
+pair's. `pair` is also a subcommand (one process: `gpu_session.py pair --batch 1 16`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# The default pair's published shapes (HF config.json of Qwen2.5-Coder-1.5B / -0.5B)
+TARGET_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
+                   num_heads=12, num_kv_heads=2, head_dim=128, tie_embeddings=True)
+DRAFT_0_5B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
+                  num_heads=14, num_kv_heads=2, head_dim=64, tie_embeddings=True)
+SMOKE_T = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+               num_kv_heads=2, head_dim=16, tie_embeddings=True)
+SMOKE_D = dict(SMOKE_T, num_layers=1)
+K, FANOUT = 4, (3, 2, 2, 1, 1)
+
+
+# ------------------------------------------------------------------------------------------------
+# pair: the engine on random weights of the default pair's shapes (one process)
+# ------------------------------------------------------------------------------------------------
+def _median(xs):
+    return float(statistics.median(xs)) if xs else None
+
+
+def pair(argv) -> int:
+    ap = argparse.ArgumentParser(prog="gpu_session.py pair")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--new", type=int, default=64, help="new tokens per row")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--cache", default=None, help="persistent compile cache + step store dir")
+    ap.add_argument("--first-calls-only", action="store_true",
+                    help="time each mode's first call only (the warm second process)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU)")
+    ap.add_argument("--json", required=True)
+    args = ap.parse_args(argv)
+
+    t_start = time.perf_counter()
+    import jax
+    import numpy as np
+
+    from ssd_jax.models.config import tiny_config
+    from ssd_jax.models.model import Model
+    from ssd_jax.models.params import init_params
+    from ssd_jax.runtime.engine import Engine, SSDConfig
+
+    max_len = args.prompt_len + args.new + 64
+    t_shape, d_shape = (SMOKE_T, SMOKE_D) if args.smoke else (TARGET_1_5B, DRAFT_0_5B)
+    dtype = "float32" if args.smoke else "bfloat16"
+    models = {}
+    t0 = time.perf_counter()
+    for name, shape, seed in (("target", t_shape, 0), ("draft", d_shape, 1)):
+        cfg = tiny_config("qwen2", rope_theta=1e6, max_position_embeddings=max_len, dtype=dtype,
+                          **shape)
+        models[name] = Model(cfg, init_params(cfg, jax.random.key(seed), scale=0.5), name=name)
+    jax.block_until_ready([m.params for m in models.values()])
+    init_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    eng = Engine(models["target"], models["draft"], placement="colocated", max_len=max_len,
+                 compilation_cache=args.cache or False, step_store=bool(args.cache))
+    engine_s = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    vocab = t_shape["vocab_size"]
+    res = dict(device=str(jax.devices()[0]), jax=jax.__version__, dtype=dtype, k=K,
+               fanout=list(FANOUT), new_tokens=args.new, prompt_len=args.prompt_len,
+               init_params_s=init_s, engine_s=engine_s, backend=dict(eng.backend), runs=[])
+    modes = {"ar": dict(mode="ar"), "sd": dict(mode="sd", k=K),
+             "ssd": dict(mode="ssd", k=K, ssd=SSDConfig(fanout=FANOUT))}
+    for b in args.batch:
+        prompts = [[int(x) for x in rng.integers(1, vocab, args.prompt_len)] for _ in range(b)]
+        kw = dict(max_new_tokens=args.new, eos_ids=[])
+        for mode, mkw in modes.items():
+            row = dict(batch=b, mode=mode)
+            t0 = time.perf_counter()
+            out = eng.generate(prompts, **mkw, **kw)
+            row["first_call_s"] = time.perf_counter() - t0
+            row["first_call_compile_s"] = out.metrics.compile_s
+            if not args.first_calls_only:
+                t0 = time.perf_counter()
+                out = eng.generate(prompts, **mkw, **kw)
+                wall = time.perf_counter() - t0
+                m = out.metrics
+                toks = sum(len(t) for t in out.token_ids)
+                row.update(wall_s=wall, tokens=toks, tok_per_s=toks / wall, rounds=m.rounds,
+                           round_ms=wall / max(1, m.rounds) * 1e3, compile_s=m.compile_s,
+                           prefill_s=m.prefill_s)
+                if mode == "ssd":
+                    row.update(hits=m.hits, lookups=m.lookups)
+                if mode != "ar":
+                    row["acceptance_hist"] = list(m.accept_hist)
+                    tl = eng.generate(prompts, **mkw, timeline=True, **kw).metrics.timeline
+                    steady = [r for r in tl if not r.compiled][1:] or tl
+                    row.update(timeline_round_ms=_median([r.round_s * 1e3 for r in steady]),
+                               verify_ms=_median([r.verify_s * 1e3 for r in steady]),
+                               draft_ms=_median([r.draft_s * 1e3 for r in steady]),
+                               backup_ms=_median([r.backup_s * 1e3 for r in steady]))
+                    parts = row["verify_ms"] + row["draft_ms"] + (row["backup_ms"] or 0.0)
+                    row["round_minus_parts_ms"] = row["round_ms"] - parts
+            res["runs"].append(row)
+            print(json.dumps(row), flush=True)
+            res["total_s"] = time.perf_counter() - t_start
+            Path(args.json).write_text(json.dumps(res, indent=1))  # each row: a time limit keeps them
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# the session: each step a subprocess with a time limit
+# ------------------------------------------------------------------------------------------------
+def _steps(out: Path, smoke: bool, cache: Path):
+    """(name, command, time limit s, the JSON file it writes under `out`) per step."""
+    py, here = sys.executable, str(Path(__file__).resolve())
+    bench = [py, "-m", "ssd_jax.pallas_kernels.bench_gpu"]
+    s = ["--smoke"] if smoke else []
+    env_cmd = [py, "-c", "import jax; print(jax.__version__, jax.devices(), "
+               "jax.devices()[0].device_kind)"]
+    return [
+        ("env", env_cmd, 60, None),
+        ("engine_check", [py, str(ROOT / "benchmarks" / "gpu_engine_check.py"), *s,
+                          "--json", str(out / "engine_check.json")], 150, "engine_check.json"),
+        ("kernels_pair", [*bench, *s, "--shape", "pair", "--no-sweep",
+                          "--json", str(out / "kernels_pair.json")], 90, "kernels_pair.json"),
+        ("pair_cold", [py, here, "pair", *s, "--cache", str(cache),
+                       "--json", str(out / "pair_cold.json")], 240, "pair_cold.json"),
+        ("pair_warm", [py, here, "pair", *s, "--cache", str(cache), "--first-calls-only",
+                       "--json", str(out / "pair_warm.json")], 90, "pair_warm.json"),
+        ("kernels_paper", [*bench, *s, "--json", str(out / "kernels_paper.json")], 150,
+         "kernels_paper.json"),
+        ("host_overhead", [py, str(ROOT / "benchmarks" / "host_overhead.py"), "--batch", "1,16",
+                           "--tokens", "24" if smoke else "64", "--repeats", "3",
+                           "--cprofile", "", "--out", str(out / "host_overhead.json")], 120,
+         "host_overhead.json"),
+    ] + ([] if smoke else [  # the published shapes are too large for a CPU (tests/test_paper_suite
+        # runs --measure on tiny ones)
+        ("projection", [py, str(ROOT / "benchmarks" / "paper_projection.py"), "--acceptance",
+                        "0.86", "--hit-rate", "0.85", "--measure", "--layers", "4",
+                        "--json", str(out / "projection.json")], 150, "projection.json")])
+
+
+def session(args) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    # the steps' own files stay out of `out`, which holds two: a lease returns few files
+    work = Path(args.work or tempfile.mkdtemp(prefix="gpu_session_"))
+    parts, cache = work / "parts", work / "cache"
+    parts.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + args.budget_s
+    report = dict(started=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                  smoke=args.smoke, budget_s=args.budget_s, steps={})
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if not args.smoke:
+        try:
+            report["nvidia_smi"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+                 "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout
+        except (OSError, subprocess.SubprocessError) as e:
+            report["nvidia_smi"] = f"{type(e).__name__}: {e}"
+    only = set(args.only.split(",")) if args.only else None
+    with open(out / "logs.txt", "a") as log:
+        for name, cmd, limit, result in _steps(parts, args.smoke, cache):
+            if only and name not in only:
+                continue
+            left = deadline - time.monotonic()
+            if left < 20:
+                report["steps"][name] = dict(status="skipped: the session's budget ran out")
+                continue
+            limit = min(limit, left)
+            print(f"== {name} (limit {limit:.0f} s)", flush=True)
+            log.write(f"\n== {name}: {' '.join(cmd)}\n")
+            log.flush()
+            t0 = time.monotonic()
+            try:
+                p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   timeout=limit, env=env, cwd=str(ROOT))
+                status, text = ("ok" if p.returncode == 0 else f"exit {p.returncode}"), p.stdout
+            except subprocess.TimeoutExpired as e:
+                text = e.stdout if isinstance(e.stdout, str) else (e.stdout or b"").decode()
+                status = f"timed out after {limit:.0f} s"
+            log.write(text)
+            log.flush()
+            step = dict(status=status, wall_s=round(time.monotonic() - t0, 1),
+                        tail=text.splitlines()[-12:])
+            if result and (parts / result).exists():  # a timed-out step may have left rows
+                step["result"] = json.loads((parts / result).read_text())
+            report["steps"][name] = step
+            print(f"   {status} in {step['wall_s']} s; " + " | ".join(step["tail"][-3:]),
+                  flush=True)
+            (out / "gpu_session.json").write_text(json.dumps(report, indent=1))
+    report["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    (out / "gpu_session.json").write_text(json.dumps(report, indent=1))
+    bad = [n for n, s in report["steps"].items() if s["status"] != "ok"]
+    print("RESULT: " + ("every step ok" if not bad else f"not ok: {', '.join(bad)}"))
+    return 0 if not bad else 1
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["pair"]:
+        return pair(argv[1:])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="folder for gpu_session.json and the logs")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
+    ap.add_argument("--budget-s", type=float, default=480, help="stop starting steps after this")
+    ap.add_argument("--work", default=None,
+                    help="folder for the steps' files and the compile cache (default: a new temp)")
+    ap.add_argument("--only", default=None, help="comma-separated step names")
+    return session(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
