@@ -6,12 +6,12 @@ agrees often but not always) generates greedily on one device (colocated placeme
 
   * AR, SD, SSD on the `xla` backend (the jnp references), SSD on the `pallas` backend (the
     engine's default on a GPU: the tree-attention and gather kernels);
-  * SD and both SSDs must emit plain decoding's tokens (docs/ALGORITHM.md §3 near-tie rule), the
-    two SSDs must see the same cache hits, and the pallas engine must report that no kernel fell
-    back to XLA;
-  * SD and SSD again with `Engine(round_chunks=False)` (their rounds one by one): the same tokens
-    and hits as the default, which on a GPU runs up to 8 rounds a dispatch; the walls side by
-    side say whether that default pays there.
+  * SD and SSD again with `Engine(round_chunks=False)` (their rounds one by one), beside the
+    default, which on a GPU runs up to 8 rounds a dispatch; the walls side by side say whether
+    that default pays there;
+  * every speculative run must emit plain decoding's tokens (docs/ALGORITHM.md §3 near-tie rule),
+    and the pallas engine must hit its cache and report that no kernel fell back to XLA; hits of
+    two different programs are reported side by side, not required equal (`verdicts` says why).
 
 On a CPU (`--smoke`) the kernels run in Pallas interpret mode at a smaller shape. Prints wall times
 (compile excluded) for orientation only; exit status 1 on any mismatch.
@@ -36,6 +36,46 @@ from ssd_jax.models.model import Model  # noqa: E402
 from ssd_jax.models.params import perturb, random_params  # noqa: E402
 from ssd_jax.runtime.engine import Engine, SSDConfig  # noqa: E402
 from ssd_jax.algorithm.near_tie import assert_greedy_agreement  # noqa: E402
+
+
+EXACT = ("sd", "ssd reference", "ssd pallas", "sd rounds", "ssd rounds")
+PAIRS = (("sd", "sd rounds"), ("ssd reference", "ssd rounds"), ("ssd reference", "ssd pallas"))
+
+
+def verdicts(out: dict, prompts, params, cfg) -> tuple[bool, list[str]]:
+    """The check's verdicts on the runs `out` (name -> GenerationResult; "ar" is plain decoding).
+
+    What must hold: every speculative run emits plain decoding's tokens (the near-tie rule), and
+    the pallas engine hit its speculation cache and ran the draft's kernels. What is reported, not
+    required: whether two runs of different programs (rounds one by one against chunks of rounds,
+    pallas against xla) saw the same hits. The draft's own greedy picks are exact only to its
+    program's rounding: on a GPU, where XLA may run float32 matmuls in TF32 and fuses each program
+    its own way, a draft near-tie can go either way and move hits and acceptance, never the
+    target's tokens. The 2026-12-04 H200 run failed a hits-equality check this way (SSD chunked
+    144/190 hits, round by round 145/191, the chunked tokens exact; the round-by-round run was not
+    checked against plain decoding then, it is now): tokens, not hits, are the contract."""
+    ok, lines = True, []
+    for name in EXACT:
+        try:
+            for p, g, w in zip(prompts, out[name].token_ids, out["ar"].token_ids):
+                assert_greedy_agreement(params, cfg, p, g, w)
+            lines.append(f"  {name}: tokens equal plain decoding's (near-tie rule)")
+        except AssertionError as e:
+            lines.append(f"  {name}: MISMATCH with plain decoding: {str(e)[:300]}")
+            ok = False
+    for a, b in PAIRS:
+        ma, mb = out[a].metrics, out[b].metrics
+        same_tokens = out[a].token_ids == out[b].token_ids
+        hits = (f"hits {ma.hits}/{ma.lookups} vs {mb.hits}/{mb.lookups}"
+                if a.startswith("ssd") else f"rounds {ma.rounds} vs {mb.rounds}")
+        lines.append(f"  {a} vs {b}: {'same tokens' if same_tokens else 'tokens differ (each exact)'}"
+                     f", {hits}")
+    ker = out["ssd pallas"].metrics
+    lines.append(f"  pallas engine's backends: {ker.backend}; hits {ker.hits}/{ker.lookups}")
+    if not (ker.backend.get("draft") == "pallas" and ker.hits > 0):
+        lines.append("  pallas engine: the draft's kernels did not run, or no lookup hit")
+        ok = False
+    return ok, lines
 
 
 def main(argv=None) -> int:
@@ -84,26 +124,10 @@ def main(argv=None) -> int:
         extra = f", hits {m.hits}/{m.lookups}" if kw["mode"] == "ssd" else ""
         print(f"  {name:<14s} {sec * 1e3:8.1f} ms, {m.rounds} rounds "
               f"({walls[name]['ms_per_round']:.2f} ms a round){extra}", flush=True)
-    ok = True
-    for name in ("sd", "ssd reference", "ssd pallas"):
-        try:
-            for p, g, w in zip(prompts, out[name].token_ids, out["ar"].token_ids):
-                assert_greedy_agreement(target.params, cfg, p, g, w)
-            print(f"  {name}: tokens equal plain decoding's (near-tie rule)")
-        except AssertionError as e:
-            print(f"  {name}: MISMATCH with plain decoding: {str(e)[:300]}")
-            ok = False
-    for a, b in (("sd", "sd rounds"), ("ssd reference", "ssd rounds")):
-        same = (out[a].token_ids == out[b].token_ids and out[a].metrics.hits == out[b].metrics.hits)
-        print(f"  {a} vs {b}: {'same tokens and hits' if same else 'DIFFERENT'}")
-        ok &= same
-    ref, ker = out["ssd reference"], out["ssd pallas"]
-    same = ref.token_ids == ker.token_ids and ref.metrics.hits == ker.metrics.hits
-    print(f"  pallas vs reference SSD: {'same tokens and hits' if same else 'DIFFERENT'}")
-    ok &= same and ker.metrics.hits > 0
-    backend = ker.metrics.backend
-    print(f"  pallas engine's backends: {backend}")
-    ok &= backend.get("draft") == "pallas"
+    ok, lines = verdicts(out, prompts, target.params, cfg)
+    for line in lines:
+        print(line)
+    backend = out["ssd pallas"].metrics.backend
     print("RESULT: " + ("ok" if ok else "FAIL"))
     if args.json:
         with open(args.json, "w") as f:

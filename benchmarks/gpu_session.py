@@ -1,32 +1,40 @@
 """One GPU session: every GPU check and measurement the project has, in one command that fits a
 short lease, each step in a process of its own under a time limit, one JSON at the end.
 
-    python benchmarks/gpu_session.py --out $OUT                       # on the GPU machine (~8 min)
+    python benchmarks/gpu_session.py --out $OUT                       # on the GPU machine (all: ~15 min)
     JAX_PLATFORMS=cpu python benchmarks/gpu_session.py --smoke --out /tmp/s   # here, end to end
 
-Steps, in order of what matters most if the lease runs out (each one's stdout goes to
-`<out>/logs.txt`, its figures into `<out>/gpu_session.json`, rewritten after every step):
+Steps, in order (each one's stdout goes to `<out>/logs.txt`, its figures into
+`<out>/gpu_session.json`, rewritten after every step; `--only a,b` runs some, and the session
+stops starting steps at `--budget-s`). The whole list takes ~15 minutes on an H200, more than a
+lease's run: the first lease (2026-12-04, benchmarks/README.md "On one H200") ran the first five
+of the old order; the next should run `--only step,pair_b16,kernels_paper,host_overhead,
+projection,engine_check`.
 
-1. `env`: the device, jax's version, nvidia-smi's line.
+1. `env`: the device and jax's version (and nvidia-smi's line, in the JSON).
 2. `engine_check`: benchmarks/gpu_engine_check.py: AR, SD, SSD on the xla and pallas backends
-   emit plain decoding's tokens, no kernel falls back, chunked rounds equal round-by-round.
-3. `kernels_pair` / `kernels_paper`: pallas_kernels/bench_gpu.py at the default pair's draft shape
-   (batch 16) and at the paper's shape: max error against the jnp reference, time per call,
-   bytes/s against the HBM roofline, against XLA's forms.
-4. `pair_cold` then `pair_warm`: the engine on random weights of the default pair's shapes
-   (Qwen2.5-Coder-1.5B target, 0.5B draft), bf16, colocated on the one device, batch 1 and 16:
+   emit plain decoding's tokens, no kernel falls back; chunked rounds beside round by round.
+3. `step`: one bare jitted decode step of each of the pair's shapes (see `step`): its time with
+   the host fetching each token, inside one device loop, against its weights' bytes at HBM
+   bandwidth, and the fusions and custom calls it compiles to.
+4. `pair_b1_cold`, `pair_b1_warm`, `pair_b16`: the engine on random weights of the default
+   pair's shapes (Qwen2.5-Coder-1.5B target, 0.5B draft), bf16, colocated on the one device:
    AR / SD / SSD tokens/s; per round the verify alone and the draft alone (`timeline=True`, the
    host loop that times each) against the engine's whole round (the default device loop: its wall
-   / rounds), whose difference is what the host adds; and each mode's first call (trace, compile,
-   run). `pair_cold` starts with an empty persistent cache and step store, `pair_warm` is a second
-   process that finds them filled: its first calls are what a second start costs.
-5. `host_overhead`: benchmarks/host_overhead.py on tiny models: Python calls and device->host
+   / rounds); each mode's first call (trace, compile, run). `pair_b1_cold` starts with an empty
+   persistent cache and step store, `pair_b1_warm` is a second process that finds them filled.
+5. `kernels_pair` / `kernels_paper`: pallas_kernels/bench_gpu.py at the default pair's draft
+   shape (batch 16) and at the paper's shape: max error against the jnp reference, time per call,
+   bytes/s against the HBM roofline, against XLA's forms.
+6. `host_overhead`: benchmarks/host_overhead.py on tiny models: Python calls and device->host
    syncs per round and host ms per round on this device.
-6. `projection`: benchmarks/paper_projection.py --measure: the published pairs cut to 4 layers.
+7. `projection`: benchmarks/paper_projection.py --measure: the published pairs cut to 4 layers.
 
-Random weights make every time real and every acceptance meaningless (a random draft agrees with
-a random target by chance only): tokens/s here is the engine's speed at that acceptance, not the
-pair's. `pair` is also a subcommand (one process: `gpu_session.py pair --batch 1 16`).
+Random weights make every time real and the acceptance an artefact: random tied-embedding models
+tend to repeat their last token, so the draft and the target agree on almost every token (the
+engine's best case at K 4); tokens/s here is the engine's speed at that acceptance, not the pair's.
+`pair` and `step` are subcommands too
+(one process each: `gpu_session.py pair --batch 1 16 --json f`).
 """
 from __future__ import annotations
 
@@ -142,6 +150,91 @@ def pair(argv) -> int:
 
 
 # ------------------------------------------------------------------------------------------------
+# step: one bare decode step of each model, against its weights' bytes (one process)
+# ------------------------------------------------------------------------------------------------
+def step(argv) -> int:
+    """A jitted one-token decode step (`forward`, greedy argmax, the cache donated) of the pair's
+    shapes at a 512-token context: per step when the host dispatches and fetches each token (as
+    a plain decode loop does), and inside one `lax.fori_loop` (the device's time alone), against
+    the weights' bytes at HBM bandwidth; and how many fusions and custom calls XLA's optimized
+    program holds (~ the kernels a step launches). The engine's AR round on the same shapes,
+    over this step, is what the engine adds."""
+    ap = argparse.ArgumentParser(prog="gpu_session.py step")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--iters", type=int, default=64)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--json", required=True)
+    args = ap.parse_args(argv)
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+
+    from ssd_jax.models.config import tiny_config
+    from ssd_jax.models.kv_cache import init_cache
+    from ssd_jax.models.params import init_params, param_bytes
+    from ssd_jax.models.transformer import forward
+
+    context, window = (16, 64) if args.smoke else (512, 1024)
+    shapes = (("target", SMOKE_T), ("draft", SMOKE_D)) if args.smoke else (
+        ("target", TARGET_1_5B), ("draft", DRAFT_0_5B))
+    res = dict(device=str(jax.devices()[0]), jax=jax.__version__, context=context, window=window,
+               iters=args.iters, hbm_bytes_per_s=4.8e12, runs=[])
+    for name, shape in shapes:
+        cfg = tiny_config("qwen2", rope_theta=1e6, max_position_embeddings=window,
+                          dtype="float32" if args.smoke else "bfloat16", **shape)
+        params = init_params(cfg, jax.random.key(0))
+        wbytes = param_bytes(params)
+
+        def decode(p, tok, cache):
+            logits, cache = forward(p, cfg, tok, cache, last_only=True, window=window)
+            return jnp.argmax(logits, -1).astype(jnp.int32)[:, None], cache
+
+        def device_loop(p, tok, cache):
+            return lax.fori_loop(0, args.iters, lambda i, c: decode(p, *c), (tok, cache))
+
+        one = jax.jit(decode, donate_argnums=2)
+        loop = jax.jit(device_loop, donate_argnums=2)
+        for b in args.batch:
+            def fresh():
+                c = init_cache(cfg, b, window)
+                keys = jax.random.split(jax.random.key(b), 2 * len(c.k))
+                rnd = [jax.random.normal(k, x.shape, jnp.float32).astype(x.dtype)
+                       for k, x in zip(keys, c.k + c.v)]
+                return c.replace(k=tuple(rnd[:len(c.k)]), v=tuple(rnd[len(c.k):]),
+                                 lengths=jnp.full((b,), context, jnp.int32))
+            tok = jnp.ones((b, 1), jnp.int32)
+            hlo = one.lower(params, tok, fresh()).compile().as_text()
+            kernels = dict(fusions=len(re.findall(r"= \S+ fusion\(", hlo)),
+                           custom_calls=len(re.findall(r"custom-call\(", hlo)))
+            cache = fresh()
+            tok, cache = one(params, tok, cache)
+            np.asarray(tok)
+            t0 = time.perf_counter()
+            for _ in range(args.iters):
+                tok, cache = one(params, tok, cache)
+                np.asarray(tok)  # the host learns each token, as a plain decode loop does
+            host_ms = (time.perf_counter() - t0) / args.iters * 1e3
+            jax.block_until_ready(loop(params, tok, fresh()))
+            best = float("inf")
+            for _ in range(3):
+                c = fresh()
+                jax.block_until_ready(c)
+                t0 = time.perf_counter()
+                jax.block_until_ready(loop(params, tok, c))
+                best = min(best, time.perf_counter() - t0)
+            row = dict(model=name, batch=b, weight_bytes=wbytes, host_loop_ms=host_ms,
+                       device_loop_ms=best / args.iters * 1e3,
+                       roofline_ms=wbytes / res["hbm_bytes_per_s"] * 1e3, **kernels)
+            res["runs"].append(row)
+            print(json.dumps(row), flush=True)
+            Path(args.json).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
 # the session: each step a subprocess with a time limit
 # ------------------------------------------------------------------------------------------------
 def _steps(out: Path, smoke: bool, cache: Path):
@@ -155,12 +248,16 @@ def _steps(out: Path, smoke: bool, cache: Path):
         ("env", env_cmd, 60, None),
         ("engine_check", [py, str(ROOT / "benchmarks" / "gpu_engine_check.py"), *s,
                           "--json", str(out / "engine_check.json")], 150, "engine_check.json"),
+        ("step", [py, here, "step", *s, "--json", str(out / "step.json")], 150, "step.json"),
+        ("pair_b1_cold", [py, here, "pair", *s, "--batch", "1", "--cache", str(cache),
+                          "--json", str(out / "pair_b1_cold.json")], 240, "pair_b1_cold.json"),
+        ("pair_b1_warm", [py, here, "pair", *s, "--batch", "1", "--cache", str(cache),
+                          "--first-calls-only", "--json", str(out / "pair_b1_warm.json")], 90,
+         "pair_b1_warm.json"),
+        ("pair_b16", [py, here, "pair", *s, "--batch", "16", "--cache", str(cache),
+                      "--json", str(out / "pair_b16.json")], 240, "pair_b16.json"),
         ("kernels_pair", [*bench, *s, "--shape", "pair", "--no-sweep",
                           "--json", str(out / "kernels_pair.json")], 90, "kernels_pair.json"),
-        ("pair_cold", [py, here, "pair", *s, "--cache", str(cache),
-                       "--json", str(out / "pair_cold.json")], 240, "pair_cold.json"),
-        ("pair_warm", [py, here, "pair", *s, "--cache", str(cache), "--first-calls-only",
-                       "--json", str(out / "pair_warm.json")], 90, "pair_warm.json"),
         ("kernels_paper", [*bench, *s, "--json", str(out / "kernels_paper.json")], 150,
          "kernels_paper.json"),
         ("host_overhead", [py, str(ROOT / "benchmarks" / "host_overhead.py"), "--batch", "1,16",
@@ -234,6 +331,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["pair"]:
         return pair(argv[1:])
+    if argv[:1] == ["step"]:
+        return step(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="folder for gpu_session.json and the logs")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (CPU)")
