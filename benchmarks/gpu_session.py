@@ -8,15 +8,17 @@ Steps, in order (each one's stdout goes to `<out>/logs.txt`, its figures into
 `<out>/gpu_session.json`, rewritten after every step; `--only a,b` runs some, and the session
 stops starting steps at `--budget-s`). The whole list takes ~15 minutes on an H200, more than a
 lease's run: the first lease (2026-12-04, benchmarks/README.md "On one H200") ran the first five
-of the old order; the next should run `--only step,pair_b16,kernels_paper,host_overhead,
-projection,engine_check`.
+of the old order; the next should run `--only step,step_graphs,pair_b16,kernels_paper,
+host_overhead,projection,engine_check`.
 
 1. `env`: the device and jax's version (and nvidia-smi's line, in the JSON).
 2. `engine_check`: benchmarks/gpu_engine_check.py: AR, SD, SSD on the xla and pallas backends
    emit plain decoding's tokens, no kernel falls back; chunked rounds beside round by round.
 3. `step`: one bare jitted decode step of each of the pair's shapes (see `step`): its time with
    the host fetching each token, inside one device loop, against its weights' bytes at HBM
-   bandwidth, and the fusions and custom calls it compiles to.
+   bandwidth, and the fusions and custom calls it compiles to; `step_graphs` again with XLA's
+   command buffers (CUDA graphs) over every thunk kind (smoke: the flags are GPU-only, so the
+   step is dropped on a CPU).
 4. `pair_b1_cold`, `pair_b1_warm`, `pair_b16`: the engine on random weights of the default
    pair's shapes (Qwen2.5-Coder-1.5B target, 0.5B draft), bf16, colocated on the one device:
    AR / SD / SSD tokens/s; per round the verify alone and the draft alone (`timeline=True`, the
@@ -238,17 +240,24 @@ def step(argv) -> int:
 # the session: each step a subprocess with a time limit
 # ------------------------------------------------------------------------------------------------
 def _steps(out: Path, smoke: bool, cache: Path):
-    """(name, command, time limit s, the JSON file it writes under `out`) per step."""
+    """(name, command, time limit s, the JSON file it writes under `out`[, extra environment])
+    per step."""
     py, here = sys.executable, str(Path(__file__).resolve())
     bench = [py, "-m", "ssd_jax.pallas_kernels.bench_gpu"]
     s = ["--smoke"] if smoke else []
     env_cmd = [py, "-c", "import jax; print(jax.__version__, jax.devices(), "
                "jax.devices()[0].device_kind)"]
-    return [
+    steps = [
         ("env", env_cmd, 60, None),
         ("engine_check", [py, str(ROOT / "benchmarks" / "gpu_engine_check.py"), *s,
                           "--json", str(out / "engine_check.json")], 150, "engine_check.json"),
         ("step", [py, here, "step", *s, "--json", str(out / "step.json")], 150, "step.json"),
+        # the same steps with XLA's command buffers (CUDA graphs) over every kind of thunk,
+        # loops and conditionals included: if `step` is launch-bound, this is the first lever
+        ("step_graphs", [py, here, "step", *s, "--json", str(out / "step_graphs.json")], 150,
+         "step_graphs.json", {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,"
+                              "CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL "
+                              "--xla_gpu_graph_min_graph_size=1"}),
         ("pair_b1_cold", [py, here, "pair", *s, "--batch", "1", "--cache", str(cache),
                           "--json", str(out / "pair_b1_cold.json")], 240, "pair_b1_cold.json"),
         ("pair_b1_warm", [py, here, "pair", *s, "--batch", "1", "--cache", str(cache),
@@ -264,11 +273,13 @@ def _steps(out: Path, smoke: bool, cache: Path):
                            "--tokens", "24" if smoke else "64", "--repeats", "3",
                            "--cprofile", "", "--out", str(out / "host_overhead.json")], 120,
          "host_overhead.json"),
-    ] + ([] if smoke else [  # the published shapes are too large for a CPU (tests/test_paper_suite
-        # runs --measure on tiny ones)
         ("projection", [py, str(ROOT / "benchmarks" / "paper_projection.py"), "--acceptance",
                         "0.86", "--hit-rate", "0.85", "--measure", "--layers", "4",
-                        "--json", str(out / "projection.json")], 150, "projection.json")])
+                        "--json", str(out / "projection.json")], 150, "projection.json"),
+    ]
+    # on a CPU: the command-buffer flags are the GPU's, and the published shapes are too large
+    # (tests/test_paper_suite runs --measure on tiny ones)
+    return [st for st in steps if not (smoke and st[0] in ("step_graphs", "projection"))]
 
 
 def session(args) -> int:
@@ -291,7 +302,7 @@ def session(args) -> int:
             report["nvidia_smi"] = f"{type(e).__name__}: {e}"
     only = set(args.only.split(",")) if args.only else None
     with open(out / "logs.txt", "a") as log:
-        for name, cmd, limit, result in _steps(parts, args.smoke, cache):
+        for name, cmd, limit, result, *extra in _steps(parts, args.smoke, cache):
             if only and name not in only:
                 continue
             left = deadline - time.monotonic()
@@ -300,12 +311,13 @@ def session(args) -> int:
                 continue
             limit = min(limit, left)
             print(f"== {name} (limit {limit:.0f} s)", flush=True)
-            log.write(f"\n== {name}: {' '.join(cmd)}\n")
+            log.write(f"\n== {name}: {' '.join(cmd)}{f' with {extra[0]}' if extra else ''}\n")
             log.flush()
             t0 = time.monotonic()
             try:
                 p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   timeout=limit, env=env, cwd=str(ROOT))
+                                   timeout=limit, env=dict(env, **(extra[0] if extra else {})),
+                                   cwd=str(ROOT))
                 status, text = ("ok" if p.returncode == 0 else f"exit {p.returncode}"), p.stdout
             except subprocess.TimeoutExpired as e:
                 text = e.stdout if isinstance(e.stdout, str) else (e.stdout or b"").decode()

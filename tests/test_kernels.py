@@ -386,3 +386,27 @@ def test_bench_script_exits_nonzero_on_mismatch(monkeypatch):
     wrong = lambda *a, **kw: tree_attention_reference(*a) * 1.01  # noqa: E731
     monkeypatch.setattr(bench_gpu, "tree_attention", wrong)
     assert bench_gpu.main(["--smoke", "--check-only"]) == 1
+
+
+def test_bench_loops_keep_every_unrolled_iteration():
+    """The timed loop runs `unroll` bodies a trip; each must read the previous result, or XLA
+    drops all but the last (their results are dead) and a call's time comes out `unroll` times
+    too small, as it did on the first H200 run (a gather "faster" than HBM). Counted in the
+    compiled program: 8 unrolled bodies hold 8 times one body's matmuls / row takes."""
+    from ssd_jax.pallas_kernels import bench_gpu as bg
+    from ssd_jax.pallas_kernels.tree_attention import tree_attention_xla
+
+    cfg = bg.SMOKE
+    t, g = bg.tree_inputs(cfg, jnp.float32), bg.gather_inputs(cfg, jnp.float32)
+    init_g = cache_gather_reference(g["keys"], g["valid"], g["tokens"], g["rows"], g["keys"][:, 0])
+
+    def count(body, init, data, pattern, unroll):
+        hlo = bg.timed_loop(body, 16, unroll).lower(init, data).compile().as_text()
+        return len(re.findall(pattern, hlo))
+
+    tree = bg.tree_body(tree_attention_xla, cfg["K"])
+    one = count(tree, jnp.zeros_like(t["q"]), t, r" dot\(", 1)
+    assert one > 0 and count(tree, jnp.zeros_like(t["q"]), t, r" dot\(", 8) == 8 * one
+    gather = bg.gather_body(cache_gather_reference)
+    # each body takes one sequence's tokens and rows: two gathers a body that must survive
+    assert count(gather, init_g, g, r" gather\(", 8) >= 8 * 2
