@@ -11,9 +11,13 @@ tests/test_engine_exactness.py (`_engine_stats.min_expected`). Power is
 trials, the minimum over alternative seeds 0-2), in two columns per total-variation distance:
 "concentrated", the minimum over the three alternatives that move mass between a few cells
 (likely -> likely, likely -> unlikely, unlikely -> likely), and "spread", every cell moved by a
-few % of itself, the hardest for chi-square. These cases are about coverage (each path runs and
-is exact); the n that takes the spread alternative to 0.95 at TV 0.01 (100k-175k a case,
-test_engine_exactness.py) would triple this module's time, and CI has no room for it. Time is CPU
+few % of itself, the hardest for chi-square. Most cases here are about coverage (each path runs
+and is exact); the n that takes the spread alternative to 0.95 at TV 0.01 (100k-175k a case,
+test_engine_exactness.py) would triple this module's time, and CI has no room for it. Every case
+is registered in `_engine_stats.STAT_CASES` (its n, window and prompt come from there), so
+test_engine_exactness.py's power test enforces power >= 0.95 at each case's registered TV (0.01
+for AR, 0.02 or 0.03 for the others, the registry saying why) and docs/ALGORITHM.md's coverage
+table lists it. Time is CPU
 seconds of the case measured in module order (later cases reuse compiles of earlier ones with the
 same static shapes) on the shared 2-core machine under a load of ~8 from other jobs: 609 s in all
 (wall 1117 s there), before the AR case went from 100k to 175k requests.
@@ -41,6 +45,10 @@ windows), fan-out (2, 1, 1), neural backup.
   [50,000; 1.00 / 0.18, 1.00 / 0.995; 34].
 - ssd_quantized_draft_at_temperature[int8 / int4]: an int8 / int4 draft (models.quant)
   [50,000 each; 1.00 / 0.18, 1.00 / 0.995; 51 / 42].
+- ssd_int8_target: an int8 target, its exact distribution enumerated from its own forward (TV
+  0.011 from the float32 target's) [50,000; 0.17 at TV 0.01, 0.9975 at 0.02 (the minimum over
+  every alternative); 30 alone]. A bf16 target has no exact reference
+  (`_engine_stats.UNCOVERED_PATHS`).
 - ssd_mixed_prompt_lengths_stopping_at_eos: prompts of lengths 1, 3 and 5 in one batch, EOS ending
   rows at the prefill and in rounds 1, 2 and 3; each length against its own exact window
   distribution truncated at EOS (121 possible) [24,000 per length; 0.73 / 0.14, 1.00 / 0.94
@@ -74,17 +82,13 @@ from ssd_jax.algorithm.sampling import SamplingParams
 from ssd_jax.models.quant import Int4Weight, Int8Weight, quantize_model
 from ssd_jax.runtime.engine import Engine, SSDConfig
 from ssd_jax.runtime.placement import make_placement
-from ssd_jax.testing import distribution_test, window_counts
 
-from _engine_stats import (K, PROMPT, T10, V, WINDOW, check_windows, exact, make_pair, min_expected,
+from _engine_stats import (EOS, EOS_PAD, EOS_PROMPTS, K, STAT_CASES, V, WINDOW, case_exact,
+                           check_windows, exact, make_pair, target_model, truncated_at_eos,
                            verdict)
 
 pytestmark = pytest.mark.slow
 
-T08 = SamplingParams(temperature=0.8)
-TOP_K3 = SamplingParams(temperature=0.9, top_k=3)
-TOP_P = SamplingParams(temperature=1.5, top_p=0.9)
-TOP_K2 = SamplingParams(temperature=1.0, top_k=2)  # support 2 per step: long windows keep few cells
 F211 = SSDConfig(fanout=(2, 1, 1))
 
 
@@ -115,10 +119,14 @@ def _engine(pair, **kw) -> Engine:
     return Engine(*pair, max_len=16, compilation_cache=False, **kw)
 
 
-def _sample(eng: Engine, mode: str, sampling, *, n: int, chunk: int, window: int, k: int = K,
-            prompts=(tuple(PROMPT),), **kw) -> Run:
-    """n requests through `eng` in generate calls of `chunk` rows; row i of a call gets
-    prompts[i % len(prompts)] and request id (call * chunk + i); max_new_tokens = window."""
+def _sample(eng: Engine, mode: str, case: str, *, chunk: int, k: int = K, n: int | None = None,
+            prompts=None, **kw) -> Run:
+    """Registered case `case`'s n requests (its sampling and window) through `eng` in generate
+    calls of `chunk` rows; row i of a call gets prompts[i % len(prompts)] (default: the case's
+    prompt) and request id (call * chunk + i); max_new_tokens = the window."""
+    c = STAT_CASES[case]
+    sampling, window, n = c.sampling, c.window, n or c.n
+    prompts = prompts or (c.prompt,)
     tokens, finish, pidx, calls, metrics = [], [], [], [], []
     rows = [list(prompts[i % len(prompts)]) for i in range(chunk)]
     for c in range(n // chunk):
@@ -134,8 +142,8 @@ def _sample(eng: Engine, mode: str, sampling, *, n: int, chunk: int, window: int
     return Run(tokens, finish, np.asarray(pidx), calls, metrics)
 
 
-def _check(toks: np.ndarray, sampling, window: int, prompt=tuple(PROMPT)):
-    res = check_windows(toks, sampling, window=window, prompt=prompt)
+def _check(run: Run, case: str):
+    res = check_windows(run.windows(STAT_CASES[case].window), case)
     assert res.passed, str(res)
     return res
 
@@ -169,25 +177,24 @@ def verified_rows(monkeypatch):
 # ---------------------------------------------------------------------------------- AR
 def test_ar_sampling_at_temperature(pair):
     # prefill's first token and every decode step are sampled at T = 0.8
-    res, metrics = verdict(pair, "ar", T08, n=175_000)
+    res, metrics = verdict(pair, "ar", "ar-t0.8")
     assert res.passed, str(res)
     for m in metrics:
         assert m.mode == "ar" and m.rounds == WINDOW - 1 and m.accept_hist == []
 
 
 # ---------------------------------------------------------------------------------- SSD sampling
-@pytest.mark.parametrize("sampling", [TOP_K3, TOP_P], ids=["topk3-t0.9", "topp0.9-t1.5"])
-def test_ssd_top_k_and_top_p(pair, sampling):
-    ex = exact(sampling)
-    assert np.any(ex == 0), "the cut must remove windows, or it tests nothing"
-    res, metrics = verdict(pair, "ssd", sampling, n=50_000, ssd=F211)
+@pytest.mark.parametrize("case", ["ssd-topk3-t0.9", "ssd-topp0.9-t1.5"])
+def test_ssd_top_k_and_top_p(pair, case):
+    assert np.any(case_exact(case) == 0), "the cut must remove windows, or it tests nothing"
+    res, metrics = verdict(pair, "ssd", case, ssd=F211)
     assert res.passed, str(res)
     _assert_ssd_ran(metrics)
 
 
 def test_ssd_draft_sampling_differs_from_the_target(pair, verified_rows):
     draft = SamplingParams(temperature=0.5, top_k=2)
-    res, metrics = verdict(pair, "ssd", T10, n=50_000, ssd=F211, draft_sampling=draft)
+    res, metrics = verdict(pair, "ssd", "ssd-draft-sampling", ssd=F211, draft_sampling=draft)
     assert res.passed, str(res)
     _assert_ssd_ran(metrics)
     # every proposal row verified (tree and neural backup) is the draft's top-2 row, not a T=1 row
@@ -202,8 +209,8 @@ def test_ssd_fanout_backup_differs_from_fanout(pair):
     # one token (under the after-hit list it would hit those that accepted none).
     ssd = SSDConfig(fanout=(3, 0, 1), fanout_backup=(0, 3, 1), saguaro_c=0.5)
     eng = _engine(pair)
-    run = _sample(eng, "ssd", T10, n=50_000, chunk=25_000, window=WINDOW, ssd=ssd)
-    _check(run.windows(WINDOW), T10, WINDOW)
+    run = _sample(eng, "ssd", "ssd-fanout-backup", chunk=25_000, ssd=ssd)
+    _check(run, "ssd-fanout-backup")
     _assert_ssd_ran(run.metrics)
     chunk = 25_000
     for c, m in enumerate(run.metrics):
@@ -242,10 +249,10 @@ def test_ssd_auto_backup_switching_both_ways(pair, monkeypatch):
     monkeypatch.setattr(engine_module, "BackupChooser", _Alternating)
     _Alternating.served = []
     eng = _engine(pair)
-    window, k, chunk = 6, 1, 25_000
-    run = _sample(eng, "ssd", TOP_K2, n=50_000, chunk=chunk, window=window, k=k,
+    k, chunk = 1, 25_000
+    run = _sample(eng, "ssd", "ssd-auto-backup", chunk=chunk, k=k,
                   ssd=SSDConfig(fanout=(1, 2), backup="auto"))
-    _check(run.windows(window), TOP_K2, window)
+    _check(run, "ssd-auto-backup")
     _assert_ssd_ran(run.metrics, k)
     for m in run.metrics:
         assert m.backups.get("neural", 0) > 0 and m.backups.get("random", 0) > 0, m.backups
@@ -256,7 +263,7 @@ def test_ssd_auto_backup_switching_both_ways(pair, monkeypatch):
 
 
 def test_ssd_bfloat16_proposal_rows(pair, verified_rows):
-    res, metrics = verdict(pair, "ssd", T10, n=50_000,
+    res, metrics = verdict(pair, "ssd", "ssd-bf16-rows",
                            ssd=SSDConfig(fanout=(2, 1, 1), row_dtype="bfloat16"))
     assert res.passed, str(res)
     _assert_ssd_ran(metrics)
@@ -268,58 +275,53 @@ def test_ssd_quantized_draft_at_temperature(pair, mode, weight):
     target, draft = pair
     qdraft = quantize_model(draft, mode)
     assert isinstance(qdraft.params.layers[0].wqkv, weight), type(qdraft.params.layers[0].wqkv)
-    res, metrics = verdict((target, qdraft), "ssd", T10, n=50_000, ssd=F211)
+    res, metrics = verdict((target, qdraft), "ssd", f"ssd-{mode}-draft", ssd=F211)
+    assert res.passed, str(res)
+    _assert_ssd_ran(metrics)
+
+
+def test_ssd_int8_target(pair):
+    # The output must be the distribution of the target that runs, int8 weights and all: the
+    # case's exact distribution is enumerated from that model's own forward, and differs from
+    # the float32 target's (so a path that silently ran the f32 weights could fail it). A bf16
+    # target has no exact reference (_engine_stats.UNCOVERED_PATHS says why).
+    case = "ssd-int8-target"
+    target = target_model(STAT_CASES[case].target)
+    assert isinstance(target.params.layers[0].wqkv, Int8Weight)
+    assert np.abs(case_exact(case) - exact(STAT_CASES[case].sampling)).sum() / 2 > 0.005  # 0.011
+    res, metrics = verdict((target, pair[1]), "ssd", case, ssd=F211)
     assert res.passed, str(res)
     _assert_ssd_ran(metrics)
 
 
 # ---------------------------------------------------------------------------------- EOS
-EOS = 2
-PAD = V  # the symbol of every position after the first EOS
-EOS_PROMPTS = ((2,), (1, 3, 0), (0, 2, 1, 3, 1))  # lengths 1, 3, 5 (EOS in a prompt stops nothing)
-
-
-def truncated_at_eos(probs: np.ndarray, window: int, eos: int = EOS) -> np.ndarray:
-    """The exact [V ** window] window distribution pushed through "everything after the first
-    EOS becomes PAD": [(V + 1) ** window] over base-(V + 1) cells (first token most significant).
-    Sums exactly: the tokens after EOS are summed out of the plain-sampling distribution."""
-    cells = np.arange(V ** window)
-    digits = np.stack([(cells // V ** (window - 1 - j)) % V for j in range(window)], 1)
-    done = np.zeros(len(cells), bool)
-    idx = np.zeros(len(cells), np.int64)
-    for j in range(window):
-        idx = idx * (V + 1) + np.where(done, PAD, digits[:, j])
-        done |= digits[:, j] == eos
-    return np.bincount(idx, weights=probs, minlength=(V + 1) ** window)
-
-
 def test_truncated_at_eos_maps_windows():
     probs = np.zeros(V ** 3)
     probs[[0 * 16 + 2 * 4 + 1, 2 * 16 + 1 * 4 + 3, 1 * 16 + 3 * 4 + 0]] = [0.5, 0.3, 0.2]
     t = truncated_at_eos(probs, 3)
     base = V + 1
-    assert t[0 * base ** 2 + 2 * base + PAD] == 0.5  # 0 2 1 -> 0 2 PAD
-    assert t[2 * base ** 2 + PAD * base + PAD] == 0.3  # 2 1 3 -> 2 PAD PAD
+    assert t[0 * base ** 2 + 2 * base + EOS_PAD] == 0.5  # 0 2 1 -> 0 2 EOS_PAD
+    assert t[2 * base ** 2 + EOS_PAD * base + EOS_PAD] == 0.3  # 2 1 3 -> 2 EOS_PAD EOS_PAD
     assert t[1 * base ** 2 + 3 * base + 0] == 0.2  # no EOS: unchanged
     assert t.sum() == 1.0 and np.count_nonzero(t) == 3
 
 
 def test_ssd_mixed_prompt_lengths_stopping_at_eos(pair):
-    window, chunk = WINDOW, 24_000
+    cases = [f"ssd-eos-prompt{len(p)}" for p in EOS_PROMPTS]
+    window, chunk = STAT_CASES[cases[0]].window, 24_000
     eng = _engine(pair)
-    run = _sample(eng, "ssd", T10, n=72_000, chunk=chunk, window=window, prompts=EOS_PROMPTS,
-                  ssd=F211, eos_ids=(EOS,))
+    run = _sample(eng, "ssd", cases[0], n=sum(STAT_CASES[c].n for c in cases), chunk=chunk,
+                  prompts=EOS_PROMPTS, ssd=F211, eos_ids=(EOS,))
     _assert_ssd_ran(run.metrics)
-    padded = np.full((len(run.tokens), window), PAD, np.int64)
+    padded = np.full((len(run.tokens), window), EOS_PAD, np.int64)
     for i, t in enumerate(run.tokens):
         assert len(t) == window or (run.finish[i] == "eos" and t[-1] == EOS), (t, run.finish[i])
         assert EOS not in t[:-1]
         padded[i, :len(t)] = t
-    for g, prompt in enumerate(EOS_PROMPTS):
+    for g, (prompt, case) in enumerate(zip(EOS_PROMPTS, cases)):
+        assert STAT_CASES[case].prompt == prompt
         rows = run.prompt_index == g
-        res = distribution_test(window_counts(padded[rows], V + 1),
-                                truncated_at_eos(exact(T10, window, prompt), window),
-                                min_expected=min_expected(int(rows.sum())))
+        res = check_windows(padded[rows], case)
         assert res.passed, f"prompt {prompt}: {res}"
         # rows of this prompt length stopped at EOS at the prefill and in rounds 1, 2 and 3
         stop_rounds = {len(run.calls[i]) - 1 for i in np.flatnonzero(rows) if run.finish[i] == "eos"}
@@ -331,10 +333,9 @@ def test_ssd_pallas_kernels_interpret_mode(pair):
     # K = 2, window 5: every window holds a round-2 token, whose speculation is the Pallas
     # cache_gather's lookup in the tree the Pallas tree_attention drafted (or a backup). The
     # interpreter is slow and superlinear in the batch (64 rows per call is the fastest per row).
-    window = 5
     eng = _engine(pair, backend="pallas")
-    run = _sample(eng, "ssd", TOP_K2, n=24_000, chunk=64, window=window, ssd=F211)
-    _check(run.windows(window), TOP_K2, window)
+    run = _sample(eng, "ssd", "ssd-pallas-interpret", chunk=64, ssd=F211)
+    _check(run, "ssd-pallas-interpret")
     _assert_ssd_ran(run.metrics)
     assert all(m.backend == {"target": "pallas", "draft": "pallas"} for m in run.metrics), \
         run.metrics[0].backend  # no kernel fell back to its XLA reference
@@ -346,8 +347,8 @@ def test_ssd_tensor_parallel_target_data_parallel_draft(pair):
     placement = make_placement("colocated", target_devices=2, draft_devices=2)
     eng = _engine(pair, placement=placement)
     assert eng.placement.tp == 2 and eng.placement.dp == 2
-    run = _sample(eng, "ssd", T10, n=50_000, chunk=25_000, window=WINDOW, ssd=F211)
-    _check(run.windows(WINDOW), T10, WINDOW)
+    run = _sample(eng, "ssd", "ssd-tp-target-dp-draft", chunk=25_000, ssd=F211)
+    _check(run, "ssd-tp-target-dp-draft")
     _assert_ssd_ran(run.metrics)
     assert str(eng.tcache.k[0].sharding.spec) == "P(None, None, 'model')"
     assert str(eng.tparams.layers[0].wqkv.sharding.spec) == "P(None, 'model')"
@@ -359,10 +360,9 @@ def test_ssd_tensor_parallel_target_data_parallel_draft(pair):
 def test_ssd_long_horizon_crosses_three_round_boundaries(pair):
     # K = 1: a round emits at most 2 tokens, so token 6 comes from round 3 or later: every window
     # spans the prefill and >= 3 rounds (>= 3 round boundaries)
-    window, k = 6, 1
+    k = 1
     eng = _engine(pair)
-    run = _sample(eng, "ssd", TOP_K2, n=100_000, chunk=25_000, window=window, k=k,
-                  ssd=SSDConfig(fanout=(1, 2)))
-    _check(run.windows(window), TOP_K2, window)
+    run = _sample(eng, "ssd", "ssd-long-horizon", chunk=25_000, k=k, ssd=SSDConfig(fanout=(1, 2)))
+    _check(run, "ssd-long-horizon")
     _assert_ssd_ran(run.metrics, k)
     assert min(len(log) for log in run.calls) >= 4  # prefill + >= 3 rounds per request
