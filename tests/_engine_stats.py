@@ -237,6 +237,9 @@ DETERMINISTIC_CHECKS: dict[str, str] = {
      "random and n-gram backups, int8 / int4 drafts, a cut draft head, SD's draft sampling, "
      "prompt lookup): each speculated token drawn from the rows the verifier gets"):
         f"{_E}::test_every_speculated_token_is_drawn_from_the_rows_the_verifier_gets",
+    ("the draft in its own process at T 1 (SSD and SD): every token, hit and accept count equal "
+     "to the in-process engine's on the same keys, whose paths the cases above test"):
+        "test_transport.py::test_two_process_equals_in_process_and_overlaps",
 }
 
 # path -> why no statistical case covers it yet
@@ -247,8 +250,6 @@ UNCOVERED_PATHS: dict[str, str] = {
                     "enumeration from the bf16 target's own forward, AR itself fails (chi2 "
                     "89-122 against 87, empirical TV 0.016-0.019), as do SD and SSD (which emits "
                     "SD's tokens)"),
-    "two-process draft at T > 0": ("compared token for token with the in-process draft "
-                                   "(tests/test_transport.py)"),
 }
 
 
