@@ -8,12 +8,13 @@ Steps, in order (each one's stdout goes to `<out>/logs.txt`, its figures into
 `<out>/gpu_session.json`, rewritten after every step; `--only a,b` runs some, and the session
 stops starting steps at `--budget-s`). The whole list takes ~15 minutes on an H200, more than a
 lease's run: the first lease (2026-12-04, benchmarks/README.md "On one H200") ran the first five
-of the old order; the next should run `--only step,step_graphs,pair_b16,kernels_paper,
-host_overhead,projection,engine_check`.
+of the old order; the next should run `--only step,step_graphs,engine_check_bf16,pair_b16,
+kernels_paper,host_overhead,projection,engine_check`.
 
 1. `env`: the device and jax's version (and nvidia-smi's line, in the JSON).
 2. `engine_check`: benchmarks/gpu_engine_check.py: AR, SD, SSD on the xla and pallas backends
    emit plain decoding's tokens, no kernel falls back; chunked rounds beside round by round.
+   `engine_check_bf16`: the same runs in bf16, timed (is the pallas backend slower there too?).
 3. `step`: one bare jitted decode step of each of the pair's shapes (see `step`): its time with
    the host fetching each token, inside one device loop, against its weights' bytes at HBM
    bandwidth, and the fusions and custom calls it compiles to; `step_graphs` again with XLA's
@@ -254,6 +255,9 @@ def _steps(out: Path, smoke: bool, cache: Path):
         ("env", env_cmd, 60, None),
         ("engine_check", [py, str(ROOT / "benchmarks" / "gpu_engine_check.py"), *s,
                           "--json", str(out / "engine_check.json")], 150, "engine_check.json"),
+        ("engine_check_bf16", [py, str(ROOT / "benchmarks" / "gpu_engine_check.py"), *s,
+                               "--dtype", "bfloat16", "--json", str(out / "engine_check_bf16.json")],
+         150, "engine_check_bf16.json"),
         ("step", [py, here, "step", *s, "--json", str(out / "step.json")], 150, "step.json"),
         # the same steps with XLA's command buffers (CUDA graphs) over every kind of thunk,
         # loops and conditionals included: if `step` is launch-bound, this is the first lever

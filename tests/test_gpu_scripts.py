@@ -74,6 +74,11 @@ def test_engine_check_smoke_end_to_end(tmp_path):
     assert data["ok"] and set(data["runs"]) == {"ar", *check.EXACT}
     assert data["backend"]["draft"] == "pallas"
     assert all(r["rounds"] > 0 and r["ms_per_round"] > 0 for r in data["runs"].values())
+    # bf16: timed side by side, the kernels checked, the tokens not (a short run)
+    assert check.main(["--smoke", "--dtype", "bfloat16", "--max-new-tokens", "4",
+                       "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["dtype"] == "bfloat16" and data["backend"]["draft"] == "pallas"
 
 
 def test_gpu_session_smoke_writes_one_json_with_each_step(tmp_path):
