@@ -124,9 +124,9 @@ def _sample(eng: Engine, mode: str, case: str, *, chunk: int, k: int = K, n: int
     """Registered case `case`'s n requests (its sampling and window) through `eng` in generate
     calls of `chunk` rows; row i of a call gets prompts[i % len(prompts)] (default: the case's
     prompt) and request id (call * chunk + i); max_new_tokens = the window."""
-    c = STAT_CASES[case]
-    sampling, window, n = c.sampling, c.window, n or c.n
-    prompts = prompts or (c.prompt,)
+    spec = STAT_CASES[case]
+    sampling, window, n = spec.sampling, spec.window, n or spec.n
+    prompts = prompts or (spec.prompt,)
     tokens, finish, pidx, calls, metrics = [], [], [], [], []
     rows = [list(prompts[i % len(prompts)]) for i in range(chunk)]
     for c in range(n // chunk):
