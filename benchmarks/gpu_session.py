@@ -8,8 +8,9 @@ Steps, in order (each one's stdout goes to `<out>/logs.txt`, its figures into
 `<out>/gpu_session.json`, rewritten after every step; `--only a,b` runs some, and the session
 stops starting steps at `--budget-s`). The whole list takes ~15 minutes on an H200, more than a
 lease's run: the first lease (2026-12-04, benchmarks/README.md "On one H200") ran the first five
-of the old order; the next should run `--only step,step_graphs,engine_check_bf16,pair_b16,
-kernels_paper,host_overhead,projection,engine_check`.
+of the old order; the next should run `--only engine_check_bf16,step,step_graphs,pair_b16`
+(~8 minutes: the open questions), and a second run, if the lease allows one, `--only
+engine_check,kernels_paper,host_overhead,projection`.
 
 1. `env`: the device and jax's version (and nvidia-smi's line, in the JSON).
 2. `engine_check`: benchmarks/gpu_engine_check.py: AR, SD, SSD on the xla and pallas backends
