@@ -178,7 +178,7 @@ STAT_CASES: dict[str, StatCase] = {
     "draft-head-sd-t1.0": StatCase("SD, draft head cut to half the vocabulary", _E_HEAD, T10,
                                    175_000),
     "draft-head-ssd-t0.7-saguaro0.5": StatCase("SSD, draft head cut, Saguaro C 0.5", _E_HEAD, T07,
-                                               150_000),
+                                               150_000, skip=4),
     "quick-ssd-t1.0-saguaro0.5": StatCase(
         "SSD, Saguaro C 0.5 (the quick loop)",
         f"{_E}::test_quick_ssd_output_has_the_target_distribution", T10, 20_000, skip=4,

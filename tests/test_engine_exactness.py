@@ -125,7 +125,8 @@ EXACT_CASES = {
     "ssd-t1.0-saguaro0.5-ngram-backup": ("ssd", dict(
         ssd=SSDConfig(fanout=(2, 1, 1), saguaro_c=0.5, backup="ngram"))),
 }
-# What a cut draft head changes is the proposal, which round 1 already shows: tokens 1-4 for both.
+# What a cut draft head changes is the proposal: SD shows it from round 1 (tokens 1-4), SSD reads
+# tokens 5-8, whose speculations came out of lookups (a hit's branch drafted by the cut head).
 DRAFT_HEAD_CASES = {
     "draft-head-sd-t1.0": ("sd", {}),
     "draft-head-ssd-t0.7-saguaro0.5": ("ssd", dict(ssd=SSDConfig(fanout=(2, 2, 1), saguaro_c=0.5))),
