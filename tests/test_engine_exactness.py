@@ -151,6 +151,11 @@ def _checks_every_path(mode, metrics, ssd=None):
         hits = sum(m.hits for m in metrics)
         lookups = sum(m.lookups for m in metrics)
         assert 0 < hits < lookups, (hits, lookups)  # both a hit's and a miss's speculations
+        # and each accept length 0..K after a hit and after a miss (a hit's branch and a backup
+        # each verified at every outcome)
+        for after in ("hit", "miss"):
+            h = np.sum([getattr(m, f"accept_hist_after_{after}") for m in metrics], axis=0)
+            assert np.all(h > 0), f"every accept length after a {after}: {h}"
         if ssd is not None:  # the misses were served by the case's backup
             assert sum(m.backups.get(ssd.backup, 0) for m in metrics) > 0, [m.backups for m in metrics]
     assert all(getattr(m, "fallback", None) is None for m in metrics), "the draft fell back"

@@ -149,11 +149,15 @@ def _check(run: Run, case: str):
 
 
 def _assert_ssd_ran(metrics, k: int = K):
-    """Hits and misses both happened and every accept length 0..K occurred."""
+    """Hits and misses both happened, and every accept length 0..K occurred after a hit and
+    after a miss."""
     hist = np.sum([m.accept_hist for m in metrics], axis=0)
     assert len(hist) == k + 1 and np.all(hist > 0), f"every accept length 0..K must occur: {hist}"
     hits, lookups = sum(m.hits for m in metrics), sum(m.lookups for m in metrics)
     assert 0 < hits < lookups, (hits, lookups)
+    for after in ("hit", "miss"):
+        h = np.sum([getattr(m, f"accept_hist_after_{after}") for m in metrics], axis=0)
+        assert np.all(h > 0), f"every accept length after a {after}: {h}"
 
 
 @pytest.fixture
