@@ -144,8 +144,9 @@ def pair(argv) -> int:
                                verify_ms=_median([r.verify_s * 1e3 for r in steady]),
                                draft_ms=_median([r.draft_s * 1e3 for r in steady]),
                                backup_ms=_median([r.backup_s * 1e3 for r in steady]))
-                    parts = row["verify_ms"] + row["draft_ms"] + (row["backup_ms"] or 0.0)
-                    row["round_minus_parts_ms"] = row["round_ms"] - parts
+                    # (the 2026-12-04 JSON also holds round_minus_parts_ms = round_ms - these
+                    # parts: negative there, since the parts come from the slower host loop, so
+                    # not a host share; dropped)
             res["runs"].append(row)
             print(json.dumps(row), flush=True)
             res["total_s"] = time.perf_counter() - t_start
