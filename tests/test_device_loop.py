@@ -14,8 +14,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import os
 
 import jax
 import jax.numpy as jnp
@@ -27,15 +25,11 @@ from ssd_jax.runtime.batch import Batch
 from ssd_jax.runtime.engine import Engine, SSDConfig
 from ssd_jax.algorithm.sampling import SamplingParams
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _benchmark_scripts import load
 
 
 def _host_overhead():
-    spec = importlib.util.spec_from_file_location(
-        "bench_host_overhead", os.path.join(ROOT, "benchmarks", "host_overhead.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load("host_overhead")
 
 
 @pytest.mark.parametrize("seed", range(6))

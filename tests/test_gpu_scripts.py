@@ -3,7 +3,6 @@ end to end here in their --smoke form (tiny shapes, the kernels in Pallas interp
 lease of the GPU is not spent finding a script's own bug; and the engine check's verdicts are
 checked on cases made by hand. The scripts are loaded from their files (benchmarks/ is not a
 package)."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,21 +11,11 @@ from types import SimpleNamespace
 
 import jax
 
+from _benchmark_scripts import BENCHMARKS, load
 from ssd_jax.models.config import tiny_config
 from ssd_jax.models.params import random_params
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _script(name):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}",
-                                                  os.path.join(ROOT, "benchmarks", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-check = _script("gpu_engine_check")
+check = load("gpu_engine_check")
 
 
 def _result(tokens, hits=0, lookups=0, rounds=3, backend=None):
@@ -86,7 +75,7 @@ def test_gpu_session_smoke_writes_one_json_with_each_step(tmp_path):
     pair's engine on tiny shapes, a cold process then a warm one on the same compile cache and
     step store."""
     out, work = tmp_path / "out", tmp_path / "work"
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_session.py"),
+    p = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_session.py"),
                         "--smoke", "--out", str(out), "--work", str(work),
                         "--only", "env,step,pair_b1_cold,pair_b1_warm"],
                        capture_output=True, text=True, timeout=600,

@@ -249,16 +249,8 @@ def test_the_suite_end_to_end_on_tiny_models(tmp_path, monkeypatch, capsys):
 # ------------------------------------------------------------------------------------------ projection
 def _projection():
     """benchmarks/paper_projection.py (a script, not in the package), imported once."""
-    import importlib.util as iu
-    import sys
-    if "paper_projection" not in sys.modules:
-        spec = iu.spec_from_file_location("paper_projection", os.path.join(
-            os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
-            "paper_projection.py"))
-        mod = iu.module_from_spec(spec)
-        sys.modules["paper_projection"] = mod  # its dataclasses look their module up
-        spec.loader.exec_module(mod)
-    return sys.modules["paper_projection"]
+    from _benchmark_scripts import load
+    return load("paper_projection")
 
 
 def test_roofline_arithmetic_by_hand():

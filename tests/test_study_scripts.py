@@ -2,19 +2,11 @@
 outcome_prediction.py, frontier.py), on cases computed by hand: the bootstrap intervals of a ratio
 of sums and of a paired difference, the Wilson interval, and the frontier's rows and Pareto set.
 The scripts are loaded from their files (benchmarks/ is not a package); nothing here runs a model."""
-import importlib.util
 import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _script(name):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(ROOT, "benchmarks", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from _benchmark_scripts import load as _script
 
 
 saguaro = _script("saguaro_study")
