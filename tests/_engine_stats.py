@@ -14,7 +14,7 @@ test_engine_exactness.py's power test iterates STAT_CASES, so it covers every ca
 DETERMINISTIC_CHECKS and UNCOVERED_PATHS are the coverage table's other rows; `coverage_rows`
 renders it, docs/ALGORITHM.md §3 holds the rendered copy (checked current by
 test_the_coverage_table_is_current, its power column by the power test), and
-`python tests/_engine_stats.py` prints it afresh.
+`python tests/_engine_stats.py` prints it afresh (`--write`: rewrites that copy).
 """
 from __future__ import annotations
 
@@ -337,10 +337,12 @@ def coverage_rows(powers: dict[str, str]) -> list[str]:
     return rows
 
 
+_START, _END = "<!-- coverage table: start -->", "<!-- coverage table: end -->"
+
+
 def documented_table() -> tuple[list[str], dict[str, str]]:
     """(the rows of the coverage table in docs/ALGORITHM.md, {case name: its power column})."""
-    text = ALGORITHM_MD.read_text()
-    body = text.split("<!-- coverage table: start -->")[1].split("<!-- coverage table: end -->")[0]
+    body = ALGORITHM_MD.read_text().split(_START)[1].split(_END)[0]
     lines = [ln for ln in body.strip().splitlines() if ln.startswith("|")][2:]
     powers = {}
     for ln in lines:
@@ -350,6 +352,20 @@ def documented_table() -> tuple[list[str], dict[str, str]]:
     return lines, powers
 
 
+def write_table(powers: dict[str, str]) -> None:
+    """Replace docs/ALGORITHM.md's coverage table with the registry's rendering."""
+    text = ALGORITHM_MD.read_text()
+    head, rest = text.split(_START)
+    table = "\n".join([TABLE_HEADER, *coverage_rows(powers)])
+    ALGORITHM_MD.write_text(f"{head}{_START}\n{table}\n{_END}{rest.split(_END)[1]}")
+
+
 if __name__ == "__main__":
-    print(TABLE_HEADER)
-    print("\n".join(coverage_rows({name: f"{power_at(name, 0.01):.2f}" for name in STAT_CASES})))
+    # python tests/_engine_stats.py [--write]: print the table (powers computed afresh), or
+    # rewrite docs/ALGORITHM.md's copy with it
+    import sys
+    powers = {name: f"{power_at(name, 0.01):.2f}" for name in STAT_CASES}
+    if sys.argv[1:] == ["--write"]:
+        write_table(powers)
+    else:
+        print("\n".join([TABLE_HEADER, *coverage_rows(powers)]))

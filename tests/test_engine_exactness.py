@@ -187,7 +187,7 @@ def test_the_coverage_table_is_current():
     `python tests/_engine_stats.py`), every test it names exists, and no engine test runs the
     distribution test around the registry."""
     rows, powers = documented_table()
-    assert rows == coverage_rows(powers), "regenerate it: python tests/_engine_stats.py"
+    assert rows == coverage_rows(powers), "regenerate it: python tests/_engine_stats.py --write"
     assert set(powers) == set(STAT_CASES)
     here = pathlib.Path(__file__).parent
     for module in ("test_engine_exactness.py", "test_engine_paths.py"):
