@@ -69,6 +69,16 @@ K, FANOUT = 4, (3, 2, 2, 1, 1)
 # ------------------------------------------------------------------------------------------------
 # pair: the engine on random weights of the default pair's shapes (one process)
 # ------------------------------------------------------------------------------------------------
+def _pair_configs(smoke: bool, max_len: int) -> dict:
+    """{"target": cfg, "draft": cfg}: the pair's shapes in bf16 (tiny, float32 for --smoke)."""
+    from ssd_jax.models.config import tiny_config
+    shapes = {"target": SMOKE_T, "draft": SMOKE_D} if smoke else {"target": TARGET_1_5B,
+                                                                 "draft": DRAFT_0_5B}
+    return {name: tiny_config("qwen2", rope_theta=1e6, max_position_embeddings=max_len,
+                              dtype="float32" if smoke else "bfloat16", **shape)
+            for name, shape in shapes.items()}
+
+
 def _median(xs):
     return float(statistics.median(xs)) if xs else None
 
@@ -89,19 +99,14 @@ def pair(argv) -> int:
     import jax
     import numpy as np
 
-    from ssd_jax.models.config import tiny_config
     from ssd_jax.models.model import Model
     from ssd_jax.models.params import init_params
     from ssd_jax.runtime.engine import Engine, SSDConfig
 
     max_len = args.prompt_len + args.new + 64
-    t_shape, d_shape = (SMOKE_T, SMOKE_D) if args.smoke else (TARGET_1_5B, DRAFT_0_5B)
-    dtype = "float32" if args.smoke else "bfloat16"
     models = {}
     t0 = time.perf_counter()
-    for name, shape, seed in (("target", t_shape, 0), ("draft", d_shape, 1)):
-        cfg = tiny_config("qwen2", rope_theta=1e6, max_position_embeddings=max_len, dtype=dtype,
-                          **shape)
+    for seed, (name, cfg) in enumerate(_pair_configs(args.smoke, max_len).items()):
         models[name] = Model(cfg, init_params(cfg, jax.random.key(seed), scale=0.5), name=name)
     jax.block_until_ready([m.params for m in models.values()])
     init_s = time.perf_counter() - t0
@@ -110,8 +115,9 @@ def pair(argv) -> int:
                  compilation_cache=args.cache or False, step_store=bool(args.cache))
     engine_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
-    vocab = t_shape["vocab_size"]
-    res = dict(device=str(jax.devices()[0]), jax=jax.__version__, dtype=dtype, k=K,
+    vocab = models["target"].cfg.vocab_size
+    res = dict(device=str(jax.devices()[0]), jax=jax.__version__,
+               dtype=models["target"].cfg.dtype, k=K,
                fanout=list(FANOUT), new_tokens=args.new, prompt_len=args.prompt_len,
                init_params_s=init_s, engine_s=engine_s, backend=dict(eng.backend), runs=[])
     modes = {"ar": dict(mode="ar"), "sd": dict(mode="sd", k=K),
@@ -177,19 +183,14 @@ def step(argv) -> int:
     import numpy as np
     from jax import lax
 
-    from ssd_jax.models.config import tiny_config
     from ssd_jax.models.kv_cache import init_cache
     from ssd_jax.models.params import init_params, param_bytes
     from ssd_jax.models.transformer import forward
 
     context, window = (16, 64) if args.smoke else (512, 1024)
-    shapes = (("target", SMOKE_T), ("draft", SMOKE_D)) if args.smoke else (
-        ("target", TARGET_1_5B), ("draft", DRAFT_0_5B))
     res = dict(device=str(jax.devices()[0]), jax=jax.__version__, context=context, window=window,
                iters=args.iters, hbm_bytes_per_s=4.8e12, runs=[])
-    for name, shape in shapes:
-        cfg = tiny_config("qwen2", rope_theta=1e6, max_position_embeddings=window,
-                          dtype="float32" if args.smoke else "bfloat16", **shape)
+    for name, cfg in _pair_configs(args.smoke, window).items():
         params = init_params(cfg, jax.random.key(0))
         wbytes = param_bytes(params)
 
