@@ -18,6 +18,7 @@ test_the_coverage_table_is_current, its power column by the power test), and
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import pathlib
@@ -107,11 +108,110 @@ def sample_windows(pair, mode, sampling, *, n: int = N, chunk: int = CHUNK, wind
         eng = Engine(*pair, max_len=MAX_LEN, compilation_cache=False, **(engine_kw or {}))
         for c in range(-(-n // chunk)):
             lo, hi = first_id + c * chunk, first_id + min(n, (c + 1) * chunk)
-            out = eng.generate([list(prompt)] * (hi - lo), mode=mode, max_new_tokens=skip + window,
-                               k=K, sampling=sampling, request_ids=range(lo, hi), seed=11, **kw)
+            with recording_rounds() as rounds:
+                out = eng.generate([list(prompt)] * (hi - lo), mode=mode,
+                                   max_new_tokens=skip + window, k=K, sampling=sampling,
+                                   request_ids=range(lo, hi), seed=11, **kw)
             windows.append(np.asarray(out.token_ids)[:, skip:skip + window])
+            out.metrics.extra["window_hist"] = rounds.window_hist(skip, window, K)
             metrics.append(out.metrics)
     return np.concatenate(windows), metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# Which rounds made a window's tokens: a hit's and a miss's speculation at each accept length
+# ---------------------------------------------------------------------------------------------
+class Rounds:
+    """Per verify round of one generate call, per row: `start` (tokens the row had before it),
+    `kept` (tokens it kept), `accepted` (draft tokens accepted, before any cut at the budget or
+    EOS) and `after` (how the round's speculation was made: 1 from a speculation-cache hit, 0 from
+    a miss's backup, -1 no lookup: SD, or SSD's first round), each `[B]`. Recorded by
+    `recording_rounds` from what the round loops already read: the device loop's per-round
+    report (`DeviceLoop.read`) (its kept column, its tokens' -1 padding after accepted + 1, and its hit column:
+    the lookup of that round's outcome, which made the next round's speculation) and the host
+    loop's commit."""
+
+    def __init__(self):
+        self.rounds: list[dict[str, np.ndarray]] = []
+        self._count = None  # device loop: tokens per row from the reports read so far
+        self._hit = None    # device loop: the last report's hit column
+
+    def _report(self, act, kept, hit, toks) -> None:
+        if self._count is None:  # the prefill's report: its one token, no verify
+            self._count, self._hit = kept.astype(np.int64), hit.copy()
+            return
+        accepted = (toks >= 0).sum(1) - 1  # a verify's tokens: accepted + bonus, then -1
+        self.rounds.append(dict(start=self._count.copy(), kept=kept.copy(), accepted=accepted,
+                                after=np.where(act, self._hit, -1)))
+        self._count += kept
+        self._hit = hit.copy()
+
+    def _commit(self, start, kept, accepted, after) -> None:
+        self.rounds.append(dict(start=start, kept=kept, accepted=accepted, after=after))
+
+    def window_hist(self, skip: int, window: int, k: int) -> np.ndarray:
+        """`[2, k + 1]`: rounds (per row) that kept a token of the window (generated tokens
+        skip + 1 .. skip + window) by how their speculation was made (row 0: a miss's backup,
+        row 1: a hit) and accepted count."""
+        hist = np.zeros((2, k + 1), np.int64)
+        for r in self.rounds:
+            inside = ((r["kept"] > 0) & (r["start"] < skip + window)
+                      & (r["start"] + r["kept"] > skip) & (r["after"] >= 0))
+            np.add.at(hist, (r["after"][inside], r["accepted"][inside]), 1)
+        return hist
+
+
+@contextlib.contextmanager
+def recording_rounds():
+    """Record the `Rounds` of the generate call made inside (either round loop) by wrapping the
+    two places they read a round's outcome on the host; the engine runs as it would otherwise."""
+    from ssd_jax.algorithm import decode_state
+    from ssd_jax.runtime.device_loop import DeviceLoop
+    from ssd_jax.runtime.host_loop import HostLoop
+
+    rec = Rounds()
+    read, commit = DeviceLoop.read, HostLoop._commit
+
+    def spy_read(self, rep):  # the device loop's one read of a round (auto's chooser reads it too)
+        r = read(self, rep)
+        act, kept, _, hit, toks, _ = decode_state.read_report(r)
+        rec._report(act, kept, hit, toks)
+        return r
+
+    def spy_commit(self, batch, res, lp, m, from_backup=None):
+        start = np.array([len(g) for g in batch.generated])
+        act = batch.active
+        accepted = commit(self, batch, res, lp, m, from_backup)
+        kept = np.array([len(g) for g in batch.generated]) - start
+        first = not rec.rounds  # SSD's first round: its speculation came from no lookup
+        after = (np.full(len(start), -1) if from_backup is None or first
+                 else np.where(from_backup, 0, 1))
+        rec._commit(start, kept, np.asarray(accepted), np.where(act, after, -1))
+        return accepted
+
+    DeviceLoop.read, HostLoop._commit = spy_read, spy_commit
+    try:
+        yield rec
+    finally:
+        DeviceLoop.read, HostLoop._commit = read, commit
+
+
+def assert_every_path_ran(mode: str, metrics, k: int = K, backup: str | None = None) -> None:
+    """What a statistical case's run must have exercised, from its chunks' Metrics: every accept
+    length 0..k; for SSD, hits and misses, and inside the tested window (`sample_windows`'s
+    `window_hist`) each accept length after a hit and after a miss, so the window's tokens went
+    through both paths at every outcome; with `backup`, misses served by it; no draft fallback."""
+    hist = np.sum([m.accept_hist for m in metrics], axis=0)
+    assert len(hist) == k + 1 and np.all(hist > 0), f"every accept length 0..K must occur: {hist}"
+    if mode == "ssd":
+        hits, lookups = sum(m.hits for m in metrics), sum(m.lookups for m in metrics)
+        assert 0 < hits < lookups, (hits, lookups)  # both a hit's and a miss's speculations
+        window = np.sum([m.extra["window_hist"] for m in metrics], axis=0)
+        for after, row in zip(("miss", "hit"), window):
+            assert np.all(row > 0), f"every accept length in the window after a {after}: {row}"
+        if backup is not None:
+            assert sum(m.backups.get(backup, 0) for m in metrics) > 0, [m.backups for m in metrics]
+    assert all(getattr(m, "fallback", None) is None for m in metrics), "the draft fell back"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -97,8 +97,9 @@ from ssd_jax.runtime.proposer import PromptLookupProposer
 from ssd_jax.testing import (PLANTED_BUG_VERIFIERS, PLANTED_SSD_BUGS, plant_ssd_bug)
 
 from _engine_stats import (CHUNK, DETERMINISTIC_CHECKS, K, MAX_LEN, MIXED_SAMPLING, PROMPT,
-                           STAT_CASES, T10, V, check_windows, coverage_rows, documented_table,
-                           make_pair, planted_verdict, power_at, sample_windows, verdict)
+                           STAT_CASES, T10, V, assert_every_path_ran, check_windows, coverage_rows,
+                           documented_table, make_pair, planted_verdict, power_at, recording_rounds,
+                           sample_windows, verdict)
 
 slow = pytest.mark.slow
 
@@ -142,23 +143,6 @@ SAGUARO_SSD = SSDConfig(fanout=(2, 2, 1), saguaro_c=0.5)  # the tree's rows are 
 # SAGUARO_SSD: the same shapes and static arguments, so the same compiled steps.
 DET_BATCH = 2000
 QUICK = ("quick-ssd-t1.0-saguaro0.5", "ssd", dict(chunk=DET_BATCH, ssd=SAGUARO_SSD))
-
-
-def _checks_every_path(mode, metrics, ssd=None):
-    hist = np.sum([m.accept_hist for m in metrics], axis=0)
-    assert np.all(hist > 0), f"every accept length 0..K must occur: {hist}"
-    if mode == "ssd":
-        hits = sum(m.hits for m in metrics)
-        lookups = sum(m.lookups for m in metrics)
-        assert 0 < hits < lookups, (hits, lookups)  # both a hit's and a miss's speculations
-        # and each accept length 0..K after a hit and after a miss (a hit's branch and a backup
-        # each verified at every outcome)
-        for after in ("hit", "miss"):
-            h = np.sum([getattr(m, f"accept_hist_after_{after}") for m in metrics], axis=0)
-            assert np.all(h > 0), f"every accept length after a {after}: {h}"
-        if ssd is not None:  # the misses were served by the case's backup
-            assert sum(m.backups.get(ssd.backup, 0) for m in metrics) > 0, [m.backups for m in metrics]
-    assert all(getattr(m, "fallback", None) is None for m in metrics), "the draft fell back"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,7 +191,7 @@ def test_engine_output_has_the_target_distribution(pair, case):
     res, metrics = verdict(pair, mode, case, **kw)
     print(case, res)
     assert res.passed, str(res)
-    _checks_every_path(mode, metrics, kw.get("ssd"))
+    assert_every_path_ran(mode, metrics, backup=kw["ssd"].backup if "ssd" in kw else None)
 
 
 @slow
@@ -223,7 +207,7 @@ def test_per_request_mixed_sampling_gives_each_row_its_settings_distribution(pai
         res = check_windows(toks[i::len(MIXED_SAMPLING)], case)
         print(case, res)
         assert res.passed, f"{case}: {res}"
-    _checks_every_path("ssd", metrics, ssd)
+    assert_every_path_ran("ssd", metrics, backup=ssd.backup)
 
 
 def test_quick_ssd_output_has_the_target_distribution(pair):
@@ -236,7 +220,7 @@ def test_quick_ssd_output_has_the_target_distribution(pair):
     res, metrics = verdict(pair, mode, case, **kw)
     print("quick", res)
     assert res.passed, str(res)
-    _checks_every_path(mode, metrics)
+    assert_every_path_ran(mode, metrics)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,6 +229,36 @@ def test_quick_ssd_output_has_the_target_distribution(pair):
 # At n = 100k they failed by far (chi2 2,300-40,000 against a threshold of 54), so 20k suffices:
 # the statistic's excess over its threshold shrinks in proportion to n.
 PLANTED = dict(n=20_000, chunk=20_000)
+
+@pytest.mark.parametrize("backup", ["neural", pytest.param("auto", marks=slow)])
+def test_recorded_rounds_are_the_engines_own(pair, backup):
+    """`_engine_stats.recording_rounds`, whose window histogram the SSD cases assert on, records
+    what the engine did: over the whole output its hit row is the engine's own after-hit
+    histogram, the accepted counts its accept histogram, the kept tokens every token but the
+    prefill's; with the neural backup the device loop's rounds equal the host loop's
+    (timeline=True) row for row (auto's choices follow measured times, so its two loops may
+    differ; its chooser reads each report again, which must not count twice)."""
+    n, runs = 300, {}
+    ssd = dataclasses.replace(SAGUARO_SSD, backup=backup)
+    for timeline in (False, True):
+        with recording_rounds() as rec:
+            _, m = _generate(pair, "ssd", range(n), ssd=ssd, timeline=timeline)
+        rounds = rec.rounds
+        assert len(rounds) == m.rounds
+        hist = rec.window_hist(0, 8, K)
+        assert hist[1].tolist() == m.accept_hist_after_hit
+        first = np.bincount(rounds[0]["accepted"], minlength=K + 1)  # no lookup: the engine's "miss"
+        assert (hist[0] + first).tolist() == m.accept_hist_after_miss
+        ran = np.concatenate([r["accepted"][r["kept"] > 0] for r in rounds])
+        assert np.bincount(ran, minlength=K + 1).tolist() == m.accept_hist
+        assert sum(int(r["kept"].sum()) for r in rounds) == n * 7
+        # the window counts only the rounds that kept one of its tokens: tokens 9.. none
+        assert not rec.window_hist(8, 4, K).any() and (rec.window_hist(4, 4, K) <= hist).all()
+        runs[timeline] = rounds
+    if backup == "neural":
+        for a, b in zip(*runs.values(), strict=True):
+            assert all(np.array_equal(a[f], b[f]) for f in a), (a, b)
+
 
 @slow
 @pytest.mark.parametrize("bug", sorted(PLANTED_BUG_VERIFIERS))
@@ -305,7 +319,7 @@ def test_a_draft_head_cut_to_half_the_vocabulary_keeps_the_target_distribution(p
     print(mode, res)
     assert res.passed, str(res)
     assert np.mean(toks >= V // 2) > 0.1  # the cut ids are a real share of the output
-    _checks_every_path(mode, metrics)
+    assert_every_path_ran(mode, metrics)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -83,9 +83,9 @@ from ssd_jax.models.quant import Int4Weight, Int8Weight, quantize_model
 from ssd_jax.runtime.engine import Engine, SSDConfig
 from ssd_jax.runtime.placement import make_placement
 
-from _engine_stats import (EOS, EOS_PAD, EOS_PROMPTS, K, STAT_CASES, V, WINDOW, case_exact,
-                           check_windows, exact, make_pair, target_model, truncated_at_eos,
-                           verdict)
+from _engine_stats import (EOS, EOS_PAD, EOS_PROMPTS, K, STAT_CASES, V, WINDOW,
+                           assert_every_path_ran, case_exact, check_windows, exact, make_pair,
+                           recording_rounds, target_model, truncated_at_eos, verdict)
 
 pytestmark = pytest.mark.slow
 
@@ -131,9 +131,11 @@ def _sample(eng: Engine, mode: str, case: str, *, chunk: int, k: int = K, n: int
     rows = [list(prompts[i % len(prompts)]) for i in range(chunk)]
     for c in range(n // chunk):
         log = [[] for _ in range(chunk)]
-        out = eng.generate(rows, mode=mode, max_new_tokens=window, k=k, sampling=sampling,
-                           request_ids=range(c * chunk, (c + 1) * chunk), seed=11,
-                           on_tokens=lambda row, ids: log[row].append(len(ids)), **kw)
+        with recording_rounds() as rounds:
+            out = eng.generate(rows, mode=mode, max_new_tokens=window, k=k, sampling=sampling,
+                               request_ids=range(c * chunk, (c + 1) * chunk), seed=11,
+                               on_tokens=lambda row, ids: log[row].append(len(ids)), **kw)
+        out.metrics.extra["window_hist"] = rounds.window_hist(0, window, k)
         tokens += out.token_ids
         finish += out.finish_reasons
         pidx += [i % len(prompts) for i in range(chunk)]
@@ -146,18 +148,6 @@ def _check(run: Run, case: str):
     res = check_windows(run.windows(STAT_CASES[case].window), case)
     assert res.passed, str(res)
     return res
-
-
-def _assert_ssd_ran(metrics, k: int = K):
-    """Hits and misses both happened, and every accept length 0..K occurred after a hit and
-    after a miss."""
-    hist = np.sum([m.accept_hist for m in metrics], axis=0)
-    assert len(hist) == k + 1 and np.all(hist > 0), f"every accept length 0..K must occur: {hist}"
-    hits, lookups = sum(m.hits for m in metrics), sum(m.lookups for m in metrics)
-    assert 0 < hits < lookups, (hits, lookups)
-    for after in ("hit", "miss"):
-        h = np.sum([getattr(m, f"accept_hist_after_{after}") for m in metrics], axis=0)
-        assert np.all(h > 0), f"every accept length after a {after}: {h}"
 
 
 @pytest.fixture
@@ -193,14 +183,14 @@ def test_ssd_top_k_and_top_p(pair, case):
     assert np.any(case_exact(case) == 0), "the cut must remove windows, or it tests nothing"
     res, metrics = verdict(pair, "ssd", case, ssd=F211)
     assert res.passed, str(res)
-    _assert_ssd_ran(metrics)
+    assert_every_path_ran("ssd", metrics)
 
 
 def test_ssd_draft_sampling_differs_from_the_target(pair, verified_rows):
     draft = SamplingParams(temperature=0.5, top_k=2)
     res, metrics = verdict(pair, "ssd", "ssd-draft-sampling", ssd=F211, draft_sampling=draft)
     assert res.passed, str(res)
-    _assert_ssd_ran(metrics)
+    assert_every_path_ran("ssd", metrics)
     # every proposal row verified (tree and neural backup) is the draft's top-2 row, not a T=1 row
     assert verified_rows["support"] == 2, verified_rows
 
@@ -215,7 +205,7 @@ def test_ssd_fanout_backup_differs_from_fanout(pair):
     eng = _engine(pair)
     run = _sample(eng, "ssd", "ssd-fanout-backup", chunk=25_000, ssd=ssd)
     _check(run, "ssd-fanout-backup")
-    _assert_ssd_ran(run.metrics)
+    assert_every_path_ran("ssd", run.metrics)
     chunk = 25_000
     for c, m in enumerate(run.metrics):
         calls = run.calls[c * chunk:(c + 1) * chunk]
@@ -257,7 +247,7 @@ def test_ssd_auto_backup_switching_both_ways(pair, monkeypatch):
     run = _sample(eng, "ssd", "ssd-auto-backup", chunk=chunk, k=k,
                   ssd=SSDConfig(fanout=(1, 2), backup="auto"))
     _check(run, "ssd-auto-backup")
-    _assert_ssd_ran(run.metrics, k)
+    assert_every_path_ran("ssd", run.metrics, k)
     for m in run.metrics:
         assert m.backups.get("neural", 0) > 0 and m.backups.get("random", 0) > 0, m.backups
     served = _Alternating.served
@@ -270,7 +260,7 @@ def test_ssd_bfloat16_proposal_rows(pair, verified_rows):
     res, metrics = verdict(pair, "ssd", "ssd-bf16-rows",
                            ssd=SSDConfig(fanout=(2, 1, 1), row_dtype="bfloat16"))
     assert res.passed, str(res)
-    _assert_ssd_ran(metrics)
+    assert_every_path_ran("ssd", metrics)
     assert verified_rows["dtypes"] == {"bfloat16"}, verified_rows
 
 
@@ -281,7 +271,7 @@ def test_ssd_quantized_draft_at_temperature(pair, mode, weight):
     assert isinstance(qdraft.params.layers[0].wqkv, weight), type(qdraft.params.layers[0].wqkv)
     res, metrics = verdict((target, qdraft), "ssd", f"ssd-{mode}-draft", ssd=F211)
     assert res.passed, str(res)
-    _assert_ssd_ran(metrics)
+    assert_every_path_ran("ssd", metrics)
 
 
 def test_ssd_int8_target(pair):
@@ -295,7 +285,7 @@ def test_ssd_int8_target(pair):
     assert np.abs(case_exact(case) - exact(STAT_CASES[case].sampling)).sum() / 2 > 0.005  # 0.011
     res, metrics = verdict((target, pair[1]), "ssd", case, ssd=F211)
     assert res.passed, str(res)
-    _assert_ssd_ran(metrics)
+    assert_every_path_ran("ssd", metrics)
 
 
 # ---------------------------------------------------------------------------------- EOS
@@ -316,7 +306,7 @@ def test_ssd_mixed_prompt_lengths_stopping_at_eos(pair):
     eng = _engine(pair)
     run = _sample(eng, "ssd", cases[0], n=sum(STAT_CASES[c].n for c in cases), chunk=chunk,
                   prompts=EOS_PROMPTS, ssd=F211, eos_ids=(EOS,))
-    _assert_ssd_ran(run.metrics)
+    assert_every_path_ran("ssd", run.metrics)
     padded = np.full((len(run.tokens), window), EOS_PAD, np.int64)
     for i, t in enumerate(run.tokens):
         assert len(t) == window or (run.finish[i] == "eos" and t[-1] == EOS), (t, run.finish[i])
@@ -340,7 +330,7 @@ def test_ssd_pallas_kernels_interpret_mode(pair):
     eng = _engine(pair, backend="pallas")
     run = _sample(eng, "ssd", "ssd-pallas-interpret", chunk=64, ssd=F211)
     _check(run, "ssd-pallas-interpret")
-    _assert_ssd_ran(run.metrics)
+    assert_every_path_ran("ssd", run.metrics)
     assert all(m.backend == {"target": "pallas", "draft": "pallas"} for m in run.metrics), \
         run.metrics[0].backend  # no kernel fell back to its XLA reference
 
@@ -353,7 +343,7 @@ def test_ssd_tensor_parallel_target_data_parallel_draft(pair):
     assert eng.placement.tp == 2 and eng.placement.dp == 2
     run = _sample(eng, "ssd", "ssd-tp-target-dp-draft", chunk=25_000, ssd=F211)
     _check(run, "ssd-tp-target-dp-draft")
-    _assert_ssd_ran(run.metrics)
+    assert_every_path_ran("ssd", run.metrics)
     assert str(eng.tcache.k[0].sharding.spec) == "P(None, None, 'model')"
     assert str(eng.tparams.layers[0].wqkv.sharding.spec) == "P(None, 'model')"
     assert str(eng.worker.cache.k[0].sharding.spec) == "P('data',)"
@@ -368,5 +358,5 @@ def test_ssd_long_horizon_crosses_three_round_boundaries(pair):
     eng = _engine(pair)
     run = _sample(eng, "ssd", "ssd-long-horizon", chunk=25_000, k=k, ssd=SSDConfig(fanout=(1, 2)))
     _check(run, "ssd-long-horizon")
-    _assert_ssd_ran(run.metrics, k)
+    assert_every_path_ran("ssd", run.metrics, k)
     assert min(len(log) for log in run.calls) >= 4  # prefill + >= 3 rounds per request
