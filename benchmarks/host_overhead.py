@@ -4,10 +4,13 @@ time per round of AR / SD / SSD on tiny random models, whose compute is next to 
     python benchmarks/host_overhead.py                          # b = 1, 16, 64; K = 4; 96 tokens
     python benchmarks/host_overhead.py --batch 1 --tokens 24 --cprofile ssd@1
     python benchmarks/host_overhead.py --modes ssd --backup auto --cprofile ''      # backup="auto"
+    python benchmarks/host_overhead.py --placement tp2-dp2 --modes sd,ssd --cprofile ''  # 2 devices
 
 Models: a random qwen2-shaped target (vocab 256, 2 layers, hidden 64) and a draft that is the
 target's weights perturbed (`--perturb`), both built deterministically.
-`Engine(target, draft, placement="colocated", backend="xla", compilation_cache=False)`, greedy.
+`Engine(target, draft, placement="colocated", backend="xla", compilation_cache=False)`, greedy;
+`--placement tp2-dp2`: a 2-way tensor-parallel target and a 2-way data-parallel draft on two CPU
+devices (`make_placement("colocated", target_devices=2, draft_devices=2)`).
 Only the public API is used (`Engine.generate`, `out.metrics.rounds`), so the script runs
 unchanged on any engine with that API.
 
@@ -474,6 +477,8 @@ def main(argv=None) -> int:
                     help="Engine(round_chunks=True): SD and SSD in chunks of rounds (a CPU's "
                          "default is off)")
     ap.add_argument("--batch", default="1,16,64", help="batch sizes, comma-separated")
+    ap.add_argument("--placement", default="colocated", choices=("colocated", "tp2-dp2"),
+                    help="tp2-dp2: a 2-way TP target and a 2-way DP draft on two CPU devices")
     ap.add_argument("--backup", default="neural", choices=("neural", "random", "ngram", "auto"),
                     help="SSD's backup (greedy: the tokens do not depend on it)")
     ap.add_argument("--tokens", type=int, default=96, help="new tokens per row")
@@ -492,13 +497,18 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     import jax
+    if a.placement == "tp2-dp2":
+        jax.config.update("jax_num_cpu_devices", 2)
     from ssd_jax.runtime.engine import Engine
+    from ssd_jax.runtime.placement import make_placement
 
     checks = self_test()
     target, draft = build_pair(a.vocab, a.layers, a.perturb)
+    placement = (make_placement("colocated", target_devices=2, draft_devices=2)
+                 if a.placement == "tp2-dp2" else "colocated")
     # round_chunks only when asked: without it the script still runs an older engine (A/B
     # worktrees)
-    engine = Engine(target, draft, placement="colocated", backend="xla", compilation_cache=False,
+    engine = Engine(target, draft, placement=placement, backend="xla", compilation_cache=False,
                     **({"round_chunks": True} if a.round_chunks else {}))
     rows = []
     for b in (int(x) for x in a.batch.split(",")):
@@ -513,7 +523,7 @@ def main(argv=None) -> int:
                   file=sys.stderr, flush=True)
     cpu = cpu_info()
     text = (f"K = {a.k}, {a.tokens} new tokens, tiny random models (vocab {a.vocab}, {a.layers} "
-            f"layers), greedy, colocated, xla. AR: a round is a token.\n\n{table(rows)}\n\n"
+            f"layers), greedy, {a.placement}, xla. AR: a round is a token.\n\n{table(rows)}\n\n"
             f"CPU: {cpu_line(cpu)}; jax {jax.__version__}; commit {git_commit()} (library: "
             f"{git_commit(*LIBRARY_DIRS)})")
     profile = None
@@ -528,7 +538,7 @@ def main(argv=None) -> int:
                        library_commit=git_commit(*LIBRARY_DIRS),
                        settings=dict(k=a.k, tokens=a.tokens, vocab=a.vocab, layers=a.layers,
                                      perturb=a.perturb, prompt_len=a.prompt_len,
-                                     repeats=a.repeats),
+                                     placement=a.placement, repeats=a.repeats),
                        self_test=checks, rows=rows, profile=profile)
         write_results("host_overhead", os.path.dirname(a.out) or ".", payload, text,
                       stem=os.path.splitext(a.out)[0])

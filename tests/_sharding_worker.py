@@ -187,7 +187,9 @@ def case_hlo() -> dict:
 
 def case_dp_draft(dump: str) -> dict:
     """Collectives in every program a 2-device data-parallel draft compiles (layout 1+2, batch 4,
-    SD and SSD with hits and misses). The target has one device, so any collective is the draft's."""
+    SD and SSD with hits and misses, each backup with a device form), on the device loop and on
+    the host loop (timeline=True); and whether the two loops gave the same tokens and counters.
+    The target has one device, so any collective is the draft's."""
     import glob
 
     from ssd_jax.models.model import Model
@@ -198,8 +200,15 @@ def case_dp_draft(dump: str) -> dict:
     target = Model(cfg, random_params(cfg, 0, scale=1.0))
     draft = Model(cfg, perturb(target.params, jax.random.key(1), 0.2))
     eng = Engine(target, draft, placement="1+2", compilation_cache=False)
-    eng.generate(PROMPTS, mode="sd", k=3, max_new_tokens=8)
-    r = eng.generate(PROMPTS, mode="ssd", k=3, ssd=SSDConfig(fanout=(2, 2, 1, 1)), max_new_tokens=8)
+    same, loops = True, {}
+    for mode, backup in (("sd", "neural"), ("ssd", "random"), ("ssd", "ngram"), ("ssd", "neural")):
+        for timeline in (False, True):
+            r = eng.generate(PROMPTS, mode=mode, k=3, max_new_tokens=8, timeline=timeline,
+                             ssd=SSDConfig(fanout=(2, 2, 1, 1), backup=backup))
+            m = r.metrics
+            loops[timeline] = (r.token_ids, m.accept_hist, m.hits_by_accept, m.lookups_by_accept,
+                               m.backups)
+        same &= loops[False] == loops[True]
     programs = {}
     for path in sorted(glob.glob(os.path.join(dump, "*after_optimizations.txt"))):
         name = os.path.basename(path).split(".")[1]
@@ -207,7 +216,7 @@ def case_dp_draft(dump: str) -> dict:
         n = sum(len(re.findall(rf"\s{op}(?:-start)?\(", text)) for op in _COLLECTIVES)
         programs[name] = programs.get(name, 0) + n
     return {"programs": programs, "draft_cache_spec": str(eng.worker.cache.k[0].sharding.spec),
-            "hits": r.metrics.hits, "lookups": r.metrics.lookups}
+            "hits": r.metrics.hits, "lookups": r.metrics.lookups, "loops_agree": same}
 
 
 def case_multihost(process_id: int, num_processes: int, port: int) -> dict:

@@ -98,14 +98,18 @@ def test_compiled_verify_all_reduces_and_gathers_no_weights():
 
 def test_data_parallel_draft_never_communicates():
     """A batch-sharded draft decodes each shard's own sequences: its compiled programs (prefill,
-    drafting, the SSD tree, the lookup, backups) hold no collective. Per-sequence writes and takes
-    are vmapped so the batch stays a batching dimension GSPMD keeps local."""
+    drafting, the SSD tree, the lookup, backups; the device loop's resolve and SD's report, and
+    the host loop's) hold no collective. Per-sequence writes and takes are vmapped so the batch
+    stays a batching dimension GSPMD keeps local; the device loop's counters are per row and its
+    neural backup runs without `any` over the rows (`round_steps.resolve`'s local_rows). Both
+    loops give the same tokens and counters."""
     r = _worker("dp_draft", devices=3)
     assert r["draft_cache_spec"] == "P('data',)"
     assert 0 < r["hits"] < r["lookups"]  # the lookup and the backups both ran
+    assert r["loops_agree"]
     progs = r["programs"]
     for name in ("prefill_cache", "draft_chain", "draft_tree", "cache_gather_reference",
-                 "_take_backup"):
+                 "_take_backup", "resolve", "pass_report", "unpack"):
         assert f"jit_{name}" in progs, sorted(progs)
     assert {n: c for n, c in progs.items() if c} == {}, progs
 

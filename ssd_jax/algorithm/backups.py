@@ -96,15 +96,16 @@ def record_committed(history: jax.Array, report: jax.Array, n: jax.Array) -> jax
     """history `[B, H]` with a round's committed tokens written at their positions: report a
     `decode_state.report` `[B, 4 + 2M]` (its kept count and tokens), n `[B]` the bonus's
     position after the round (the last token kept sits there). Rows that kept nothing are
-    unchanged. The device loop's n-gram backup reads the history this keeps."""
+    unchanged. The device loop's n-gram backup reads the history this keeps. Each row writes its
+    own (vmapped), so on a data-parallel draft the write stays on the row's shard."""
     from ssd_jax.algorithm import decode_state as ds
-    B, H = history.shape
+    H = history.shape[1]
     kept = report[:, ds.R_KEPT]
     M = (report.shape[1] - ds.R_TOKENS) // 2
     toks = report[:, ds.R_TOKENS:ds.R_TOKENS + M]
     j = jnp.arange(M, dtype=jnp.int32)[None]
     at = jnp.where(j < kept[:, None], n[:, None] - kept[:, None] + 1 + j, H)  # H: dropped
-    return history.at[jnp.arange(B)[:, None], at].set(toks, mode="drop")
+    return jax.vmap(lambda h, a, t: h.at[a].set(t, mode="drop"))(history, at, toks)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "vocab_size", "row_vocab", "row_dtype", "ngram"))

@@ -18,7 +18,7 @@ without reading anything but one `report` (docs/ARCHITECTURE.md, "The round on t
   `lax.while_loop`, one report for the chunk, for a draft on the target's mesh.
 - `resolve` (draft): the speculation-cache lookup for the outcome, the backup for the rows that
   missed (a neural draft chain under `lax.cond`, only when a row missed, or the random backup),
-  the hit counters, and the report with its hit column.
+  the hit counters (per row: `LookupCounters`), and the report with its hit column.
 """
 from __future__ import annotations
 
@@ -67,19 +67,28 @@ class Outcome:
 
 @struct.dataclass
 class LookupCounters:
-    """SSD's lookup counters on the draft mesh: lookups_by_accept / hits_by_accept `[K+1]` by the
-    accepted count looked up; backups `[2]`: rows served by the neural / random backup."""
+    """SSD's lookup counters on the draft mesh, per row: lookups_by_accept / hits_by_accept
+    `[B, K+1]` by the accepted count looked up; backups `[B, 3]`: rounds the row was served by
+    the neural / random / n-gram backup (`BACKUP_INDEX`). Per row, so a round adds to them
+    without a reduction across rows (on a data-parallel draft, a collective between its shards);
+    the host sums them once a call (`totals`)."""
     lookups_by_accept: jax.Array
     hits_by_accept: jax.Array
     backups: jax.Array
 
     @classmethod
-    def zeros(cls, k: int) -> "LookupCounters":
-        """Zero counters for lookahead k (host arrays, placed by the caller)."""
+    def zeros(cls, k: int, batch: int) -> "LookupCounters":
+        """Zero counters for lookahead k and `batch` rows (host arrays, placed by the caller)."""
         import numpy as np
-        z = np.zeros(k + 1, np.int32)
+        z = np.zeros((batch, k + 1), np.int32)
         return cls(lookups_by_accept=z, hits_by_accept=z.copy(),
-                   backups=np.zeros(len(BACKUP_INDEX), np.int32))
+                   backups=np.zeros((batch, len(BACKUP_INDEX)), np.int32))
+
+    def totals(self) -> "LookupCounters":
+        """Host side, on fetched counters: the call's counts, summed over the rows."""
+        import numpy as np
+        return LookupCounters(*(np.asarray(x, np.int64).sum(0) for x in
+                                (self.lookups_by_accept, self.hits_by_accept, self.backups)))
 
 
 BACKUP_INDEX = {"neural": 0, "random": 1, "ngram": 2}
@@ -307,12 +316,13 @@ def fit_rows(rows: jax.Array, row_vocab: int) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "vocab_size", "row_vocab", "k", "backup",
-                                             "saguaro_top_n", "row_dtype", "ops"),
+                                             "saguaro_top_n", "row_dtype", "ops", "local_rows"),
                    donate_argnames=("cache",))
 def resolve(params, cfg, cache, tree: SpeculationCache, outcome: jax.Array,
             counters: LookupCounters, seed, request_ids, sampling, saguaro_c, history=None,
             neural=None, *, vocab_size: int, row_vocab: int, k: int, backup: str,
-            saguaro_top_n: tuple[int, ...] = (), row_dtype: str = "float32", ops: Ops = XLA):
+            saguaro_top_n: tuple[int, ...] = (), row_dtype: str = "float32", ops: Ops = XLA,
+            local_rows: bool = False):
     """The next round's speculation from the realised outcome (docs/ALGORITHM.md §2, step 3).
 
     Looks `outcome` up in `tree` (the speculation cache drafted during the verify); rows that are
@@ -332,7 +342,10 @@ def resolve(params, cfg, cache, tree: SpeculationCache, outcome: jax.Array,
     when none was given)). outcome: an `Outcome`, packed. Static: the draft's `cfg`, `vocab_size` (its real
     rows), `row_vocab` (the target's), `k`, `backup`, Saguaro's per-step `saguaro_top_n` for the
     backup, `row_dtype` and the draft's op table `ops`; seed, request_ids `[B]`, the draft's
-    `sampling`, `saguaro_c` and `neural` are traced.
+    `sampling`, `saguaro_c` and `neural` are traced. `local_rows` (static): the rows are sharded
+    over a data-parallel draft mesh, so nothing may reduce across them: the neural backup then
+    drafts every round, not only a round where some row missed (`any` over the rows would be a
+    collective between the shards), for the same tokens.
     """
     o = Outcome.unpack(outcome)
     if history is not None:
@@ -349,6 +362,8 @@ def resolve(params, cfg, cache, tree: SpeculationCache, outcome: jax.Array,
         return bspec, fit_rows(brows, row_vocab).astype(rows.dtype), c
 
     def neural_backup(c):  # a round where every row hit drafts nothing
+        if local_rows:  # whether any row missed is a reduction across the shards
+            return chain(c)
         return jax.lax.cond(jnp.any(missed), chain, lambda c: (spec, rows, c), c)
 
     def uniform(c):
@@ -378,12 +393,12 @@ def resolve(params, cfg, cache, tree: SpeculationCache, outcome: jax.Array,
         raise ValueError(f"backup {backup!r} has no device form (neural, random, ngram, auto)")
     spec = jnp.where(missed[:, None], bspec, spec)
     rows = jnp.where(missed[:, None, None], brows.astype(rows.dtype), rows)
-    onehot = jax.nn.one_hot(o.num_accepted, k + 1, dtype=jnp.int32)
-    looked = o.active[:, None].astype(jnp.int32)
+    looked = jax.nn.one_hot(o.num_accepted, k + 1, dtype=jnp.int32) * o.active[:, None]
+    served = jax.nn.one_hot(kind, len(BACKUP_INDEX), dtype=jnp.int32) * missed[:, None]
     counters = LookupCounters(
-        lookups_by_accept=counters.lookups_by_accept + (onehot * looked).sum(0),
-        hits_by_accept=counters.hits_by_accept + (onehot * looked * hit[:, None]).sum(0),
-        backups=counters.backups.at[kind].add(missed.sum(dtype=jnp.int32)))
+        lookups_by_accept=counters.lookups_by_accept + looked,
+        hits_by_accept=counters.hits_by_accept + looked * hit[:, None],
+        backups=counters.backups + served)
     return (spec, rows, missed, cache, counters, ds.with_hits(o.report, hit, o.active),
             o.replace(report=jnp.zeros((), jnp.int32)), history)
 
@@ -392,5 +407,6 @@ def resolve(params, cfg, cache, tree: SpeculationCache, outcome: jax.Array,
 def pass_report(report: jax.Array, spec: jax.Array) -> jax.Array:
     """SD: the round's report, made to wait for the next speculation `spec` `[B, K]` (drafted on
     the draft mesh), so the host's one fetch of a round also surfaces a draft failure before the
-    next verify is dispatched. spec is never negative; the select keeps the dependency."""
-    return jnp.where(jnp.any(spec < -1), -1, report)
+    next verify is dispatched. spec is never negative; the select keeps the dependency, row by
+    row (no reduction across rows: on a data-parallel draft that would be a collective)."""
+    return jnp.where(jnp.any(spec < -1, axis=1, keepdims=True), -1, report)

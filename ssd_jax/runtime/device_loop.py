@@ -1,7 +1,7 @@
 """The round loop with the call's state on the device: one fetch per round, no per-row Python.
 
 `Engine.generate` runs here unless the call asks for the host loop (`timeline=True`, a draft in
-another process, a proposer, a data-parallel draft, a mesh over several processes). The
+another process, a proposer, a mesh over several processes). The
 call's per-row state is a `DecodeState` on the target mesh; the jitted steps advance it
 (`ssd_jax.algorithm.round_steps`); the draft's side of a round (lookup, backup, next tree) runs on
 the draft mesh from the verify's `Outcome`, moved device to device. The host dispatches each round
@@ -181,7 +181,7 @@ class DeviceLoop(RoundChunks):
                 m.accept_hist_after_hit = [int(x) for x in hists[1]]
                 m.accept_hist_after_miss = [int(x) for x in hists[2]]
         if c is not None:
-            u = self.uncounted
+            c, u = c.totals(), self.uncounted
             m.lookups_by_accept = [int(x - y) for x, y in zip(c.lookups_by_accept, u["lookups_by_accept"])]
             m.hits_by_accept = [int(x - y) for x, y in zip(c.hits_by_accept, u["hits_by_accept"])]
             m.lookups, m.hits = sum(m.lookups_by_accept), sum(m.hits_by_accept)

@@ -299,8 +299,15 @@ class DraftWorker:
         return spec, rows, hit, times
 
     def start_counters(self, k: int) -> None:
-        """Zero SSD's lookup counters for a call at lookahead k (the device loop's)."""
-        self.counters = to_mesh(round_steps.LookupCounters.zeros(k), self.sharding)
+        """Zero SSD's lookup counters for a call at lookahead k (the device loop's; per row,
+        placed as the rows are, after `start`)."""
+        self.counters = to_mesh(round_steps.LookupCounters.zeros(k, self._batch), self.rows)
+
+    @property
+    def local_rows(self) -> bool:
+        """Whether the call's rows are sharded over a data-parallel mesh (`_batch_sharding`):
+        then no draft step may reduce across them (`round_steps.resolve`)."""
+        return len(self.rows.device_set) > 1 and not self.rows.is_fully_replicated
 
     def resolve_on_device(self, outcome, run: DraftRun, neural: bool | None = None):
         """`resolve` for the device loop: the verify's packed `Outcome` (on the target mesh;
@@ -312,7 +319,7 @@ class DraftWorker:
         outcome = self._put_rows(outcome)
         backup = run.backup if neural is None else "auto"
         kw = dict(vocab_size=self.vocab_size, row_vocab=self.row_vocab, k=run.k,
-                  backup=backup, row_dtype=run.row_dtype,
+                  backup=backup, row_dtype=run.row_dtype, local_rows=self.local_rows,
                   saguaro_top_n=tuple(f + 1 for f in run.fanout_backup[:-1]))
 
         def call():

@@ -312,19 +312,15 @@ class Engine(HostLoop):
 
     def _on_device(self, mode: str, ssd: SSDConfig, timeline: bool) -> bool:
         """Whether a call runs the device loop: not when it asks for the timed host loop, not on
-        a mesh over several processes, and for SD / SSD only with an in-process draft model on
-        one device (not data-parallel); every backup has a device form ("auto":
+        a mesh over several processes, and for SD / SSD only with an in-process draft model (on
+        one device or data-parallel over several, whose shards never communicate:
+        `round_steps.resolve`'s `local_rows`); every backup has a device form ("auto":
         `ssd_jax.runtime.auto_backup`)."""
         if timeline or self._serial:
             return False
         if mode == "ar":
             return True
         if not isinstance(self.worker, DraftWorker):
-            return False
-        if self.placement.dp > 1:
-            # a data-parallel draft never communicates (tests/test_sharding.py); the device
-            # resolve's any-miss condition and counters reduce over the batch, a collective
-            # across its shards: the host loop keeps each shard's work local
             return False
         return mode == "sd" or ssd.backup in ("neural", "random", "ngram", "auto")
 
