@@ -3,9 +3,12 @@
 Full runs here have lost a worker to a segfault inside XLA:CPU about once in three: in its compiler
 (`backend_compile_and_load`), in reading a cached executable back, and (CI, 2026-12-03) while
 `test_study_scripts` compiled the tiny pair's steps, each time in a test that passes alone and on
-rerun; on 2026-12-04 one full run lost two (benchmarks/README.md, "The CI order again"), so a
-session allows three. A crash is not a failure of the test's assertions, and one lost worker should not make the
-whole suite red; but a crash that comes back is a real one. So, on the xdist controller:
+rerun; on 2026-12-04 one full run lost two (benchmarks/README.md, "The CI order again"), and
+the next two full runs two each (abort and segfault, both in `backend_compile_and_load`, in
+different tests each time): about two a run, so three allowed left a run red about one time in
+seven (Poisson), and a session now allows five (about one in sixty). A crash is not a failure of
+the test's assertions, and one lost worker should not make the whole suite red; but a crash that
+comes back is a real one. So, on the xdist controller:
 
 - a crashed test is put back in the queue once; its second crash, or any crash after
   `MAX_CRASH_RERUNS` in one session, fails as xdist reports it;
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import pytest
 
-MAX_CRASH_RERUNS = 3
+MAX_CRASH_RERUNS = 5
 _rerun: dict[str, str] = {}  # test id -> its crash message, for the tests put back (controller)
 
 
