@@ -361,7 +361,7 @@ def resolve(params, cfg, cache, tree: SpeculationCache, outcome: jax.Array,
                 k, saguaro_top_n, saguaro_c, row_dtype, ops=ops, draft_rows=missed)
         return bspec, fit_rows(brows, row_vocab).astype(rows.dtype), c
 
-    def neural_backup(c):  # a round where every row hit drafts nothing
+    def neural_backup(c):  # a round where every row hit drafts nothing (unless local_rows)
         if local_rows:  # whether any row missed is a reduction across the shards
             return chain(c)
         return jax.lax.cond(jnp.any(missed), chain, lambda c: (spec, rows, c), c)
