@@ -205,6 +205,31 @@ def test_make_placement_layouts():
         make_placement("4x1")
 
 
+def test_move_reshards_between_meshes_on_the_same_devices_without_device_put(monkeypatch):
+    """`placement.move`, the device loop's every-round moves: between a TP target and a DP draft
+    over the same two devices an array is resharded by a jitted identity (no `jax.device_put`,
+    whose Python path costs ~250 calls a sharded array); the values and the target layout are
+    `to_mesh`'s. Across device sets, from the host and onto one device it is `to_mesh`."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ssd_jax.runtime import placement as pl
+    p = make_placement("colocated", target_devices=2, draft_devices=2)
+    x = pl.to_mesh(jnp.arange(4 * 3 * 8, dtype=jnp.float32).reshape(4, 3, 8), p.draft_rows(4))
+    one = make_placement("split")  # two meshes of one device each
+    other = pl.to_mesh(jnp.zeros(3), one.draft_rows(3))
+    puts, real = [], jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: puts.append(a) or real(*a, **k))
+    for want in (p.target_rows(8), p.target_rows(8).update(spec=jax.sharding.PartitionSpec())):
+        y = pl.move(x, want)
+        assert y.sharding == want and np.array_equal(np.asarray(y), np.asarray(x))
+    assert puts == []
+    assert pl.move(x, p.draft_rows(4)) is x  # already there
+    assert pl.move(np.zeros(3), one.target_rows(8)).sharding == one.target_rows(8)  # from the host
+    assert pl.move(other, one.target_rows(8)).sharding == one.target_rows(8)  # across devices
+    assert len(puts) == 2
+
+
 def test_bytes_per_round():
     V, K = 151936, 7
     one = bytes_per_round(1, K, V, "float32")

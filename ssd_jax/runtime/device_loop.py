@@ -45,7 +45,7 @@ from ssd_jax.algorithm import steps
 from ssd_jax.runtime.auto_backup import AutoBackup
 from ssd_jax.runtime.draft_worker import DraftRun, RoundState
 from ssd_jax.runtime.metrics import Metrics, RoundTimes
-from ssd_jax.runtime.placement import to_mesh
+from ssd_jax.runtime.placement import move, to_mesh
 from ssd_jax.runtime.round_chunks import RoundChunks
 
 
@@ -312,8 +312,8 @@ class DeviceLoop(RoundChunks):
         """Dispatch the verify of the speculation (spec `[B, K]`, rows `[B, K, V]`, on the draft
         mesh) against the state's bonus: returns (VerifyResult, log-probs), in flight."""
         e, run = self.e, self.run
-        tspec = to_mesh(spec, self.tgt)
-        trows = to_mesh(rows, e.placement.target_rows(rows.shape[-1]))
+        tspec = move(spec, self.tgt)
+        trows = move(rows, e.placement.target_rows(rows.shape[-1]))
         res, lp, e.tcache = steps.verify(
             e.tparams, e.tcfg, e.tcache, self.state.bonus, tspec, trows, self.active,
             run["seed"], self.rids_t, run["sampling"], e.vocab_size, run["verifier"], ops=e.tops)
@@ -460,7 +460,7 @@ class DeviceLoop(RoundChunks):
             packed = self._commit(res, lp, from_backup)
             neural = self.auto.next() if self.auto is not None else None
             spec, rows, from_backup_d, rep, v = draft.resolve_on_device(packed, drun, neural)
-            from_backup = to_mesh(from_backup_d, self.tgt)
+            from_backup = move(from_backup_d, self.tgt)
             return packed, rep
 
         def restore(counters):

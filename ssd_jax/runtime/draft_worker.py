@@ -18,7 +18,7 @@ from ssd_jax.models import backends
 from ssd_jax.models.protocol import forward, init_cache, is_builtin, with_lengths
 from ssd_jax.algorithm import backups, round_steps, steps
 from ssd_jax.runtime.metrics import layout_bytes
-from ssd_jax.runtime.placement import _placed, settle, spans_processes, to_host, to_mesh
+from ssd_jax.runtime.placement import _placed, move, settle, spans_processes, to_host, to_mesh
 from ssd_jax.runtime.sharding import consume
 from ssd_jax.algorithm.speculation_cache import lookup
 from ssd_jax.algorithm.tree import draft_tree
@@ -355,7 +355,7 @@ class DraftWorker:
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         if all(isinstance(x, jax.Array) and _placed(x, self.rows) for x in leaves):
             return tree
-        return to_mesh(tree, self.rows)
+        return move(tree, self.rows)  # the packed outcome, every round
 
     def finish(self):
         """End of a generate call (a remote worker is told to stop waiting for outcomes)."""
