@@ -130,9 +130,9 @@ class Rounds:
     EOS) and `after` (how the round's speculation was made: 1 from a speculation-cache hit, 0 from
     a miss's backup, -1 no lookup: SD, or SSD's first round), each `[B]`. Recorded by
     `recording_rounds` from what the round loops already read: the device loop's per-round
-    report (`DeviceLoop.read`) (its kept column, its tokens' -1 padding after accepted + 1, and its hit column:
-    the lookup of that round's outcome, which made the next round's speculation) and the host
-    loop's commit."""
+    report (`DeviceLoop.read`: its kept column, its tokens' -1 padding after accepted + 1, and
+    its hit column, the lookup of that round's outcome, which made the next round's
+    speculation) and the host loop's commit."""
 
     def __init__(self):
         self.rounds: list[dict[str, np.ndarray]] = []
@@ -251,9 +251,9 @@ EOS_PAD = V  # the symbol of every position after the first EOS in an EOS case's
 EOS_PROMPTS = ((2,), (1, 3, 0), (0, 2, 1, 3, 1))  # lengths 1, 3, 5 (EOS in a prompt stops nothing)
 # Per-request sampling in one batch: rows alternate between these target settings
 MIXED_SAMPLING = (SamplingParams(temperature=0.7, top_k=3), SamplingParams(temperature=1.0, top_p=0.8))
-_COVERAGE = ("a coverage case: the path runs and is exact at this n; TV 0.01 in tokens 5-8, "
-             "past two lookups, needs 150k-175k requests, ~80-150 s a case here against ~30-50 s "
-             "now: the nine such cases would add ~7 minutes to CI")
+_COVERAGE = ("a coverage case: the path runs and is exact at this n; TV 0.01 in tokens 5-8 "
+             "(each decided after a lookup) needs 150k-175k requests, ~80-150 s a case here "
+             "against ~30-50 s now: the nine such cases would add ~7 minutes to CI")
 _E, _P = "test_engine_exactness.py", "test_engine_paths.py"
 _E_DIST = f"{_E}::test_engine_output_has_the_target_distribution"
 _E_HEAD = f"{_E}::test_a_draft_head_cut_to_half_the_vocabulary_keeps_the_target_distribution"
