@@ -111,14 +111,22 @@ def sample_windows(pair, mode, sampling, *, n: int = N, chunk: int = CHUNK, wind
                                **(engine_kw or {}))
         for c in range(-(-n // chunk)):
             lo, hi = first_id + c * chunk, first_id + min(n, (c + 1) * chunk)
-            with recording_rounds() as rounds:
-                out = eng.generate([list(prompt)] * (hi - lo), mode=mode,
-                                   max_new_tokens=skip + window, k=K, sampling=sampling,
-                                   request_ids=range(lo, hi), seed=11, **kw)
+            out = generate_recorded(eng, [list(prompt)] * (hi - lo), skip=skip, window=window,
+                                    mode=mode, k=K, sampling=sampling,
+                                    request_ids=range(lo, hi), seed=11, **kw)
             windows.append(np.asarray(out.token_ids)[:, skip:skip + window])
-            out.metrics.extra["window_hist"] = rounds.window_hist(skip, window, K)
             metrics.append(out.metrics)
     return np.concatenate(windows), metrics
+
+
+def generate_recorded(eng: Engine, prompts, *, skip: int, window: int, k: int, **kw):
+    """`eng.generate(prompts, max_new_tokens=skip + window, k=k, **kw)` with its rounds recorded:
+    its Metrics' extra["window_hist"] is `Rounds.window_hist(skip, window, k)`, what
+    `assert_every_path_ran` reads."""
+    with recording_rounds() as rounds:
+        out = eng.generate(prompts, max_new_tokens=skip + window, k=k, **kw)
+    out.metrics.extra["window_hist"] = rounds.window_hist(skip, window, k)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

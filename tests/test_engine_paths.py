@@ -85,8 +85,8 @@ from ssd_jax.runtime.engine import Engine, SSDConfig
 from ssd_jax.runtime.placement import make_placement
 
 from _engine_stats import (EOS, EOS_PAD, EOS_PROMPTS, K, STAT_CASES, V, WINDOW,
-                           assert_every_path_ran, case_exact, check_windows, exact, make_pair,
-                           recording_rounds, target_model, truncated_at_eos, verdict)
+                           assert_every_path_ran, case_exact, check_windows, exact,
+                           generate_recorded, make_pair, target_model, truncated_at_eos, verdict)
 
 pytestmark = pytest.mark.slow
 
@@ -132,11 +132,10 @@ def _sample(eng: Engine, mode: str, case: str, *, chunk: int, k: int = K, n: int
     rows = [list(prompts[i % len(prompts)]) for i in range(chunk)]
     for c in range(n // chunk):
         log = [[] for _ in range(chunk)]
-        with recording_rounds() as rounds:
-            out = eng.generate(rows, mode=mode, max_new_tokens=window, k=k, sampling=sampling,
-                               request_ids=range(c * chunk, (c + 1) * chunk), seed=11,
-                               on_tokens=lambda row, ids: log[row].append(len(ids)), **kw)
-        out.metrics.extra["window_hist"] = rounds.window_hist(0, window, k)
+        out = generate_recorded(eng, rows, skip=0, window=window, mode=mode, k=k,
+                                sampling=sampling, request_ids=range(c * chunk, (c + 1) * chunk),
+                                seed=11, on_tokens=lambda row, ids: log[row].append(len(ids)),
+                                **kw)
         tokens += out.token_ids
         finish += out.finish_reasons
         pidx += [i % len(prompts) for i in range(chunk)]

@@ -80,6 +80,7 @@ class DraftWorker:
         self.sharding = sharding  # replicated on the draft mesh: weights and scalars
         self.rows = sharding  # per-sequence arrays: batch-sharded on a 2+ device mesh (see start)
         self._batch = None
+        self.local_rows = False  # set per call by `start`
         # A data-parallel draft (2+ devices) gets the xla table ("auto"), which XLA partitions
         # over the batch; a kernel's custom call has no partitioning rule.
         self.ops = backends.select(backend, sharding.mesh)
@@ -157,6 +158,9 @@ class DraftWorker:
         `cache_len` slots; dispatched, not waited for (`ready` waits)."""
         B = prompt_tokens.shape[0]
         self._batch, self.rows = B, _batch_sharding(self.sharding, B)
+        # whether the call's rows are sharded over a data-parallel mesh: then no draft step may
+        # reduce across them (`round_steps.resolve`'s local_rows)
+        self.local_rows = len(self.rows.device_set) > 1 and not self.rows.is_fully_replicated
         self.spec_bytes = {}
         self.cache = init_cache(self.cfg, B, cache_len, sharding=self.rows)
         self.cache = settle(steps.prefill_cache(self.params, self.cfg, self.cache,
@@ -302,12 +306,6 @@ class DraftWorker:
         """Zero SSD's lookup counters for a call at lookahead k (the device loop's; per row,
         placed as the rows are, after `start`)."""
         self.counters = to_mesh(round_steps.LookupCounters.zeros(k, self._batch), self.rows)
-
-    @property
-    def local_rows(self) -> bool:
-        """Whether the call's rows are sharded over a data-parallel mesh (`_batch_sharding`):
-        then no draft step may reduce across them (`round_steps.resolve`)."""
-        return len(self.rows.device_set) > 1 and not self.rows.is_fully_replicated
 
     def resolve_on_device(self, outcome, run: DraftRun, neural: bool | None = None):
         """`resolve` for the device loop: the verify's packed `Outcome` (on the target mesh;
