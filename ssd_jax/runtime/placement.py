@@ -182,9 +182,11 @@ def move(x, sharding: NamedSharding):
     own, laid out otherwise (a TP target and a DP draft over the same devices), is resharded by a
     jitted identity, ~2 Python calls against ~250 for its `device_put`; anything else goes
     through `to_mesh`."""
-    if (jax.process_count() == 1 and isinstance(x, jax.Array) and len(sharding.device_set) > 1
-            and not _placed(x, sharding) and x.sharding.device_set == sharding.device_set):
-        return _reshard(sharding)(x)
+    if jax.process_count() == 1 and isinstance(x, jax.Array):
+        if _placed(x, sharding):
+            return x  # one device, or a colocated placement: as `to_mesh`, nothing moves
+        if len(sharding.device_set) > 1 and x.sharding.device_set == sharding.device_set:
+            return _reshard(sharding)(x)
     return to_mesh(x, sharding)
 
 
