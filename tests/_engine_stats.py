@@ -122,10 +122,13 @@ def sample_windows(pair, mode, sampling, *, n: int = N, chunk: int = CHUNK, wind
 def generate_recorded(eng: Engine, prompts, *, skip: int, window: int, k: int, **kw):
     """`eng.generate(prompts, max_new_tokens=skip + window, k=k, **kw)` with its rounds recorded:
     its Metrics' extra["window_hist"] is `Rounds.window_hist(skip, window, k)`, what
-    `assert_every_path_ran` reads."""
+    `assert_every_path_ran` reads, and extra["first_lookup"] `Rounds.lookup_hist(0, k)` (SSD:
+    round 1's outcomes by whether their lookup hit)."""
     with recording_rounds() as rounds:
         out = eng.generate(prompts, max_new_tokens=skip + window, k=k, **kw)
     out.metrics.extra["window_hist"] = rounds.window_hist(skip, window, k)
+    if len(rounds.rounds) > 1:
+        out.metrics.extra["first_lookup"] = rounds.lookup_hist(0, k)
     return out
 
 
@@ -169,6 +172,16 @@ class Rounds:
             inside = ((r["kept"] > 0) & (r["start"] < skip + window)
                       & (r["start"] + r["kept"] > skip) & (r["after"] >= 0))
             np.add.at(hist, (r["after"][inside], r["accepted"][inside]), 1)
+        return hist
+
+    def lookup_hist(self, r: int, k: int) -> np.ndarray:
+        """`[2, k + 1]`: the rows that went on past round r (0-based) by how the next round's
+        speculation was made from round r's outcome (row 0: a miss's backup, row 1: a hit) and
+        round r's accepted count."""
+        hist = np.zeros((2, k + 1), np.int64)
+        after, accepted = self.rounds[r + 1]["after"], self.rounds[r]["accepted"]
+        went_on = after >= 0
+        np.add.at(hist, (after[went_on], accepted[went_on]), 1)
         return hist
 
 
@@ -259,9 +272,10 @@ EOS_PAD = V  # the symbol of every position after the first EOS in an EOS case's
 EOS_PROMPTS = ((2,), (1, 3, 0), (0, 2, 1, 3, 1))  # lengths 1, 3, 5 (EOS in a prompt stops nothing)
 # Per-request sampling in one batch: rows alternate between these target settings
 MIXED_SAMPLING = (SamplingParams(temperature=0.7, top_k=3), SamplingParams(temperature=1.0, top_p=0.8))
-_COVERAGE = ("a coverage case: the path runs and is exact at this n; TV 0.01 in tokens 5-8 "
-             "(each decided after a lookup) needs 150k-175k requests, ~80-150 s a case here "
-             "against ~30-50 s now: the nine such cases would add ~7 minutes to CI")
+_SAME_RULES = ("ssd-t1.0's rules on the hit path, with other numbers (bf16 rows, an int8 / int4 "
+               "draft: each in the draws-from-rows check; an int8 target) or a sampling cut (at TV "
+               "0.01 in the SD cases). TV 0.01 here needs 175k requests, ~95 s a case in a CI "
+               "worker against ~35 s at 50k: the six would add ~3 minutes to CI, over its 50")
 _E, _P = "test_engine_exactness.py", "test_engine_paths.py"
 _E_DIST = f"{_E}::test_engine_output_has_the_target_distribution"
 _E_HEAD = f"{_E}::test_a_draft_head_cut_to_half_the_vocabulary_keeps_the_target_distribution"
@@ -299,26 +313,26 @@ STAT_CASES: dict[str, StatCase] = {
     "ar-t0.8": StatCase("AR, T 0.8", f"{_P}::test_ar_sampling_at_temperature", T08, 175_000),
     "ssd-topk3-t0.9": StatCase("SSD, target and draft top-k 3, T 0.9",
                                f"{_P}::test_ssd_top_k_and_top_p",
-                               SamplingParams(temperature=0.9, top_k=3), 50_000, power_tv=0.02,
-                               why=_COVERAGE),
+                               SamplingParams(temperature=0.9, top_k=3), 50_000, skip=4,
+                               power_tv=0.02, why=_SAME_RULES),
     "ssd-topp0.9-t1.5": StatCase("SSD, top-p 0.9, T 1.5", f"{_P}::test_ssd_top_k_and_top_p",
-                                 SamplingParams(temperature=1.5, top_p=0.9), 50_000,
-                                 power_tv=0.02, why=_COVERAGE),
+                                 SamplingParams(temperature=1.5, top_p=0.9), 50_000, skip=4,
+                                 power_tv=0.02, why=_SAME_RULES),
     "ssd-draft-sampling": StatCase("SSD, draft sampling T 0.5 top-k 2",
                                    f"{_P}::test_ssd_draft_sampling_differs_from_the_target", T10,
-                                   50_000, power_tv=0.02, why=_COVERAGE),
+                                   175_000, skip=4),
     "ssd-fanout-backup": StatCase("SSD, fanout_backup unlike fanout, Saguaro C 0.5",
-                                  f"{_P}::test_ssd_fanout_backup_differs_from_fanout", T10, 50_000,
-                                  power_tv=0.02, why=_COVERAGE),
+                                  f"{_P}::test_ssd_fanout_backup_differs_from_fanout", T10,
+                                  175_000, skip=4),
     "ssd-auto-backup": StatCase("SSD, backup auto switching both ways (policy forced), K 1",
-                                f"{_P}::test_ssd_auto_backup_switching_both_ways", TOP_K2, 50_000,
-                                window=6, power_tv=0.02, why=_COVERAGE),
+                                f"{_P}::test_ssd_auto_backup_switching_both_ways", TOP_K2,
+                                150_000, skip=4),
     "ssd-bf16-rows": StatCase("SSD, bf16 proposal rows", f"{_P}::test_ssd_bfloat16_proposal_rows",
-                              T10, 50_000, power_tv=0.02, why=_COVERAGE),
+                              T10, 50_000, skip=4, power_tv=0.02, why=_SAME_RULES),
     "ssd-int8-draft": StatCase("SSD, int8 draft", f"{_P}::test_ssd_quantized_draft_at_temperature",
-                               T10, 50_000, power_tv=0.02, why=_COVERAGE),
+                               T10, 50_000, skip=4, power_tv=0.02, why=_SAME_RULES),
     "ssd-int4-draft": StatCase("SSD, int4 draft", f"{_P}::test_ssd_quantized_draft_at_temperature",
-                               T10, 50_000, power_tv=0.02, why=_COVERAGE),
+                               T10, 50_000, skip=4, power_tv=0.02, why=_SAME_RULES),
     **{f"ssd-eos-prompt{len(p)}": StatCase(
         f"SSD, mixed prompt lengths stopping at EOS (prompt length {len(p)})",
         f"{_P}::test_ssd_mixed_prompt_lengths_stopping_at_eos", T10, 24_000, prompt=p, eos=EOS,
@@ -329,8 +343,8 @@ STAT_CASES: dict[str, StatCase] = {
                                      24_000, window=5, power_tv=0.03,
                                      why="the Pallas interpreter costs ~4 ms a request"),
     "ssd-int8-target": StatCase("SSD, int8 target (enumerated from its own forward)",
-                                f"{_P}::test_ssd_int8_target", T10, 50_000, power_tv=0.02,
-                                why=_COVERAGE, target="int8"),
+                                f"{_P}::test_ssd_int8_target", T10, 50_000, skip=4,
+                                power_tv=0.02, why=_SAME_RULES, target="int8"),
     "ssd-tp-target-dp-draft": StatCase("SSD, 2-way TP target, 2-way DP draft (the device loop)",
                                        f"{_P}::test_ssd_tensor_parallel_target_data_parallel_draft",
                                        T10, 175_000, skip=4),

@@ -1,70 +1,58 @@
 """Distribution exactness of the real engine on the decoding paths tests/test_engine_exactness.py
 does not cover (issue #21). Each case runs independent requests (distinct request ids) through a
-real `Engine` on the tiny V = 4 pair of tests/_engine_stats.py and tests their first `window`
-generated tokens against the exact window distribution enumerated from the target, with the
-calibrated chi-square test of `ssd_jax.testing` (false alarm 1e-3), and asserts that the path it
-is about really ran.
+real `Engine` on the tiny V = 4 pair of tests/_engine_stats.py and tests generated tokens
+skip + 1 .. skip + window against the exact window distribution enumerated from the target, with
+the calibrated chi-square test of `ssd_jax.testing` (false alarm 1e-3), and asserts that the path
+it is about really ran.
 
 Pooling and power. Cells of exact probability below 1% are pooled into groups of >= 1%, as in
-tests/test_engine_exactness.py (`_engine_stats.min_expected`). Power is
-`ssd_jax.testing.detection_power_by_alternative` on each case's own exact distribution and n (400
-trials, the minimum over alternative seeds 0-2), in two columns per total-variation distance:
-"concentrated", the minimum over the three alternatives that move mass between a few cells
-(likely -> likely, likely -> unlikely, unlikely -> likely), and "spread", every cell moved by a
-few % of itself, the hardest for chi-square. Most cases here are about coverage (each path runs
-and is exact); the n that takes the spread alternative to 0.95 at TV 0.01 (100k-175k a case,
-test_engine_exactness.py) would triple this module's time, and CI has no room for it. Every case
-is registered in `_engine_stats.STAT_CASES` (its n, window and prompt come from there), so
-test_engine_exactness.py's power test enforces power >= 0.95 at each case's registered TV (0.01
-for AR, 0.02 or 0.03 for the others, the registry saying why) and docs/ALGORITHM.md's coverage
-table lists it. Time is CPU
-seconds of the case measured in module order (later cases reuse compiles of earlier ones with the
-same static shapes) on the shared 2-core machine under a load of ~8 from other jobs: 609 s in all
-(wall 1117 s there), before the AR case went from 100k to 175k requests.
+tests/test_engine_exactness.py (`_engine_stats.min_expected`). Every case is registered in
+`_engine_stats.STAT_CASES` (its n, skip, window and prompt come from there), so
+test_engine_exactness.py's power test enforces power >= 0.95 at each case's registered TV
+(`ssd_jax.testing.detection_power_by_alternative` on the case's own exact distribution and n,
+400 trials, the minimum over every alternative and over alternative seeds 0-2) and
+docs/ALGORITHM.md's coverage table lists each with its power at TV 0.01. The SSD cases read
+tokens 5-8 (skip 4), each decided after at least one lookup (56-61% of requests after two,
+benchmarks/README.md "Windows past the lookups"). Those whose rules on the hit path differ from
+test_engine_exactness.py's cases (draft sampling, the backup's own fan-out, auto switching
+backups, TP / DP) run the n that takes every alternative to 0.95 at TV 0.01 there (175k; 150k
+for the auto case's top-k 2 windows); the rest say in the table why they stop at TV 0.02 (the
+same rules with other numbers or a sampling cut, and CI's time), 0.03 (the EOS case: three
+prompt lengths share one run; the Pallas interpreter, ~4 ms a request) or read tokens 1-6 (the
+long horizon, by design; TV 0.01 needs ~2x its n).
 
-Each case: what it proves [n; power at TV 0.01 concentrated / spread, at TV 0.02 concentrated /
-spread; CPU s]. Unless it says otherwise a case runs SSD at T = 1, K = 2, window 4 (256 possible
-windows), fan-out (2, 1, 1), neural backup.
+Each case: what it proves. Unless it says otherwise a case runs SSD at T = 1, K = 2, tokens 5-8
+(256 possible windows), fan-out (2, 1, 1), neural backup.
 
-- ar_sampling_at_temperature: AR at T = 0.8, the prefill's sampled token and 3 decode steps
-  [175,000; 1.00 / 1.00, 1.00 / 1.00; 33 at 100k].
-- ssd_top_k_and_top_p[topk3-t0.9]: target and draft top-k 3 at T = 0.9 (81 possible windows)
-  [50,000; 1.00 / 0.27, 1.00 / 1.00; 47].
-- ssd_top_k_and_top_p[topp0.9-t1.5]: top-p 0.9 at T = 1.5 (51 possible windows)
-  [50,000; 1.00 / 0.15, 1.00 / 1.00; 40].
+- ar_sampling_at_temperature: AR at T = 0.8, the prefill's sampled token and 3 decode steps.
+- ssd_top_k_and_top_p[topk3-t0.9]: target and draft top-k 3 at T = 0.9 (107 of the 256 windows
+  impossible).
+- ssd_top_k_and_top_p[topp0.9-t1.5]: top-p 0.9 at T = 1.5 (128 impossible).
 - ssd_draft_sampling_differs_from_the_target: draft_sampling T = 0.5, top-k 2; every verified
-  proposal row has the draft's support of 2 [50,000; 1.00 / 0.18, 1.00 / 0.995; 42].
+  proposal row has the draft's support of 2.
 - ssd_fanout_backup_differs_from_fanout: fan-out (3, 0, 1) after a hit, fanout_backup (0, 3, 1),
-  Saguaro C = 0.5 on each list's own top F_j + 1; round 1's hits are exactly the ones the backup
-  list allows [50,000; 1.00 / 0.18, 1.00 / 0.995; 36].
+  Saguaro C = 0.5 on each list's own top F_j + 1; round 1's lookup hits every row that accepted
+  one token and none that accepted none, as the backup list (not the after-hit one) makes it.
 - ssd_auto_backup_switching_both_ways: backup="auto" switching neural -> random -> neural within
   every call (its policy replaced by one that alternates: the measured-time policy cannot be
-  steered), K = 1, window 6, T = 1 top-k 2 (64 possible windows) [50,000; 1.00 / 0.13,
-  1.00 / 0.99; 42].
-- ssd_bfloat16_proposal_rows: row_dtype="bfloat16"; every verified row is bf16
-  [50,000; 1.00 / 0.18, 1.00 / 0.995; 34].
-- ssd_quantized_draft_at_temperature[int8 / int4]: an int8 / int4 draft (models.quant)
-  [50,000 each; 1.00 / 0.18, 1.00 / 0.995; 51 / 42].
+  steered), K = 1, T = 1 top-k 2 (56 possible windows: each token's top 2 depends on what
+  came before).
+- ssd_bfloat16_proposal_rows: row_dtype="bfloat16"; every verified row is bf16.
+- ssd_quantized_draft_at_temperature[int8 / int4]: an int8 / int4 draft (models.quant).
 - ssd_int8_target: an int8 target, its exact distribution enumerated from its own forward (TV
-  0.011 from the float32 target's) [50,000; 0.17 at TV 0.01, 0.9975 at 0.02 (the minimum over
-  every alternative); 30 alone]. A bf16 target has no exact reference
+  0.012 from the float32 target's in this window). A bf16 target has no exact reference
   (`_engine_stats.UNCOVERED_PATHS`).
 - ssd_mixed_prompt_lengths_stopping_at_eos: prompts of lengths 1, 3 and 5 in one batch, EOS ending
-  rows at the prefill and in rounds 1, 2 and 3; each length against its own exact window
-  distribution truncated at EOS (121 possible) [24,000 per length; 0.73 / 0.14, 1.00 / 0.94
-  (length 1); 0.37 / 0.12, 1.00 / 0.94 (3); 0.23 / 0.03, 1.00 / 0.80 (5); 63].
+  rows at the prefill and in rounds 1, 2 and 3, tokens 1-4; each length against its own exact
+  window distribution truncated at EOS (121 possible).
 - ssd_pallas_kernels_interpret_mode: backend="pallas", tree_attention and cache_gather in the
-  Pallas interpreter (none falling back), window 5, T = 1 top-k 2 (32 possible windows)
-  [24,000; 0.87 / 0.05, 1.00 / 0.82; 91].
+  Pallas interpreter (none falling back), tokens 1-5, T = 1 top-k 2 (32 possible windows).
 - ssd_tensor_parallel_target_data_parallel_draft: a 2-way tensor-parallel target and a 2-way
-  data-parallel draft (colocated on the 2 devices), on the device loop, tokens 5-8 (past the
-  lookups) [175,000; 0.96 at TV 0.01; 68 alone].
-- ssd_long_horizon_crosses_three_round_boundaries: K = 1, window 6, T = 1 top-k 2; every window
-  spans the prefill and >= 3 rounds [100,000; 1.00 / 0.58, 1.00 / 1.00; 38 after the auto case's
-  compile, 63 alone].
+  data-parallel draft (colocated on the 2 devices), on the device loop.
+- ssd_long_horizon_crosses_three_round_boundaries: K = 1, tokens 1-6, T = 1 top-k 2; every
+  window spans the prefill and >= 3 rounds.
 
-Each figure is `detection_power_by_alternative(exact, n, tv, trials=400, seed=s,
-min_expected=min_expected(n))` on the exact distribution the case tests.
+Time: benchmarks/README.md ("Every SSD path case past the lookups") has each case's seconds.
 
 test_truncated_at_eos_maps_windows checks the EOS truncation map on hand-made windows.
 """
@@ -84,7 +72,8 @@ from ssd_jax.models.quant import Int4Weight, Int8Weight, quantize_model
 from ssd_jax.runtime.engine import Engine, SSDConfig
 from ssd_jax.runtime.placement import make_placement
 
-from _engine_stats import (EOS, EOS_PAD, EOS_PROMPTS, K, STAT_CASES, V, WINDOW,
+from _compile_level import optimized
+from _engine_stats import (CHUNK, EOS, EOS_PAD, EOS_PROMPTS, K, STAT_CASES, V, WINDOW,
                            assert_every_path_ran, case_exact, check_windows, exact,
                            generate_recorded, make_pair, target_model, truncated_at_eos, verdict)
 
@@ -102,18 +91,20 @@ def pair():
 @dataclasses.dataclass
 class Run:
     """What `_sample` collected: per request (in request-id order) its generated ids, finish
-    reason, prompt index, and the number of tokens each `on_tokens` call kept (call 0 is the
-    prefill's token, call r the tokens committed in round r); and each chunk's Metrics."""
+    reason, prompt index, and (with `log_calls`, else empty) the number of tokens each
+    `on_tokens` call kept (call 0 is the prefill's token, call r the tokens committed in round
+    r); and each chunk's Metrics."""
     tokens: list[list[int]]
     finish: list[str]
     prompt_index: np.ndarray
     calls: list[list[int]]
     metrics: list
 
-    def windows(self, window: int) -> np.ndarray:
-        """[n, window] ids; every request must have generated `window` tokens."""
-        assert all(len(t) == window for t in self.tokens)
-        return np.asarray(self.tokens, np.int64)
+    def windows(self, window: int, skip: int = 0) -> np.ndarray:
+        """[n, window] ids: tokens skip + 1 .. skip + window of each request, every request
+        having generated skip + window tokens."""
+        assert all(len(t) == skip + window for t in self.tokens)
+        return np.asarray(self.tokens, np.int64)[:, skip:]
 
 
 def _engine(pair, **kw) -> Engine:
@@ -121,31 +112,36 @@ def _engine(pair, **kw) -> Engine:
 
 
 def _sample(eng: Engine, mode: str, case: str, *, chunk: int, k: int = K, n: int | None = None,
-            prompts=None, **kw) -> Run:
-    """Registered case `case`'s n requests (its sampling and window) through `eng` in generate
-    calls of `chunk` rows; row i of a call gets prompts[i % len(prompts)] (default: the case's
-    prompt) and request id (call * chunk + i); max_new_tokens = the window."""
+            prompts=None, log_calls: bool = False, **kw) -> Run:
+    """Registered case `case`'s n requests (its sampling, skip and window) through `eng` in
+    generate calls of `chunk` rows; row i of a call gets prompts[i % len(prompts)] (default: the
+    case's prompt) and request id (call * chunk + i); max_new_tokens = skip + window. Run.calls
+    is recorded (by an `on_tokens` callback, which makes the round loop hand every round's
+    tokens to the host) with `log_calls` only."""
     spec = STAT_CASES[case]
     sampling, window, n = spec.sampling, spec.window, n or spec.n
     prompts = prompts or (spec.prompt,)
     tokens, finish, pidx, calls, metrics = [], [], [], [], []
+    assert n % chunk == 0, f"{case}: {n} requests in calls of {chunk}"
     rows = [list(prompts[i % len(prompts)]) for i in range(chunk)]
-    for c in range(n // chunk):
-        log = [[] for _ in range(chunk)]
-        out = generate_recorded(eng, rows, skip=0, window=window, mode=mode, k=k,
-                                sampling=sampling, request_ids=range(c * chunk, (c + 1) * chunk),
-                                seed=11, on_tokens=lambda row, ids: log[row].append(len(ids)),
-                                **kw)
-        tokens += out.token_ids
-        finish += out.finish_reasons
-        pidx += [i % len(prompts) for i in range(chunk)]
-        calls += log
-        metrics.append(out.metrics)
+    with optimized():  # as sample_windows: the runs, not the compile, are a case's time
+        for c in range(n // chunk):
+            log = [[] for _ in range(chunk)]
+            ids = range(c * chunk, (c + 1) * chunk)
+            out = generate_recorded(eng, rows, skip=spec.skip, window=window, mode=mode, k=k,
+                                    sampling=sampling, request_ids=ids, seed=11, **kw,
+                                    **({"on_tokens": lambda row, ids: log[row].append(len(ids))}
+                                       if log_calls else {}))
+            tokens += out.token_ids
+            finish += out.finish_reasons
+            pidx += [i % len(prompts) for i in range(chunk)]
+            calls += log
+            metrics.append(out.metrics)
     return Run(tokens, finish, np.asarray(pidx), calls, metrics)
 
 
 def _check(run: Run, case: str):
-    res = check_windows(run.windows(STAT_CASES[case].window), case)
+    res = check_windows(run.windows(STAT_CASES[case].window, STAT_CASES[case].skip), case)
     assert res.passed, str(res)
     return res
 
@@ -199,19 +195,17 @@ def test_ssd_fanout_backup_differs_from_fanout(pair):
     # After a hit the fork caches 3 bonus candidates at j = 0 and none at j = 1; after a backup
     # none at j = 0 and 3 at j = 1, and Saguaro (C = 0.5) scales the top F_j + 1 of each list's
     # own. Round 1 runs on the backup's speculation, and with V = 4 three candidates at j are all
-    # tokens but the rejected s_{j+1}, so round 1's lookup hits exactly the rows that accepted
-    # one token (under the after-hit list it would hit those that accepted none).
+    # tokens but the rejected s_{j+1}, so round 1's lookup hits every row that accepted one token
+    # and none that accepted none (under the after-hit list it would be the other way round).
     ssd = SSDConfig(fanout=(3, 0, 1), fanout_backup=(0, 3, 1), saguaro_c=0.5)
     eng = _engine(pair)
-    run = _sample(eng, "ssd", "ssd-fanout-backup", chunk=25_000, ssd=ssd)
+    run = _sample(eng, "ssd", "ssd-fanout-backup", chunk=CHUNK, ssd=ssd)
     _check(run, "ssd-fanout-backup")
     assert_every_path_ran("ssd", run.metrics)
-    chunk = 25_000
-    for c, m in enumerate(run.metrics):
-        calls = run.calls[c * chunk:(c + 1) * chunk]
-        one = sum(1 for log in calls if len(log) > 2 and log[1] == 2)  # accepted 1, went on
-        none = sum(1 for log in calls if len(log) > 2 and log[1] == 1)
-        assert m.timeline[0].hit == one != none, (m.timeline[0].hit, one, none)
+    for m in run.metrics:
+        (miss0, miss1, _), (hit0, hit1, hit2) = m.extra["first_lookup"]
+        assert hit0 == 0 and miss1 == 0 and miss0 > 0 and hit1 > 0, m.extra["first_lookup"]
+        assert m.timeline[0].hit == hit1 + hit2, (m.timeline[0].hit, m.extra["first_lookup"])
 
 
 class _Alternating(BackupChooser):
@@ -235,19 +229,18 @@ class _Alternating(BackupChooser):
 
 
 def test_ssd_auto_backup_switching_both_ways(pair, monkeypatch):
-    # K = 1, window 6: every window spans >= 3 rounds (a round emits <= 2 tokens) and all but
-    # the all-accept ones reach round 4, so the speculation after the neural -> random switch
-    # (round 3's, from round 2's backup) and after the random -> neural one (round 4's) is in it.
+    # K = 1, tokens 5-8: a round emits <= 2 tokens, so token 5 comes from round 2 or later and
+    # every window reaches round 4, so the speculation after the neural -> random switch (round
+    # 3's, from round 2's backup) and after the random -> neural one (round 4's) is in it.
     # BackupChooser decides from measured times, which a test cannot steer: the engine's policy
     # object is replaced by one that alternates, everything else is the engine's.
     monkeypatch.setattr(engine_module, "BackupChooser", _Alternating)
     _Alternating.served = []
     eng = _engine(pair)
-    k, chunk = 1, 25_000
-    run = _sample(eng, "ssd", "ssd-auto-backup", chunk=chunk, k=k,
+    run = _sample(eng, "ssd", "ssd-auto-backup", chunk=CHUNK, k=1,
                   ssd=SSDConfig(fanout=(1, 2), backup="auto"))
     _check(run, "ssd-auto-backup")
-    assert_every_path_ran("ssd", run.metrics, k)
+    assert_every_path_ran("ssd", run.metrics, 1)
     for m in run.metrics:
         assert m.backups.get("neural", 0) > 0 and m.backups.get("random", 0) > 0, m.backups
     served = _Alternating.served
@@ -282,7 +275,9 @@ def test_ssd_int8_target(pair):
     case = "ssd-int8-target"
     target = target_model(STAT_CASES[case].target)
     assert isinstance(target.params.layers[0].wqkv, Int8Weight)
-    assert np.abs(case_exact(case) - exact(STAT_CASES[case].sampling)).sum() / 2 > 0.005  # 0.011
+    c = STAT_CASES[case]
+    f32 = exact(c.sampling, c.window, c.prompt, c.skip)  # the float32 target's, same window
+    assert np.abs(case_exact(case) - f32).sum() / 2 > 0.005  # 0.012
     res, metrics = verdict((target, pair[1]), "ssd", case, ssd=F211)
     assert res.passed, str(res)
     assert_every_path_ran("ssd", metrics)
@@ -305,7 +300,7 @@ def test_ssd_mixed_prompt_lengths_stopping_at_eos(pair):
     window, chunk = STAT_CASES[cases[0]].window, 24_000
     eng = _engine(pair)
     run = _sample(eng, "ssd", cases[0], n=sum(STAT_CASES[c].n for c in cases), chunk=chunk,
-                  prompts=EOS_PROMPTS, ssd=F211, eos_ids=(EOS,))
+                  prompts=EOS_PROMPTS, log_calls=True, ssd=F211, eos_ids=(EOS,))
     assert_every_path_ran("ssd", run.metrics)
     padded = np.full((len(run.tokens), window), EOS_PAD, np.int64)
     for i, t in enumerate(run.tokens):
@@ -357,7 +352,8 @@ def test_ssd_long_horizon_crosses_three_round_boundaries(pair):
     # spans the prefill and >= 3 rounds (>= 3 round boundaries)
     k = 1
     eng = _engine(pair)
-    run = _sample(eng, "ssd", "ssd-long-horizon", chunk=25_000, k=k, ssd=SSDConfig(fanout=(1, 2)))
+    run = _sample(eng, "ssd", "ssd-long-horizon", chunk=25_000, k=k, log_calls=True,
+                  ssd=SSDConfig(fanout=(1, 2)))
     _check(run, "ssd-long-horizon")
     assert_every_path_ran("ssd", run.metrics, k)
     assert min(len(log) for log in run.calls) >= 4  # prefill + >= 3 rounds per request
