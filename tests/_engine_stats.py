@@ -274,8 +274,8 @@ EOS_PROMPTS = ((2,), (1, 3, 0), (0, 2, 1, 3, 1))  # lengths 1, 3, 5 (EOS in a pr
 MIXED_SAMPLING = (SamplingParams(temperature=0.7, top_k=3), SamplingParams(temperature=1.0, top_p=0.8))
 _SAME_RULES = ("ssd-t1.0's rules on the hit path, with other numbers (bf16 rows, an int8 / int4 "
                "draft: each in the draws-from-rows check; an int8 target) or a sampling cut (at TV "
-               "0.01 in the SD cases). TV 0.01 here needs 175k requests, ~95 s a case in a CI "
-               "worker against ~35 s at 50k: the six would add ~3 minutes to CI, over its 50")
+               "0.01 in the SD cases). TV 0.01 here needs 175k requests, 3.5x these (23-59 s a "
+               "case in CI's order): ~2-3 minutes more for the six, on a CI at ~46 of its 50")
 _E, _P = "test_engine_exactness.py", "test_engine_paths.py"
 _E_DIST = f"{_E}::test_engine_output_has_the_target_distribution"
 _E_HEAD = f"{_E}::test_a_draft_head_cut_to_half_the_vocabulary_keeps_the_target_distribution"
