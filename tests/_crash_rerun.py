@@ -8,9 +8,9 @@ the next two full runs two each (abort and segfault, both in `backend_compile_an
 different tests each time): about two a run, so three allowed left a run red about one time in
 seven (Poisson), and a session now allows five (about one in sixty). The last two full runs lost
 theirs in the same two tests, both compiling the device loop's `resolve`, which pass alone and
-under glibc's heap checker (benchmarks/README.md, "Every SSD path case past the lookups"). A crash is not a failure of
-the test's assertions, and one lost worker should not make the whole suite red; but a crash that
-comes back is a real one. So, on the xdist controller:
+under glibc's heap checker (benchmarks/README.md, "Every SSD path case past the lookups"). A
+crash is not a failure of the test's assertions, and one lost worker should not make the whole
+suite red; but a crash that comes back is a real one. So, on the xdist controller:
 
 - a crashed test is put back in the queue once; its second crash, or any crash after
   `MAX_CRASH_RERUNS` in one session, fails as xdist reports it;

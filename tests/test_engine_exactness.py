@@ -98,8 +98,9 @@ from ssd_jax.testing import (PLANTED_BUG_VERIFIERS, PLANTED_SSD_BUGS, plant_ssd_
 
 from _engine_stats import (CHUNK, DETERMINISTIC_CHECKS, K, MAX_LEN, MIXED_SAMPLING, PROMPT,
                            STAT_CASES, T10, V, assert_every_path_ran, check_windows, coverage_rows,
-                           documented_table, make_pair, planted_verdict, power_at, recording_rounds,
-                           sample_windows, verdict)
+                           documented_table, make_pair, planted_verdict, power_at, sample_windows,
+                           verdict)
+from _round_record import recording_rounds
 
 slow = pytest.mark.slow
 
@@ -232,7 +233,7 @@ PLANTED = dict(n=20_000, chunk=20_000)
 
 @pytest.mark.parametrize("backup", ["neural", pytest.param("auto", marks=slow)])
 def test_recorded_rounds_are_the_engines_own(pair, backup):
-    """`_engine_stats.recording_rounds`, whose window histogram the SSD cases assert on, records
+    """`_round_record.recording_rounds`, whose window histogram the SSD cases assert on, records
     what the engine did: over the whole output its hit row is the engine's own after-hit
     histogram, the accepted counts its accept histogram, the kept tokens every token but the
     prefill's; with the neural backup the device loop's rounds equal the host loop's

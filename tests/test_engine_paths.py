@@ -75,7 +75,8 @@ from ssd_jax.runtime.placement import make_placement
 from _compile_level import optimized
 from _engine_stats import (CHUNK, EOS, EOS_PAD, EOS_PROMPTS, K, STAT_CASES, V, WINDOW,
                            assert_every_path_ran, case_exact, check_windows, exact,
-                           generate_recorded, make_pair, target_model, truncated_at_eos, verdict)
+                           make_pair, target_model, truncated_at_eos, verdict)
+from _round_record import generate_recorded
 
 pytestmark = pytest.mark.slow
 
