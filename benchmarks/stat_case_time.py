@@ -4,13 +4,14 @@ each jitted step timed alone.
     python benchmarks/stat_case_time.py                       # SSD, random backup, 25,000 rows
     python benchmarks/stat_case_time.py --case saguaro --rows 25000 --mode ssd
 
-The case's own pair (V = 4, 2 layers, hidden 32), its Engine(max_len=16, compilation_cache=False),
-K = 2, 8 new tokens, T = 1, fresh request ids each call. Every jitted step the device loop calls
-(`steps.*`, `round_steps.*`, the draft's tree) is wrapped to wait for its result, so each one's
-seconds are its own device time plus its dispatch; the wall of the call is printed beside their
-sum. The first call compiles (its wall is the case's compile share); the second is the steady
-state a chunk costs. Waiting after each step serialises the verify and the tree, so the wall is
-that of a run without overlap: the shares, not the wall, are the result.
+The case's own pair (V = 4, hidden 32, a 2-layer target, its 1-layer draft), its
+Engine(max_len=16, compilation_cache=False), K = 2, 8 new tokens, T = 1, fresh request ids each
+call. Every jitted step the device loop calls (`steps.*`, `round_steps.*`, the draft's tree) is
+wrapped to wait for its result, so each one's seconds are its own device time plus its
+dispatch; the wall of the call is printed beside their sum. The first call compiles (its wall is
+the case's compile share); the second is the steady state a chunk costs. Waiting after each step
+serialises the verify and the tree, so the wall is that of a run without overlap: the shares, not
+the wall, are the result.
 """
 from __future__ import annotations
 

@@ -12,14 +12,12 @@ test_engine_exactness.py's power test enforces power >= 0.95 at each case's regi
 (`ssd_jax.testing.detection_power_by_alternative` on the case's own exact distribution and n,
 400 trials, the minimum over every alternative and over alternative seeds 0-2) and
 docs/ALGORITHM.md's coverage table lists each with its power at TV 0.01. The SSD cases read
-tokens 5-8 (skip 4), each decided after at least one lookup (56-61% of requests after two,
-benchmarks/README.md "Windows past the lookups"). Those whose rules on the hit path differ from
-test_engine_exactness.py's cases (draft sampling, the backup's own fan-out, auto switching
-backups, TP / DP) run the n that takes every alternative to 0.95 at TV 0.01 there (175k; 150k
-for the auto case's top-k 2 windows); the rest say in the table why they stop at TV 0.02 (the
-same rules with other numbers or a sampling cut, and CI's time), 0.03 (the EOS case: three
-prompt lengths share one run; the Pallas interpreter, ~4 ms a request) or read tokens 1-6 (the
-long horizon, by design; TV 0.01 needs ~2x its n).
+tokens 5-8 (skip 4), each decided after at least one lookup (61-84% of requests after two,
+benchmarks/README.md "A one-layer draft"), with the n that takes every alternative to 0.95 at TV
+0.01 there (175k; 150k for the auto case's top-k 2 windows). Three say in the table why they
+differ: the EOS case reads tokens 1-4 (rows stop from the prefill on) and stops at TV 0.02 (three
+prompt lengths share one run); the Pallas-interpreter case reads tokens 1-5 at TV 0.02 (the
+interpreter is slow); the long horizon reads tokens 1-6 by design (at TV 0.01).
 
 Each case: what it proves. Unless it says otherwise a case runs SSD at T = 1, K = 2, tokens 5-8
 (256 possible windows), fan-out (2, 1, 1), neural backup.
