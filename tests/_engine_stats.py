@@ -244,8 +244,9 @@ STAT_CASES: dict[str, StatCase] = {
     "ssd-pallas-interpret": StatCase("SSD, Pallas kernels (interpreter)",
                                      f"{_P}::test_ssd_pallas_kernels_interpret_mode", TOP_K2,
                                      32_000, window=5, power_tv=0.02,
-                                     why="tokens 1-5, 2 rounds; the Pallas interpreter costs "
-                                         "~1.5 ms a request, and TV 0.01 needs > 100k"),
+                                     why="the Pallas interpreter costs ~1.5 ms a request: "
+                                         "tokens 1-5 (token 5 after a lookup) at 32k; TV 0.01 "
+                                         "needs > 100k"),
     "ssd-int8-target": StatCase("SSD, int8 target (enumerated from its own forward)",
                                 f"{_P}::test_ssd_int8_target", T10, 175_000, skip=4,
                                 target="int8"),
