@@ -6,9 +6,10 @@ Full runs here have lost a worker to a segfault inside XLA:CPU about once in thr
 rerun; on 2026-12-04 one full run lost two (benchmarks/README.md, "The CI order again"), and
 the next two full runs two each (abort and segfault, both in `backend_compile_and_load`, in
 different tests each time): about two a run, so three allowed left a run red about one time in
-seven (Poisson), and a session now allows five (about one in sixty). The last two full runs lost
-theirs in the same two tests, both compiling the device loop's `resolve`, which pass alone and
-under glibc's heap checker (benchmarks/README.md, "Every SSD path case past the lookups"). A
+seven (Poisson), and a session now allows five (about one in sixty). Three full runs in a row
+(2026-12-04/05) lost theirs in the same two tests, both compiling the device loop's `resolve`,
+which pass alone and under glibc's heap checker; the next lost one compiling the draft's
+`propose` in another test (benchmarks/README.md, "A one-layer draft for the statistical pair"). A
 crash is not a failure of the test's assertions, and one lost worker should not make the whole
 suite red; but a crash that comes back is a real one. So, on the xdist controller:
 

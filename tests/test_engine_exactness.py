@@ -58,9 +58,10 @@ it and the measured numbers:
 - tree_rows_rounded_after_draw (the token drawn from the float32 rows, the bf16-rounded rows
   stored): the verifier's rows differ from the drawn-from ones by bf16 rounding (2^-9 relative),
   which moves the output by about that much TV at most; measured (with the earlier two-layer
-  draft), 16 of 20,000 requests' 8 tokens change at all: no feasible n sees it. The rule it breaks is checked directly: every
-  speculated token must be the exponential-race winner of the very rows handed to the verifier
-  under its (request id, position, STREAM_DRAFT) key (ALGORITHM.md §3). With every outcome
+  draft), 16 of 20,000 requests' 8 tokens change at all: no feasible n sees it. The rule it
+  breaks is checked directly: every speculated token must be the exponential-race winner of the
+  very rows handed to the verifier under its (request id, position, STREAM_DRAFT) key
+  (ALGORITHM.md §3). With every outcome
   cached and 12,000 requests: 43 of 120,006 tokens are not (the correct engine: 0).
 
 The deterministic checks (SSD emits SD's tokens with the neural backup and C = 1; batch order;
