@@ -6,7 +6,7 @@ the q' it sampled from); `PLANTED_SSD_BUGS` names seven bugs of the speculation 
 draft's tree (three of them change only what a cache hit hands the verifier), planted in the
 running process by `plant_ssd_bug(name)`. A harness that cannot tell them from
 the real thing is too weak to trust; which test catches which, and why some cannot be caught by a
-distribution test at all: tests/test_engine_exactness.py.
+distribution test at all: tests/test_planted_bugs.py.
 """
 from __future__ import annotations
 
