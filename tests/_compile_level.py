@@ -11,18 +11,53 @@ benchmarks/README.md, "The suite compiled lean".
 
 The switch is read when a program is compiled and is part of the persistent cache's key, so the
 two levels never share an executable on disk. It is also exported as JAX's environment variable,
-for the processes a test starts. `SSD_JAX_TEST_FULL_OPT=1` runs the whole suite fully optimized.
+for the processes a test starts.
+
+Whatever the level, XLA:CPU's compile time was mostly spent in its newer fusion emitters (MLIR,
+then LLVM), not in the HLO passes; the suite compiles with its classic elemental emitters
+(`--xla_cpu_use_fusion_emitters=false` in `XLA_FLAGS`, which XLA reads once, when the CPU client
+starts, so for the whole session and the processes its tests start). Three compile-bound modules
+ran in 0.6x the time, every test passing, and the statistical cases' runs no slower
+(benchmarks/README.md, "XLA:CPU's classic emitters for the suite"). A session that selects the
+real-weight tests (CI's second and third commands) keeps XLA's defaults: its long runs were ~10%
+slower with the classic emitters. So do the notebooks' test (as users have them) and
+`SSD_JAX_TEST_FULL_OPT=1` (everything fully optimized, XLA's own choices).
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 
 import jax
 
 _FLAG = "jax_disable_most_optimizations"
 _ENV = "JAX_DISABLE_MOST_OPTIMIZATIONS"
 LEAN_BY_DEFAULT = os.environ.get("SSD_JAX_TEST_FULL_OPT") != "1"
+CLASSIC_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+
+
+def classic_emitters_for(markexpr: str) -> bool:
+    """Whether a session run with `-m markexpr` compiles with CLASSIC_EMITTERS: yes, unless
+    SSD_JAX_TEST_FULL_OPT=1 or the expression selects the real-weight tests (names `real_weights`
+    or `alone` other than after `not`), whose fully optimized programs run long and ran ~10%
+    slower with them (benchmarks/README.md, "XLA:CPU's classic emitters for the suite")."""
+    if not LEAN_BY_DEFAULT:
+        return False
+    return all(neg for neg, _ in re.findall(r"(\bnot\b[\s(]*)?\b(real_weights|alone)\b", markexpr))
+
+
+def use_classic_cpu_emitters(markexpr: str) -> bool:
+    """Add CLASSIC_EMITTERS to `XLA_FLAGS` if `classic_emitters_for(markexpr)`; call it before
+    JAX's CPU client starts (XLA reads the flags then; raises after). True if the session now
+    compiles with them."""
+    from jax._src import xla_bridge
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError("JAX's CPU client already started: XLA_FLAGS set now would be ignored")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if classic_emitters_for(markexpr) and "xla_cpu_use_fusion_emitters" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {CLASSIC_EMITTERS}".strip()  # a caller's own stays
+    return CLASSIC_EMITTERS in os.environ.get("XLA_FLAGS", "").split()
 
 
 def set_lean(lean: bool) -> None:

@@ -21,7 +21,7 @@ if os.environ.get("PYTEST_XDIST_WORKER") and "SSD_JAX_COMPILE_CACHE" not in os.e
 
 from ssd_jax.runtime.defaults import describe  # noqa: E402  (after the cache setting)
 
-from _compile_level import LEAN_BY_DEFAULT, set_lean  # noqa: E402
+from _compile_level import LEAN_BY_DEFAULT, set_lean, use_classic_cpu_emitters  # noqa: E402
 
 # a test whose worker dies of a signal runs once more (tests/_crash_rerun.py says why and how)
 from _crash_rerun import (  # noqa: E402,F401
@@ -40,6 +40,13 @@ from _crash_rerun import (  # noqa: E402,F401
 # 1.5B fp32 HF oracle takes 13 GB, which beside two workers (5-6 GB each by then) did not fit a
 # 24 GiB machine, so it runs last, in a process of its own.
 REAL_WEIGHT_MODULES = {"test_real_models.py", "test_loading.py", "test_cli.py"}
+
+
+def pytest_configure(config):
+    """XLA:CPU's classic emitters for a session that does not select the real-weight tests
+    (tests/_compile_level.py says why); before any test or collected module starts JAX's CPU
+    client."""
+    use_classic_cpu_emitters(config.getoption("markexpr") or "")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects on the marker added here
@@ -62,10 +69,14 @@ def pytest_runtest_setup(item):
 _MACHINE = f"cpu: {describe()}; {os.cpu_count()} cores; jax {jax.__version__}"
 
 
+def _xla_flags() -> str:
+    return f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"  # set in pytest_configure
+
+
 def pytest_report_header(config):
     """The CPU every figure and failure came from (machines here differ: AVX-512 BF16 / VNNI or AVX2
     only), so that a CI log says which kernel paths ran."""
-    return _MACHINE
+    return f"{_MACHINE}; {_xla_flags()}"
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -74,4 +85,4 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     if report.failed:
-        report.sections.append(("machine", _MACHINE))
+        report.sections.append(("machine", f"{_MACHINE}; {_xla_flags()}"))

@@ -49,3 +49,25 @@ def test_the_setup_hook_sets_the_level_for_every_test():
     assert not is_lean()
     conftest.pytest_runtest_setup(_Item("slow"))
     assert is_lean()
+
+
+def test_the_session_compiles_with_xlas_classic_cpu_emitters_unless_it_runs_real_weights(request):
+    """Set in XLA_FLAGS (which a test's subprocess inherits) before JAX's CPU client started, for
+    a session whose `-m` does not select the real-weight tests; refused once the client runs."""
+    from jax._src import xla_bridge
+    from _compile_level import CLASSIC_EMITTERS, classic_emitters_for, use_classic_cpu_emitters
+    expected = classic_emitters_for(request.config.getoption("markexpr") or "")
+    assert (CLASSIC_EMITTERS in os.environ.get("XLA_FLAGS", "").split()) == expected
+    jax.devices()
+    assert xla_bridge.backends_are_initialized()
+    with pytest.raises(RuntimeError, match="already started"):
+        use_classic_cpu_emitters("")
+
+
+@pytest.mark.parametrize("markexpr,classic", [
+    ("", True), ("not real_weights", True), ("not slow", True), ("not slow and not alone", True),
+    ("real_weights and not alone", False), ("alone", False), ("real_weights", False),
+    ("slow or real_weights", False), ("not(real_weights)", True)])
+def test_which_sessions_get_the_classic_emitters(markexpr, classic):
+    from _compile_level import classic_emitters_for
+    assert classic_emitters_for(markexpr) == classic
