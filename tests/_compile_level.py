@@ -35,6 +35,7 @@ _FLAG = "jax_disable_most_optimizations"
 _ENV = "JAX_DISABLE_MOST_OPTIMIZATIONS"
 LEAN_BY_DEFAULT = os.environ.get("SSD_JAX_TEST_FULL_OPT") != "1"
 CLASSIC_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+CALLER_XLA_FLAGS: str | None = None  # XLA_FLAGS as the session was started with
 
 
 def classic_emitters_for(markexpr: str) -> bool:
@@ -54,7 +55,10 @@ def use_classic_cpu_emitters(markexpr: str) -> bool:
     from jax._src import xla_bridge
     if xla_bridge.backends_are_initialized():
         raise RuntimeError("JAX's CPU client already started: XLA_FLAGS set now would be ignored")
+    global CALLER_XLA_FLAGS
     flags = os.environ.get("XLA_FLAGS", "")
+    if CALLER_XLA_FLAGS is None:
+        CALLER_XLA_FLAGS = flags
     if classic_emitters_for(markexpr) and "xla_cpu_use_fusion_emitters" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} {CLASSIC_EMITTERS}".strip()  # a caller's own stays
     return CLASSIC_EMITTERS in os.environ.get("XLA_FLAGS", "").split()
