@@ -26,6 +26,7 @@ slower with the classic emitters. So do the notebooks' test (as users have them)
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import re
 
@@ -88,3 +89,44 @@ def optimized():
         yield
     finally:
         set_lean(was)
+
+
+def _count_lines(path: str) -> int:
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+def map_count() -> int:
+    """Memory mappings this process holds (0 where /proc has no maps)."""
+    return _count_lines("/proc/self/maps")
+
+
+def map_limit() -> int:
+    """The kernel's limit on a process's mappings, `vm.max_map_count` (0 where unknown)."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 0
+
+
+def release_executables_near_the_map_limit(share: float) -> bool:
+    """Drop JAX's caches (so the compiled executables no test holds go, with their mappings) once
+    this process holds `share` of `vm.max_map_count`. True if it did.
+
+    XLA:CPU's JIT maps three pages (code, read-only data, data) per compiled kernel, and JAX's caches
+    keep every program a process ever compiled; a test worker compiles thousands, so it reached the
+    kernel's default limit of 65,530 mappings (`tests/test_device_loop.py` then
+    `tests/test_speculative.py` in one process: 54,714 after 40 tests). Past it LLVM's JIT linker
+    cannot map a new section and aborts (`report_fatal_error` in `RuntimeDyldImpl::emitSection`,
+    read from a crashed worker's core) or segfaults: the crashes in `backend_compile_and_load`
+    that `tests/_crash_rerun.py` kept rerunning."""
+    limit = map_limit()
+    if not limit or map_count() < share * limit:
+        return False
+    jax.clear_caches()
+    gc.collect()
+    return True

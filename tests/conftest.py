@@ -21,7 +21,8 @@ if os.environ.get("PYTEST_XDIST_WORKER") and "SSD_JAX_COMPILE_CACHE" not in os.e
 
 from ssd_jax.runtime.defaults import describe  # noqa: E402  (after the cache setting)
 
-from _compile_level import LEAN_BY_DEFAULT, set_lean, use_classic_cpu_emitters  # noqa: E402
+from _compile_level import (  # noqa: E402
+    LEAN_BY_DEFAULT, release_executables_near_the_map_limit, set_lean, use_classic_cpu_emitters)
 
 # a test whose worker dies of a signal runs once more (tests/_crash_rerun.py says why and how)
 from _crash_rerun import (  # noqa: E402,F401
@@ -63,6 +64,16 @@ def pytest_runtest_setup(item):
     Set before the test's fixtures, module-scoped ones included, and again for every test, so one
     that changed the level cannot pass it on."""
     set_lean(LEAN_BY_DEFAULT and item.get_closest_marker("real_weights") is None)
+
+
+@pytest.hookimpl(trylast=True)  # after the test's fixtures are torn down
+def pytest_runtest_teardown(item, nextitem):
+    """Compiled programs are released before the process runs out of memory mappings
+    (tests/_compile_level.py, `release_executables_near_the_map_limit`, says why): between modules
+    from 40% of the limit on (a finished module's programs are rarely needed again), inside one
+    from 75% (a recompile is cheaper than a crash)."""
+    boundary = nextitem is None or nextitem.path != item.path
+    release_executables_near_the_map_limit(0.4 if boundary else 0.75)
 
 
 # read once, at start-up: a failing test may have changed SSD_JAX_CPU_ISA by the time it reports

@@ -76,3 +76,21 @@ def test_the_session_compiles_with_xlas_classic_cpu_emitters_unless_it_runs_real
 def test_which_sessions_get_the_classic_emitters(markexpr, classic):
     from _compile_level import classic_emitters_for
     assert classic_emitters_for(markexpr) == classic
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="no /proc: mappings not countable")
+def test_releasing_the_executables_gives_their_memory_mappings_back():
+    """XLA:CPU maps pages per compiled kernel and JAX's caches keep the programs alive, so a test
+    worker ran out of mappings (`release_executables_near_the_map_limit` says how); dropping the
+    caches past the threshold gives them back, and below it nothing is dropped."""
+    from _compile_level import map_count, map_limit, release_executables_near_the_map_limit
+    assert map_limit() > 0
+    fns = [jax.jit(lambda x, i=i: jnp.sin(x) * i + jnp.cos(x - i)) for i in range(60)]
+    start = map_count()
+    for f in fns:  # alive, so only the caches' references keep their executables
+        f(jnp.ones(3)).block_until_ready()
+    held = map_count()
+    assert held > start + 60, (start, held)
+    assert not release_executables_near_the_map_limit(2.0) and map_count() >= held
+    assert release_executables_near_the_map_limit(0.0)
+    assert map_count() < held - 60, (start, held, map_count())
