@@ -1,17 +1,14 @@
 """A test whose xdist worker dies of a signal runs once more, on the worker that replaces it.
 
-Full runs here have lost a worker to a segfault inside XLA:CPU about once in three: in its compiler
-(`backend_compile_and_load`), in reading a cached executable back, and (CI, 2026-12-03) while
-`test_study_scripts` compiled the tiny pair's steps, each time in a test that passes alone and on
-rerun; on 2026-12-04 one full run lost two (benchmarks/README.md, "The CI order again"), and
-the next two full runs two each (abort and segfault, both in `backend_compile_and_load`, in
-different tests each time): about two a run, so three allowed left a run red about one time in
-seven (Poisson), and a session now allows five (about one in sixty). Three full runs in a row
-(2026-12-04/05) lost theirs in the same two tests, both compiling the device loop's `resolve`,
-which pass alone and under glibc's heap checker; the next lost one compiling the draft's
-`propose` in another test (benchmarks/README.md, "A one-layer draft for the statistical pair"). A
-crash is not a failure of the test's assertions, and one lost worker should not make the whole
-suite red; but a crash that comes back is a real one. So, on the xdist controller:
+Full runs here lost one to three workers each to aborts and segfaults inside XLA:CPU's compiler
+(`backend_compile_and_load`), in tests that passed alone and on rerun. The cause, found on
+2026-12-05 from a crashed worker's core: the process had run out of memory mappings (the kernel's
+`vm.max_map_count`, 65,530), which XLA:CPU's JIT uses three of per compiled kernel while JAX's
+caches keep every program, and LLVM's JIT linker aborted mapping a new section. Since then
+`tests/conftest.py` drops JAX's caches before a worker gets near the limit
+(`_compile_level.release_executables_near_the_map_limit`). This hook stays as the net for any other
+crash: a crash is not a failure of the test's assertions, and one lost worker should not make the
+whole suite red; but a crash that comes back is a real one. So, on the xdist controller:
 
 - a crashed test is put back in the queue once; its second crash, or any crash after
   `MAX_CRASH_RERUNS` in one session, fails as xdist reports it;
