@@ -26,6 +26,7 @@ slower with the classic emitters. So do the notebooks' test (as users have them)
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import re
@@ -49,10 +50,9 @@ def classic_emitters_for(markexpr: str) -> bool:
     return all(neg for neg, _ in re.findall(r"(\bnot\b[\s(]*)?\b(real_weights|alone)\b", markexpr))
 
 
-def use_classic_cpu_emitters(markexpr: str) -> bool:
+def use_classic_cpu_emitters(markexpr: str) -> None:
     """Add CLASSIC_EMITTERS to `XLA_FLAGS` if `classic_emitters_for(markexpr)`; call it before
-    JAX's CPU client starts (XLA reads the flags then; raises after). True if the session now
-    compiles with them."""
+    JAX's CPU client starts (XLA reads the flags then; raises after)."""
     from jax._src import xla_bridge
     if xla_bridge.backends_are_initialized():
         raise RuntimeError("JAX's CPU client already started: XLA_FLAGS set now would be ignored")
@@ -62,7 +62,6 @@ def use_classic_cpu_emitters(markexpr: str) -> bool:
         CALLER_XLA_FLAGS = flags
     if classic_emitters_for(markexpr) and "xla_cpu_use_fusion_emitters" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} {CLASSIC_EMITTERS}".strip()  # a caller's own stays
-    return CLASSIC_EMITTERS in os.environ.get("XLA_FLAGS", "").split()
 
 
 def set_lean(lean: bool) -> None:
@@ -91,19 +90,16 @@ def optimized():
         set_lean(was)
 
 
-def _count_lines(path: str) -> int:
+def map_count() -> int:
+    """Memory mappings this process holds (0 where /proc has no maps)."""
     try:
-        with open(path, "rb") as f:
+        with open("/proc/self/maps", "rb") as f:
             return sum(1 for _ in f)
     except OSError:
         return 0
 
 
-def map_count() -> int:
-    """Memory mappings this process holds (0 where /proc has no maps)."""
-    return _count_lines("/proc/self/maps")
-
-
+@functools.lru_cache(maxsize=None)  # read once: it is asked after every test
 def map_limit() -> int:
     """The kernel's limit on a process's mappings, `vm.max_map_count` (0 where unknown)."""
     try:
