@@ -26,12 +26,13 @@ slower with the classic emitters. So do the notebooks' test (as users have them)
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import os
 import re
 
 import jax
+
+from ssd_jax.runtime.mappings import map_count, map_limit
 
 _FLAG = "jax_disable_most_optimizations"
 _ENV = "JAX_DISABLE_MOST_OPTIMIZATIONS"
@@ -88,25 +89,6 @@ def optimized():
         yield
     finally:
         set_lean(was)
-
-
-def map_count() -> int:
-    """Memory mappings this process holds (0 where /proc has no maps)."""
-    try:
-        with open("/proc/self/maps", "rb") as f:
-            return sum(1 for _ in f)
-    except OSError:
-        return 0
-
-
-@functools.lru_cache(maxsize=None)  # read once: it is asked after every test
-def map_limit() -> int:
-    """The kernel's limit on a process's mappings, `vm.max_map_count` (0 where unknown)."""
-    try:
-        with open("/proc/sys/vm/max_map_count") as f:
-            return int(f.read())
-    except (OSError, ValueError):
-        return 0
 
 
 def release_executables_near_the_map_limit(share: float) -> bool:

@@ -84,7 +84,8 @@ def test_releasing_the_executables_gives_their_memory_mappings_back():
     """XLA:CPU maps pages per compiled kernel and JAX's caches keep the programs alive, so a test
     worker ran out of mappings (`release_executables_near_the_map_limit` says how); dropping the
     caches past the threshold gives them back, and below it nothing is dropped."""
-    from _compile_level import map_count, map_limit, release_executables_near_the_map_limit
+    from _compile_level import release_executables_near_the_map_limit
+    from ssd_jax.runtime.mappings import map_count, map_limit
     assert map_limit() > 0
     fns = [jax.jit(lambda x, i=i: jnp.sin(x) * i + jnp.cos(x - i)) for i in range(60)]
     start = map_count()

@@ -276,6 +276,8 @@ def main(argv=None) -> None:
                                  None if a.step_store is None else a.step_store == "on")
     except (ValueError, OSError) as e:
         sys.exit(f"ssd_jax draft process: --compilation-cache: {e}")
+    from ssd_jax.runtime.mappings import watch_mappings
+    watch_mappings()  # its warnings reach this process's stderr, as the target's reach its own
     try:
         key = read_secret(secret_file=a.secret_file)
         if key is None:

@@ -29,6 +29,7 @@ from ssd_jax.runtime.batch import Batch, GenerationResult
 from ssd_jax.runtime.chat import chat_prompts
 from ssd_jax.runtime import stream as streaming
 from ssd_jax.runtime.compile_cache import enable_compilation_cache
+from ssd_jax.runtime.mappings import watch_mappings
 from ssd_jax.runtime.config import (MODES, SSDConfig, check_max_len, check_pair, check_request,
                                    int_ids)
 from ssd_jax.runtime.device_loop import DeviceLoop
@@ -142,6 +143,7 @@ class Engine(HostLoop):
             raise TypeError(f"round_chunks must be True, False or None, got {round_chunks!r}")
         self.round_chunks = round_chunks
         enable_compilation_cache(compilation_cache, step_store)
+        watch_mappings()  # a warning before XLA:CPU's programs use up the process's mappings
         target = as_model(target, "target")  # one TypeError naming what a wrong object lacks
         draft = None if draft is None else as_model(draft, "draft")
         if is_builtin(target.cfg) and head_width(target.params) < target.cfg.vocab_size:
