@@ -11,19 +11,26 @@ programs) can get there; the test suite did, after some dozens of compile-heavy 
 `watch_mappings()` (the Engine calls it) warns once a process holds `WARN_AT` of the limit and
 again at `LAST_WARNING`, so the remedy comes before the crash: `jax.clear_caches()` drops the
 programs (and their mappings) that nothing holds, or a larger `vm.max_map_count`. It reads
-/proc after each compile only, so a call that compiles nothing pays nothing.
+/proc after a compile only, so a call that compiles nothing pays nothing, and not after every
+one: the kernel writes /proc/self/maps out line by line (~45 ms at 50,000 mappings here), while
+XLA:CPU compiles a few hundred kernels a second (three mappings each), so a check every
+`RECHECK_S` seconds (every `RECHECK_FAR_S` while under half the limit) comes a few percent of
+the limit past a threshold at most.
 """
 from __future__ import annotations
 
 import functools
 import threading
+import time
 import warnings
 
 WARN_AT = 0.8
 LAST_WARNING = 0.95
+RECHECK_S = 1.0
+RECHECK_FAR_S = 10.0
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # a compile or a cache load
 _lock = threading.Lock()
-_state = {"watching": False, "warned": set()}
+_state = {"watching": False, "warned": set(), "next": 0.0}  # next: monotonic s of the next check
 
 
 class MappingLimitWarning(RuntimeWarning):
@@ -74,14 +81,19 @@ def check_mappings() -> float | None:
 
 
 def _on_event(event: str, duration: float, **kwargs) -> None:
-    if event == _COMPILE_EVENT:
-        check_mappings()
+    if event != _COMPILE_EVENT:
+        return
+    now = time.monotonic()
+    if now < _state["next"]:
+        return
+    share = check_mappings()
+    _state["next"] = now + (RECHECK_FAR_S if share is not None and share < 0.5 else RECHECK_S)
 
 
 def watch_mappings() -> bool:
-    """Check the mappings after every compile (and persistent-cache load) in this process from now
-    on (`check_mappings`); idempotent. False where the limit is unknown (not Linux): nothing to
-    watch."""
+    """Check the mappings after compiles (and persistent-cache loads) in this process from now on
+    (`check_mappings`, at most every `RECHECK_S` seconds); idempotent. False where the limit is
+    unknown (not Linux): nothing to watch."""
     if not map_limit():
         return False
     with _lock:
@@ -93,5 +105,5 @@ def watch_mappings() -> bool:
     return True
 
 
-__all__ = ["LAST_WARNING", "MappingLimitWarning", "WARN_AT", "check_mappings", "map_count",
-           "map_limit", "watch_mappings"]
+__all__ = ["LAST_WARNING", "MappingLimitWarning", "RECHECK_FAR_S", "RECHECK_S", "WARN_AT",
+           "check_mappings", "map_count", "map_limit", "watch_mappings"]
