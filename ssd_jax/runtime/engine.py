@@ -30,7 +30,7 @@ from ssd_jax.runtime.chat import chat_prompts
 from ssd_jax.runtime import stream as streaming
 from ssd_jax.runtime.compile_cache import enable_compilation_cache
 from ssd_jax.runtime.mappings import watch_mappings
-from ssd_jax.runtime.config import (MODES, SSDConfig, check_max_len, check_pair, check_request,
+from ssd_jax.runtime.config import (SSDConfig, check_max_len, check_pair, check_request,
                                    int_ids)
 from ssd_jax.runtime.device_loop import DeviceLoop
 from ssd_jax.runtime.draft_worker import DraftRun, DraftWorker
