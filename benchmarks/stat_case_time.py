@@ -2,22 +2,23 @@
 each jitted step timed alone.
 
     python benchmarks/stat_case_time.py                       # SSD, random backup, 25,000 rows
-    python benchmarks/stat_case_time.py --case saguaro --rows 25000 --mode ssd
+    python benchmarks/stat_case_time.py --case saguaro --rows 2500 --mode ssd --steady 5
 
 The case's own pair (V = 4, hidden 32, a 2-layer target, its 1-layer draft), its
 Engine(max_len=16, compilation_cache=False), K = 2, 8 new tokens, T = 1, fresh request ids each
 call. Every jitted step the device loop calls (`steps.*`, `round_steps.*`, the draft's tree) is
 wrapped to wait for its result, so each one's seconds are its own device time plus its
 dispatch; the wall of the call is printed beside their sum. The first call compiles (its wall is
-the case's compile share); the second is the steady state a chunk costs. Waiting after each step
-serialises the verify and the tree, so the wall is that of a run without overlap: the shares, not
-the wall, are the result.
+the case's compile share); the next `--steady` calls (3) are the steady state a chunk costs,
+printed as their medians. Waiting after each step serialises the verify and the tree, so the
+wall is that of a run without overlap: the shares, not the wall, are the result.
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import os
+import statistics
 import sys
 import time
 
@@ -95,19 +96,39 @@ def run(case: str, mode: str, rows: int, calls: int = 2) -> list[dict]:
     return out
 
 
+def steady_medians(calls: list[dict]) -> dict:
+    """The steady calls' median wall and each step's median seconds (one call's wall moves from
+    run to run on a shared machine: benchmarks/README.md)."""
+    names = {n for r in calls for n in r["steps"]}
+    return dict(n=len(calls), walls=[r["wall_s"] for r in calls],
+                wall_s=statistics.median(r["wall_s"] for r in calls),
+                steps={n: statistics.median(r["steps"].get(n, {"s": 0.0})["s"] for r in calls)
+                       for n in names})
+
+
+def _print_steps(head: str, steps: dict[str, float]) -> None:
+    total = sum(steps.values())
+    print(f"{head}, steps {total:.2f} s")
+    for n, sec in sorted(steps.items(), key=lambda x: -x[1]):
+        print(f"  {n:20s} {sec:8.3f} s  {100 * sec / max(total, 1e-9):5.1f}%")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--case", default="random", choices=CASES)
     ap.add_argument("--mode", default="ssd", choices=("sd", "ssd"))
     ap.add_argument("--rows", type=int, default=25_000, help="requests in the chunk")
+    ap.add_argument("--steady", type=int, default=3, help="steady calls after the first (>= 1)")
     a = ap.parse_args(argv)
-    for r in run(a.case, a.mode, a.rows):
-        total = sum(v["s"] for v in r["steps"].values())
-        print(f"call {r['call']} ({'compiles' if r['call'] == 0 else 'steady'}): wall "
-              f"{r['wall_s']:.2f} s, {r['rounds']} rounds, steps {total:.2f} s")
-        for n, v in r["steps"].items():
-            print(f"  {n:20s} {v['s']:8.3f} s  {100 * v['s'] / max(total, 1e-9):5.1f}%  "
-                  f"x{v['calls']}")
+    if a.rows < 1 or a.steady < 1:
+        ap.error("--rows and --steady must be >= 1")
+    first, *steady = run(a.case, a.mode, a.rows, calls=1 + a.steady)
+    _print_steps(f"call 0 (compiles): wall {first['wall_s']:.2f} s, {first['rounds']} rounds",
+                 {n: v["s"] for n, v in first["steps"].items()})
+    m = steady_medians(steady)
+    _print_steps(f"steady, median of {m['n']} calls: wall {m['wall_s']:.2f} s (calls: "
+                 f"{', '.join(f'{w:.2f}' for w in m['walls'])}), {steady[0]['rounds']} rounds",
+                 m["steps"])
     return 0
 
 

@@ -209,3 +209,19 @@ def test_stat_case_time_clocks_every_round_s_steps():
     assert steps["verify"]["calls"] == steps["draft_tree"]["calls"] == r["rounds"] >= 2, r
     assert steps["draft_chain"]["calls"] >= 1 and steps["prefill"]["calls"] == 1
     assert 0 < sum(v["s"] for v in steps.values()) <= r["wall_s"]
+
+
+def test_stat_case_time_prints_the_steady_calls_medians(capsys):
+    """One call is not a steady figure on a shared machine: the script prints the median of
+    `--steady` calls, step by step, each median taken over the calls."""
+    st = _script("stat_case_time")
+    calls = [dict(wall_s=w, rounds=3, steps={"verify": dict(s=v, calls=3)})
+             for w, v in ((0.9, 0.3), (0.5, 0.1), (0.6, 0.2))]
+    m = st.steady_medians(calls)
+    assert (m["n"], m["wall_s"], m["steps"]) == (3, 0.6, {"verify": 0.2})
+    assert st.main(["--case", "neural", "--rows", "4", "--steady", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "call 0 (compiles)" in out and "steady, median of 2 calls" in out, out
+    assert out.count("  verify ") == 2, out
+    with pytest.raises(SystemExit):
+        st.main(["--steady", "0"])
