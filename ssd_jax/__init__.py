@@ -33,6 +33,7 @@ _EXPORTS = {
     "start_two_process": "ssd_jax.runtime.transport",
     "DraftFailure": "ssd_jax.runtime.fallback",
     "DraftFallbackWarning": "ssd_jax.runtime.fallback",
+    "MappingLimitWarning": "ssd_jax.runtime.mappings",
     "TransportError": "ssd_jax.runtime.wire",
     # models
     "load_model": "ssd_jax.models.load",
