@@ -29,13 +29,13 @@ from ssd_jax.runtime.batch import Batch, GenerationResult
 from ssd_jax.runtime.chat import chat_prompts
 from ssd_jax.runtime import stream as streaming
 from ssd_jax.runtime.compile_cache import enable_compilation_cache
-from ssd_jax.runtime.mappings import watch_mappings
 from ssd_jax.runtime.config import (SSDConfig, check_max_len, check_pair, check_request,
                                    int_ids)
 from ssd_jax.runtime.device_loop import DeviceLoop
 from ssd_jax.runtime.draft_worker import DraftRun, DraftWorker
 from ssd_jax.runtime.fallback import DraftDown, Guarded, fall_back, restart
 from ssd_jax.runtime.host_loop import HostLoop
+from ssd_jax.runtime.mappings import watch_mappings
 from ssd_jax.runtime.metrics import CompileTimer, Metrics
 from ssd_jax.algorithm.policy import BackupChooser, plan_from_sd, width_slope_from_times
 from ssd_jax.runtime.proposer import Proposer
