@@ -18,6 +18,11 @@ the tokens: for a float32 cache the tree kernel takes its dots in IEEE fp32 (no 
 while XLA's float32 matmuls may use TF32, so the float32 run's pallas-against-xla walls (1.49x
 slower on the H200, 2026-12-04) may say nothing about the bf16 engine users run.
 
+Each run's timed call prints its wall per round and its **host ms per round**: the wall minus the
+time the host spent blocked in device->host syncs (`host_overhead.SyncCounter` clocks each one),
+over the rounds, i.e. what the host itself adds to a round, the part a GPU's verify would not hide
+(issue 32's figure for a GPU).
+
 On a CPU (`--smoke`) the kernels run in Pallas interpret mode at a smaller shape. Prints wall times
 (compile excluded) for orientation only; exit status 1 on any mismatch.
 
@@ -33,6 +38,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 
@@ -41,6 +47,7 @@ from ssd_jax.models.model import Model  # noqa: E402
 from ssd_jax.models.params import perturb, random_params  # noqa: E402
 from ssd_jax.runtime.engine import Engine, SSDConfig  # noqa: E402
 from ssd_jax.algorithm.near_tie import assert_greedy_agreement  # noqa: E402
+from host_overhead import SyncCounter, rounds_of  # noqa: E402
 
 
 EXACT = ("sd", "ssd reference", "ssd pallas", "sd rounds", "ssd rounds")
@@ -125,15 +132,20 @@ def main(argv=None) -> int:
         eng = engines["pallas" if name == "ssd pallas" else "xla"]
         eng.round_chunks = False if name.endswith(" rounds") else None
         eng.generate(prompts, max_new_tokens=new, **kw)  # compile
-        t0 = time.perf_counter()
-        out[name] = eng.generate(prompts, max_new_tokens=new, **kw)
-        sec = time.perf_counter() - t0
+        with SyncCounter() as syncs:
+            t0 = time.perf_counter()
+            out[name] = eng.generate(prompts, max_new_tokens=new, **kw)
+            sec = time.perf_counter() - t0
         m = out[name].metrics
-        walls[name] = dict(ms=sec * 1e3, rounds=m.rounds, ms_per_round=sec * 1e3 / max(1, m.rounds),
-                           hits=m.hits, lookups=m.lookups)
+        rounds = rounds_of(out[name], kw["mode"])  # AR: tokens of the longest row
+        walls[name] = dict(ms=sec * 1e3, rounds=rounds, ms_per_round=sec * 1e3 / rounds,
+                           host_ms_per_round=(sec - syncs.wait_s) * 1e3 / rounds,
+                           syncs=syncs.syncs, syncs_per_round=syncs.syncs / rounds, hits=m.hits, lookups=m.lookups)
         extra = f", hits {m.hits}/{m.lookups}" if kw["mode"] == "ssd" else ""
-        print(f"  {name:<14s} {sec * 1e3:8.1f} ms, {m.rounds} rounds "
-              f"({walls[name]['ms_per_round']:.2f} ms a round){extra}", flush=True)
+        print(f"  {name:<14s} {sec * 1e3:8.1f} ms, {rounds} rounds "
+              f"({walls[name]['ms_per_round']:.2f} ms a round, host "
+              f"{walls[name]['host_ms_per_round']:.2f}, {walls[name]['syncs_per_round']:.2f} "
+              f"syncs){extra}", flush=True)
     ok, lines = verdicts(out, prompts, target.params, cfg, tokens=args.dtype == "float32")
     for line in lines:
         print(line)

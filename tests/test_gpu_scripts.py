@@ -63,6 +63,12 @@ def test_engine_check_smoke_end_to_end(tmp_path):
     assert data["ok"] and set(data["runs"]) == {"ar", *check.EXACT}
     assert data["backend"]["draft"] == "pallas"
     assert all(r["rounds"] > 0 and r["ms_per_round"] > 0 for r in data["runs"].values())
+    # the host's own share of a round: positive, and never more than the whole round; at most
+    # one device->host sync a round (AR: a chunk of tokens) plus the call's own few (the
+    # prefill's report, the results, the counters: 4 in SD / SSD here)
+    for name, r in data["runs"].items():
+        assert 0 < r["host_ms_per_round"] <= r["ms_per_round"], (name, r)
+        assert 0 < r["syncs"] <= r["rounds"] + 4, (name, r)
     # bf16: timed side by side, the kernels checked, the tokens not (a short run)
     assert check.main(["--smoke", "--dtype", "bfloat16", "--max-new-tokens", "4",
                        "--json", str(out)]) == 0
