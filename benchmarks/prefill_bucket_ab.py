@@ -5,7 +5,7 @@ pair (tests/_engine_stats.py) with the smallest prefill bucket at 16 (the engine
     python benchmarks/prefill_bucket_ab.py --rows 5000 --passes 1
 
 The cases' prompt has 3 tokens, which the engine pads to its smallest prefill bucket, 16; each
-setting is patched into `ssd_jax.runtime.engine._prefill_bucket` in turn, and the settings
+setting is patched into `ssd_jax.runtime.request.prefill_bucket` in turn, and the settings
 alternate within each pass (interleaved, so the shared machine's drift falls on all of them). SD
 reads tokens 1-4 (`sd-t1.0`), SSD tokens 5-8 with fan-out (2, 2, 1) and Saguaro C = 0.5
 (`ssd-t0.7-saguaro0.5`'s configuration at T = 1). Each run is preceded by a warm-up of one chunk
@@ -34,7 +34,7 @@ def main(argv=None) -> None:
 
     import _engine_stats as es
 
-    from ssd_jax.runtime import engine
+    from ssd_jax.runtime import request
     from ssd_jax.runtime.defaults import describe
     from ssd_jax.runtime.engine import SSDConfig
 
@@ -44,7 +44,7 @@ def main(argv=None) -> None:
     print("pass  bucket  mode  seconds  checksum")
     for p in range(a.passes):
         for b in a.buckets:
-            engine._prefill_bucket = lambda n, b=b: max(b, 1 << (n - 1).bit_length())
+            request.prefill_bucket = lambda n, b=b: max(b, 1 << (n - 1).bit_length())
             for mode, kw in runs.items():
                 es.sample_windows(pair, mode, es.T10, n=es.CHUNK, **kw)  # compiles
                 t0 = time.perf_counter()

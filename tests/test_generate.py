@@ -197,11 +197,11 @@ def test_invalid_sampling_values(bad, match):
 
 def test_no_round_can_write_past_the_cache(engine, monkeypatch):
     """Issue 35: a KV write past the cache is dropped in silence on the jit path, so the engine
-    proves at call start that none can happen (`_check_cache_room`). Forced here by shrinking the
+    proves at call start that none can happen (`request.check_room`). Forced here by shrinking the
     cache the call gets: at the bound (every slot a round can write, no more) the call runs, every
     verify writes inside the cache and the tokens are the roomy call's; one slot less is a
     CacheOverflowError before any work."""
-    import ssd_jax.runtime.engine as engine_module
+    import ssd_jax.runtime.request as request_module
     from ssd_jax.models.kv_cache import CacheOverflowError
 
     call = dict(mode="sd", max_new_tokens=12, k=3)
@@ -215,10 +215,10 @@ def test_no_round_can_write_past_the_cache(engine, monkeypatch):
         return real_verify(params, cfg, cache, bonus, spec, *a, **kw)
 
     monkeypatch.setattr(steps, "verify", recording)
-    monkeypatch.setattr(engine_module, "_bucket", lambda n, q: room)
+    monkeypatch.setattr(request_module, "_bucket", lambda n, q: room)
     assert engine.generate(prompts, **call).token_ids == want
     assert ends and all(end <= size == room for end, size in ends), ends
-    monkeypatch.setattr(engine_module, "_bucket", lambda n, q: room - 1)
+    monkeypatch.setattr(request_module, "_bucket", lambda n, q: room - 1)
     monkeypatch.setattr(Engine, "_prefill", lambda *a, **k: pytest.fail("work started"))
     with pytest.raises(CacheOverflowError, match=f"slot {room - 1} of a KV cache of {room - 1}"):
         engine.generate(prompts, **call)

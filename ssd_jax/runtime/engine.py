@@ -29,8 +29,7 @@ from ssd_jax.runtime.batch import Batch, GenerationResult
 from ssd_jax.runtime.chat import chat_prompts
 from ssd_jax.runtime import stream as streaming
 from ssd_jax.runtime.compile_cache import enable_compilation_cache
-from ssd_jax.runtime.config import (SSDConfig, check_max_len, check_pair, check_request,
-                                   int_ids)
+from ssd_jax.runtime.config import SSDConfig, check_max_len, check_pair, check_request
 from ssd_jax.runtime.device_loop import DeviceLoop
 from ssd_jax.runtime.draft_worker import DraftRun, DraftWorker
 from ssd_jax.runtime.fallback import DraftDown, Guarded, fall_back, restart
@@ -40,26 +39,10 @@ from ssd_jax.runtime.metrics import CompileTimer, Metrics
 from ssd_jax.algorithm.policy import BackupChooser, plan_from_sd, width_slope_from_times
 from ssd_jax.runtime.proposer import Proposer
 from ssd_jax.runtime.placement import Placement, make_placement, settle, spans_processes, to_mesh
+from ssd_jax.runtime.request import cache_length, encode, right_padded
 from ssd_jax.algorithm.sampling import SamplingParams
 from ssd_jax.runtime.sharding import init_target_cache, take_target
 from ssd_jax.algorithm.speculation_cache import check_budget
-
-def _bucket(n: int, quantum: int) -> int:
-    return max(quantum, -(-n // quantum) * quantum)
-
-
-def _prefill_bucket(n: int) -> int:
-    return max(16, 1 << (n - 1).bit_length())
-
-
-def _right_padded(rows, cap: int | None = None) -> np.ndarray:
-    """Token rows right-padded with 0 to the prefill bucket of the longest (at most `cap`
-    columns): `[B, T]` int32."""
-    T = _prefill_bucket(max(len(r) for r in rows))
-    toks = np.zeros((len(rows), T if cap is None else min(T, cap)), np.int32)
-    for i, r in enumerate(rows):
-        toks[i, :len(r)] = r
-    return toks
 
 
 def _one_call_at_a_time(method):
@@ -261,22 +244,14 @@ class Engine(HostLoop):
             raise ValueError(f"mode {mode!r} needs a draft model: Engine(target, draft)")
         if mode == "ssd" and isinstance(self.worker, Proposer) and not hasattr(self.worker, "resolve"):
             raise ValueError("mode 'ssd' needs a draft model (its tree); a proposer serves mode 'sd'")
-        ids = self._encode(prompts, chat)
+        ids = encode(prompts, self.target.tokenizer, self.vocab_size, chat)
         batch = Batch(ids, max_new_tokens, self.eos_ids if eos_ids is None else eos_ids, stop,
                       self.target.tokenizer.decode if self.target.tokenizer else None, on_tokens)
         rids = np.asarray(request_ids if request_ids is not None else range(batch.size), np.int32)
         if rids.shape != (batch.size,):
             raise ValueError(f"request_ids needs one id per prompt ({batch.size}), got {rids.shape}")
-        need = int(batch.prompt_lens.max()) + int(max_new_tokens) + int(k) + 2
-        if need > self.max_len:
-            raise ValueError(f"prompt ({batch.prompt_lens.max()} tokens) + max_new_tokens "
-                             f"({max_new_tokens}) + K + 2 = {need} exceeds the cache length "
-                             f"max_len={self.max_len}: shorten the prompt or budget, or raise max_len")
-        if need > self.target.cfg.max_position_embeddings:
-            raise ValueError(f"{need} positions exceed the target's max_position_embeddings "
-                             f"({self.target.cfg.max_position_embeddings})")
-        cache_len = min(self.max_len, _bucket(need, 256))
-        _check_cache_room(batch.prompt_lens, max_new_tokens, k, cache_len)
+        cache_len = cache_length(batch.prompt_lens, max_new_tokens, k, self.max_len,
+                                 self.target.cfg.max_position_embeddings)
         metrics = Metrics(mode=mode, backend=self.backend)
         # [B] values, traced by the steps (SamplingParams.per_request): the target's placed once
         # per call, the draft's sent as host values that the draft worker places itself
@@ -359,36 +334,12 @@ class Engine(HostLoop):
         return streaming.start(self, prompts, messages, kwargs)
 
     # ------------------------------------------------------------------ set-up
-    def _encode(self, prompts, chat: bool) -> list[list[int]]:
-        if isinstance(prompts, str) or getattr(prompts, "ndim", None) == 1 or (
-                isinstance(prompts, (list, tuple)) and prompts and _scalar(prompts[0])):
-            prompts = [prompts]  # one prompt: a string, or ids (any scalars: checked below)
-        if prompts is None or len(prompts) == 0:
-            raise ValueError("no prompts given")
-        tok = self.target.tokenizer
-        out = []
-        for p in prompts:
-            if isinstance(p, str):
-                if tok is None:
-                    raise ValueError("text prompts need a tokenizer: pass token ids or load one")
-                if chat:
-                    p = tok.apply_chat_template([{"role": "user", "content": p}])
-                ids = tok.encode(p)
-            else:  # a TypeError naming the prompt and position of a float, bool or string
-                ids = int_ids(p, f"prompts[{len(out)}]")
-            if not ids:
-                raise ValueError("empty prompt: every prompt needs at least one token")
-            if max(ids) >= self.vocab_size or min(ids) < 0:
-                raise ValueError(f"prompt token id out of range [0, {self.vocab_size})")
-            out.append(ids)
-        return out
-
     def _prefill_target(self, batch: Batch, rids, cache_len: int, run: dict):
         """The target's cache for this call and its prefill (dispatched, not waited for):
         returns (first token [B], its log-prob [B], the cache) on the target mesh, and the
         prompts right-padded to the prefill bucket [B, T] (host), which the draft's prefill takes."""
         B = batch.size
-        toks = _right_padded(batch.history)
+        toks = right_padded(batch.history)
         tgt = self.placement.target
         cfg = self.tcfg
         self.tcache = self._new_target_cache(B, cache_len)
@@ -405,7 +356,7 @@ class Engine(HostLoop):
         lens = np.asarray([len(r) for r in rows], np.int32)
         return steps.prefill_cache(self.tparams, self.tcfg,
                                    self._new_target_cache(len(rows), cache_len),
-                                   to_mesh(_right_padded(rows, cache_len), tgt),
+                                   to_mesh(right_padded(rows, cache_len), tgt),
                                    to_mesh(lens, tgt), ops=self.tops)
 
     def _new_target_cache(self, batch: int, cache_len: int):
@@ -477,27 +428,6 @@ class Engine(HostLoop):
         if self._width_slope is None and isinstance(self.worker, DraftWorker):
             self._width_slope = width_slope_from_times(self.worker.width_times())
         return self._width_slope
-
-
-def _check_cache_room(prompt_lens, max_new_tokens: int, k: int, cache_len: int) -> None:
-    """Prove, before any work, that no round of this call writes past a KV cache of `cache_len`
-    slots; a CacheOverflowError otherwise (never a write dropped in silence on the jit path).
-
-    A row with P prompt tokens and g < max_new_tokens generated ones is active with n = P + g - 1
-    tokens in the cache; its round writes slots n..n+K (verify: bonus + K drafts; SSD's glue pass
-    the same on the draft; the chain n-1..n+K-1; plain decoding slot n). So the last slot any
-    round writes is max(P) + max_new_tokens - 2 + K, for every mode and every outcome."""
-    last = int(np.max(prompt_lens)) + int(max_new_tokens) - 2 + max(int(k), 0)
-    if last >= cache_len:
-        from ssd_jax.models.kv_cache import CacheOverflowError
-        raise CacheOverflowError(f"a round could write slot {last} of a KV cache of {cache_len} "
-                                 f"slots (prompt {int(np.max(prompt_lens))} + max_new_tokens "
-                                 f"{max_new_tokens} + K {k}): refused before any work")
-
-
-def _scalar(x) -> bool:
-    """One value (an id, or what a caller passed as one: a float, a bool), not a prompt."""
-    return isinstance(x, (int, float, complex, np.generic)) or getattr(x, "ndim", None) == 0
 
 
 def _default_verifier():

@@ -1,0 +1,103 @@
+"""A generate call's request before any device work: prompts to token ids, the KV cache length the
+call needs (refused at once if it cannot fit), and the prompts as the prefill's padded block.
+
+Everything here runs on the host and raises before a compile or a dispatch, so a bad request is
+one clear error, never a slow failure or a silently cut prompt."""
+from __future__ import annotations
+
+import numpy as np
+
+from ssd_jax.runtime.config import int_ids
+
+# Cache lengths come in multiples of this: calls whose needs round to one length share its compiles.
+CACHE_QUANTUM = 256
+
+
+def encode(prompts, tokenizer, vocab_size: int, chat: bool) -> list[list[int]]:
+    """A call's prompts as token ids: one prompt (a string, or ids) or a list of them; strings go
+    through `tokenizer` (its chat template first if `chat`). ValueError for no prompt, an empty
+    one, text without a tokenizer or an id outside [0, vocab_size); TypeError for a non-integer
+    id (naming its prompt and position)."""
+    if isinstance(prompts, str) or getattr(prompts, "ndim", None) == 1 or (
+            isinstance(prompts, (list, tuple)) and prompts and _scalar(prompts[0])):
+        prompts = [prompts]  # one prompt: a string, or ids (any scalars: checked below)
+    if prompts is None or len(prompts) == 0:
+        raise ValueError("no prompts given")
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise ValueError("text prompts need a tokenizer: pass token ids or load one")
+            if chat:
+                p = tokenizer.apply_chat_template([{"role": "user", "content": p}])
+            ids = tokenizer.encode(p)
+        else:  # a TypeError naming the prompt and position of a float, bool or string
+            ids = int_ids(p, f"prompts[{len(out)}]")
+        if not ids:
+            raise ValueError("empty prompt: every prompt needs at least one token")
+        if max(ids) >= vocab_size or min(ids) < 0:
+            raise ValueError(f"prompt token id out of range [0, {vocab_size})")
+        out.append(ids)
+    return out
+
+
+def cache_length(prompt_lens, max_new_tokens: int, k: int, max_len: int,
+                 max_positions: int) -> int:
+    """The KV cache length a call with these prompt lengths `[B]`, budget and lookahead runs in:
+    its need (the longest prompt + max_new_tokens + K + 2) rounded up to CACHE_QUANTUM, at most
+    the engine's `max_len`. ValueError if the need exceeds `max_len` or the target's
+    `max_positions`; CacheOverflowError if a round could write past the cache (`check_room`)."""
+    longest = int(np.max(prompt_lens))
+    need = longest + int(max_new_tokens) + int(k) + 2
+    if need > max_len:
+        raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) + K + 2 "
+                         f"= {need} exceeds the cache length max_len={max_len}: shorten the "
+                         f"prompt or budget, or raise max_len")
+    if need > max_positions:
+        raise ValueError(f"{need} positions exceed the target's max_position_embeddings "
+                         f"({max_positions})")
+    cache_len = min(max_len, _bucket(need, CACHE_QUANTUM))
+    check_room(prompt_lens, max_new_tokens, k, cache_len)
+    return cache_len
+
+
+def check_room(prompt_lens, max_new_tokens: int, k: int, cache_len: int) -> None:
+    """Prove, before any work, that no round of this call writes past a KV cache of `cache_len`
+    slots; a CacheOverflowError otherwise (never a write dropped in silence on the jit path).
+
+    A row with P prompt tokens and g < max_new_tokens generated ones is active with n = P + g - 1
+    tokens in the cache; its round writes slots n..n+K (verify: bonus + K drafts; SSD's glue pass
+    the same on the draft; the chain n-1..n+K-1; plain decoding slot n). So the last slot any
+    round writes is max(P) + max_new_tokens - 2 + K, for every mode and every outcome."""
+    last = int(np.max(prompt_lens)) + int(max_new_tokens) - 2 + max(int(k), 0)
+    if last >= cache_len:
+        from ssd_jax.models.kv_cache import CacheOverflowError
+        raise CacheOverflowError(f"a round could write slot {last} of a KV cache of {cache_len} "
+                                 f"slots (prompt {int(np.max(prompt_lens))} + max_new_tokens "
+                                 f"{max_new_tokens} + K {k}): refused before any work")
+
+
+def prefill_bucket(n: int) -> int:
+    """The prefill's width for a longest prompt of n tokens: the next power of two, at least 16
+    (prompts of 1-16 tokens share one compiled prefill, 17-32 the next, ...)."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def right_padded(rows, cap: int | None = None) -> np.ndarray:
+    """Token rows right-padded with 0 to the prefill bucket of the longest (at most `cap`
+    columns): `[B, T]` int32."""
+    T = prefill_bucket(max(len(r) for r in rows))
+    toks = np.zeros((len(rows), T if cap is None else min(T, cap)), np.int32)
+    for i, r in enumerate(rows):
+        toks[i, :len(r)] = r
+    return toks
+
+
+def _bucket(n: int, quantum: int) -> int:
+    """n rounded up to a multiple of quantum (at least one quantum)."""
+    return max(quantum, -(-n // quantum) * quantum)
+
+
+def _scalar(x) -> bool:
+    """One value (an id, or what a caller passed as one: a float, a bool), not a prompt."""
+    return isinstance(x, (int, float, complex, np.generic)) or getattr(x, "ndim", None) == 0
