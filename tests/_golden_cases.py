@@ -58,7 +58,6 @@ from ssd_jax.models.params import perturb, random_params
 from ssd_jax.models.quant import quantize_model
 from ssd_jax.runtime.config import SSDConfig
 from ssd_jax.runtime.engine import Engine
-from ssd_jax.runtime.placement import make_placement
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:

@@ -14,7 +14,7 @@ from ssd_jax.models import backends
 from ssd_jax.models.config import tiny_config
 from ssd_jax.models.kv_cache import init_cache
 from ssd_jax.models.model import Model
-from ssd_jax.models.ops import XLA, Ops, xla_tree_attention
+from ssd_jax.models.ops import XLA, xla_tree_attention
 from ssd_jax.models.params import perturb, random_params
 from ssd_jax.models.transformer import forward
 from ssd_jax.runtime.engine import Engine, SSDConfig

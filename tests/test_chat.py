@@ -1,7 +1,6 @@
 """`generate(messages=[...])`: a system prompt and multi-turn chat through the model's template;
 a bad message list, or a model without a template, is one ValueError naming the problem, raised
 before anything compiles."""
-import jax
 import pytest
 
 from ssd_jax.algorithm import steps

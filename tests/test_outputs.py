@@ -4,7 +4,6 @@ from a local HF cache (and its dtype default). Streaming, chat messages and the 
 are in test_stream.py, test_chat.py and test_cli.py."""
 import dataclasses
 import json
-import os
 import shutil
 
 import jax

@@ -153,7 +153,7 @@ def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
 
 def _decode(raw: np.ndarray, qtype, name: str) -> np.ndarray:
     """Rows of raw bytes [R, row_bytes] of one ggml type -> float32 [R, row_elements]."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+    from gguf import GGMLQuantizationType, quants
 
     raw = np.ascontiguousarray(raw)
     if qtype == GGMLQuantizationType.F32:

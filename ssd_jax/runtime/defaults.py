@@ -148,7 +148,7 @@ def _why(ops, plat: str, f: dict, flag: str, name: str) -> str:
         return f"SSD_JAX_CPU_ISA={f.get('SSD_JAX_CPU_ISA')} builds the kernels without {name}"
     if not f.get(flag):
         return f"this CPU ({f.get('model') or 'unknown'}) has no {name}"
-    return f"the cpu backend's kernels do not serve it on this CPU"
+    return "the cpu backend's kernels do not serve it on this CPU"
 
 
 def choose(backend="auto", dtype: str = "auto", draft_quant: str = "auto", mesh=None, *,
