@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from ssd_jax.models.kv_cache import CacheOverflowError
-from ssd_jax.runtime.request import cache_length, check_room, encode, prefill_bucket, right_padded
+from ssd_jax.runtime.request import (cache_length, check_room, encode, one_prompt, prefill_bucket,
+                                     right_padded)
 
 
 def test_calls_whose_needs_round_alike_share_one_cache_length():
@@ -58,3 +59,12 @@ def test_encode_takes_one_prompt_or_a_list_as_text_or_ids():
             encode(bad, None, 30, chat=False)
     with pytest.raises(TypeError, match=r"prompts\[1\]"):
         encode([[1], [2.5]], None, 30, chat=False)
+
+
+def test_one_prompt_is_a_batch_of_one_prompt_repeated():
+    block = right_padded([[4, 5, 6]] * 3)
+    assert one_prompt(block, [3, 3, 3])
+    assert not one_prompt(block[:1], [3])                    # one row: nothing to share
+    assert not one_prompt(right_padded([[4, 5, 6], [4, 5, 7]]), [3, 3])
+    assert not one_prompt(right_padded([[4, 5, 6], [4, 5]]), [3, 2])
+    assert not one_prompt(block, [3, 3, 2])                  # same ids, another length

@@ -74,6 +74,46 @@ def prefill_cache(params: Params, cfg: ModelConfig, cache: KVCache, tokens: jax.
     return cache
 
 
+def _one_row(cache):
+    """(row 0 of a cache pytree whose leaves are `[B, ...]`: `[1, ...]`, B)."""
+    return (jax.tree_util.tree_map(lambda x: x[:1], cache),
+            jax.tree_util.tree_leaves(cache)[0].shape[0])
+
+
+def _to_rows(tree, rows: int):
+    """A pytree of `[1, ...]` leaves copied to `[rows, ...]`."""
+    return jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (rows,) + x.shape[1:]), tree)
+
+
+@stored_jit(static_argnames=("cfg", "vocab_size", "ops"), donate_argnames=("cache",))
+def prefill_shared(params: Params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array,
+                   lens: jax.Array, seed: jax.Array, request_ids: jax.Array,
+                   sampling: smp.SamplingParams, vocab_size: int, ops: Ops = XLA):
+    """`prefill` for B rows that all hold one prompt (n samples of a prompt, pass@k): tokens
+    `[1, T]`, lens `[1]`, request_ids `[B]`, cache `[B, ...]` (donated). The prompt is forwarded
+    once; its KV and last logits are copied to the B rows, and each row draws its first token with
+    its own key, as `prefill` does. Same outputs as `prefill` of the B rows
+    (tests/test_steps.py)."""
+    one, rows = _one_row(cache)
+    one = with_lengths(one, jnp.zeros_like(lens))
+    logits, one = forward(params, cfg, tokens, one, lens, last_only=True, ops=ops)
+    logits, lens = _to_rows(logits, rows), _to_rows(lens, rows)
+    keys = smp.position_keys(seed, request_ids, lens, smp.STREAM_SAMPLE)
+    tok, _ = smp.sample(logits, sampling, keys, vocab_size)
+    return tok, token_logprobs(logits, tok), _to_rows(one, rows)
+
+
+@stored_jit(static_argnames=("cfg", "ops"), donate_argnames=("cache",))
+def prefill_cache_shared(params: Params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array,
+                         lens: jax.Array, ops: Ops = XLA) -> KVCache:
+    """`prefill_cache` for a cache whose B rows all hold one prompt: tokens `[1, T]`, lens `[1]`;
+    the prompt's KV is computed once and copied to every row of the cache (donated)."""
+    one, rows = _one_row(cache)
+    one = with_lengths(one, jnp.zeros_like(lens))
+    _, one = forward(params, cfg, tokens, one, lens, last_only=True, ops=ops)
+    return _to_rows(one, rows)
+
+
 @stored_jit(static_argnames=("cfg", "vocab_size", "ops"), donate_argnames=("cache",))
 def decode(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Array, active: jax.Array,
            seed: jax.Array, request_ids: jax.Array, sampling: smp.SamplingParams, vocab_size: int,

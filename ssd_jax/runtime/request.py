@@ -1,5 +1,6 @@
 """A generate call's request before any device work: prompts to token ids, the KV cache length the
-call needs (refused at once if it cannot fit), and the prompts as the prefill's padded block.
+call needs (refused at once if it cannot fit), the prompts as the prefill's padded block, and
+whether that block is one prompt repeated (its prefill then runs once).
 
 Everything here runs on the host and raises before a compile or a dispatch, so a bad request is
 one clear error, never a slow failure or a silently cut prompt."""
@@ -91,6 +92,17 @@ def right_padded(rows, cap: int | None = None) -> np.ndarray:
     for i, r in enumerate(rows):
         toks[i, :len(r)] = r
     return toks
+
+
+def one_prompt(tokens: np.ndarray, lens) -> bool:
+    """Whether a batch of B > 1 rows (prompt block `[B, T]`, lengths `[B]`) holds one prompt in
+    every row: n samples of a prompt (pass@k, a distribution estimate). Its prefill then forwards
+    the prompt once and copies its KV to the rows (`steps.prefill_shared`,
+    `steps.prefill_cache_shared`). Only a batch that is all one prompt is shared: a partly
+    repeated batch would need a program per count of distinct prompts."""
+    tokens, lens = np.asarray(tokens), np.asarray(lens)
+    return (tokens.shape[0] > 1 and bool((tokens == tokens[:1]).all())
+            and bool((lens == lens[0]).all()))
 
 
 def _bucket(n: int, quantum: int) -> int:
