@@ -43,7 +43,8 @@ class StepClock:
         from ssd_jax.algorithm import round_steps, steps
         from ssd_jax.runtime import draft_worker
         self.jax = jax
-        names = [(steps, n) for n in ("prefill", "prefill_cache", "decode", "verify", "draft_chain")]
+        names = [(steps, n) for n in ("prefill", "prefill_cache", "prefill_shared",
+                                        "prefill_cache_shared", "decode", "verify", "draft_chain")]
         names += [(round_steps, n) for n in ("commit_tokens", "commit_verify", "commit_verify_kept",
                                              "resolve", "round_view", "unpack", "pass_report")]
         names += [(draft_worker, "draft_tree")]
