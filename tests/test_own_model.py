@@ -216,6 +216,28 @@ def test_nnx_target_with_builtin_draft():
     assert out.token_ids == [plain_greedy(target, p, 12) for p in PROMPTS[:2]]
 
 
+
+def test_only_the_builtin_transformer_shares_a_repeated_prompts_prefill(monkeypatch):
+    """A batch of one prompt repeated prefills it once for the built-in transformer
+    (steps.prefill_shared / prefill_cache_shared); a model of one's own keeps its own cache
+    layout, so its rows are prefilled one by one: here the NNX target's, while the built-in
+    draft's prefill is shared. The tokens are the target's own greedy ones either way."""
+    from ssd_jax.algorithm import steps
+    calls = {"prefill": 0, "prefill_shared": 0, "prefill_cache": 0, "prefill_cache_shared": 0}
+    for name in calls:
+        def counted(*a, _real=getattr(steps, name), _name=name, **k):
+            calls[_name] += 1
+            return _real(*a, **k)
+        monkeypatch.setattr(steps, name, counted)
+    target = scaled(TinyLM(GV, rngs=nnx.Rngs(3)), 1.5)
+    cfg = tiny_config("llama", vocab_size=GV)
+    draft = Model(cfg, random_params(cfg, 0, scale=1.0))
+    eng = Engine(from_nnx(target), draft, max_len=64, compilation_cache=False, backend="xla")
+    out = eng.generate([PROMPTS[0]] * 3, mode="sd", max_new_tokens=6, k=2)
+    assert out.token_ids == [plain_greedy(target, PROMPTS[0], 6)] * 3
+    assert calls == {"prefill": 1, "prefill_shared": 0, "prefill_cache": 0,
+                     "prefill_cache_shared": 1}, calls
+
 # ------------------------------------------------------------------ exactness, sampled SSD
 SV, SK, SKIP, SWIN = 4, 2, 3, 4
 SPROMPT = [1, 3, 0]

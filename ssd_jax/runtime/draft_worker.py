@@ -164,8 +164,10 @@ class DraftWorker:
         self.local_rows = len(self.rows.device_set) > 1 and not self.rows.is_fully_replicated
         self.spec_bytes = {}
         self.cache = init_cache(self.cfg, B, cache_len, sharding=self.rows)
-        if len(self.rows.device_set) == 1 and one_prompt(prompt_tokens, prompt_lens):
-            # one prompt in every row: its KV computed once, copied to the rows
+        if (len(self.rows.device_set) == 1 and is_builtin(self.cfg)
+                and one_prompt(prompt_tokens, prompt_lens)):
+            # one prompt in every row: its KV computed once, copied to the rows (the
+            # engine's rule, `Engine._prefill_target`)
             self.cache = steps.prefill_cache_shared(self.params, self.cfg, self.cache,
                                                     self._put(prompt_tokens[:1]),
                                                     self._put(prompt_lens[:1]), ops=self.ops)

@@ -345,9 +345,10 @@ class Engine(HostLoop):
         self.tcache = self._new_target_cache(B, cache_len)
         lens = batch.prompt_lens
         # one prompt in every row, on a one-device mesh: forwarded once (a sharded cache's rows
-        # are not copied across its devices, so a mesh of several prefills every row)
+        # are not copied across its devices, so a mesh of several prefills every row; a model
+        # of one's own keeps its own cache layout, so it prefills every row too)
         prefill, rows = steps.prefill, slice(None)
-        if self.placement.tp == 1 and one_prompt(toks, lens):
+        if self.placement.tp == 1 and is_builtin(cfg) and one_prompt(toks, lens):
             prefill, rows = steps.prefill_shared, slice(0, 1)
         first, lp, cache = settle(prefill(
             self.tparams, cfg, self.tcache, to_mesh(toks[rows], tgt), to_mesh(lens[rows], tgt),
