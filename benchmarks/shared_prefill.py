@@ -6,7 +6,7 @@ the prefill's seconds side by side, their ratio, and whether the ids agree.
 
 The CLI's formats (`defaults.choose`); the prompt is the first 1,200 characters of
 ssd_jax/runtime/request.py (~290 tokens), T = 0.8, K = 4. The off setting patches
-`request.one_prompt` (as the engine and the draft worker imported it) to False. Call 0 of each
+`request.one_prompt`, the rule both sides' `request.prefill_once` reads, to False. Call 0 of each
 setting compiles (its prefill time includes the compile); the medians are of the rest.
 """
 from __future__ import annotations
@@ -31,10 +31,10 @@ def main(argv=None) -> None:
 
     import ssd_jax
     from ssd_jax.models import registry
-    from ssd_jax.runtime import draft_worker, engine
+    from ssd_jax.runtime import request
     from ssd_jax.runtime.defaults import choose, describe
-    from ssd_jax.runtime.request import one_prompt
 
+    one_prompt = request.one_prompt
     fast = choose()
     print(describe(), fast, flush=True)
     target = ssd_jax.load_model(registry.DEFAULT_TARGET, fast["dtype"])
@@ -50,8 +50,7 @@ def main(argv=None) -> None:
     try:
         for rep in range(1 + a.reps):
             for shared in (True, False):
-                engine.one_prompt = draft_worker.one_prompt = (
-                    one_prompt if shared else (lambda *args: False))
+                request.one_prompt = one_prompt if shared else (lambda *args: False)
                 t0 = time.perf_counter()
                 out = eng.generate([prompt] * a.rows, **call)
                 wall = time.perf_counter() - t0
@@ -62,7 +61,7 @@ def main(argv=None) -> None:
                       f"{out.metrics.prefill_s:.2f} s, compile {out.metrics.compile_s:.2f} s, "
                       f"wall {wall:.2f} s", flush=True)
     finally:
-        engine.one_prompt = draft_worker.one_prompt = one_prompt
+        request.one_prompt = one_prompt
     each, once = statistics.median(prefill[False]), statistics.median(prefill[True])
     print(f"prefill median: every row {each:.2f} s, shared {once:.2f} s: {each / once:.1f}x; "
           f"same ids: {ids[True] == ids[False]}")

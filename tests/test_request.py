@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 
 from ssd_jax.models.kv_cache import CacheOverflowError
+from ssd_jax.models.config import tiny_config
 from ssd_jax.runtime.request import (cache_length, check_room, encode, one_prompt, prefill_bucket,
-                                     right_padded)
+                                     prefill_once, right_padded)
 
 
 def test_calls_whose_needs_round_alike_share_one_cache_length():
@@ -68,3 +69,11 @@ def test_one_prompt_is_a_batch_of_one_prompt_repeated():
     assert not one_prompt(right_padded([[4, 5, 6], [4, 5, 7]]), [3, 3])
     assert not one_prompt(right_padded([[4, 5, 6], [4, 5]]), [3, 2])
     assert not one_prompt(block, [3, 3, 2])                  # same ids, another length
+
+
+def test_only_the_builtin_transformer_on_one_device_prefills_once():
+    block, lens, cfg = right_padded([[4, 5, 6]] * 3), [3, 3, 3], tiny_config("qwen2")
+    assert prefill_once(cfg, 1, block, lens)
+    assert not prefill_once(cfg, 2, block, lens)           # a sharded cache: every row
+    assert not prefill_once(object(), 1, block, lens)      # a model of one's own: every row
+    assert not prefill_once(cfg, 1, block, [3, 3, 2])      # not one prompt

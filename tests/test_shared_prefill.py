@@ -1,5 +1,5 @@
 """A batch that holds one prompt in every row (n samples of a prompt) prefills it once
-(`steps.prefill_shared`, `steps.prefill_cache_shared`; `request.one_prompt` decides): the
+(`steps.prefill_shared`, `steps.prefill_cache_shared`; `request.prefill_once` decides): the
 first tokens, the KV and every later token are those of prefilling each row."""
 import jax
 import jax.numpy as jnp
@@ -12,7 +12,7 @@ from ssd_jax.models.config import tiny_config
 from ssd_jax.models.kv_cache import init_cache
 from ssd_jax.models.model import Model
 from ssd_jax.models.params import perturb, random_params
-from ssd_jax.runtime import draft_worker, engine as engine_module
+from ssd_jax.runtime import request
 from ssd_jax.runtime.engine import Engine, SSDConfig
 
 CFG = tiny_config("qwen2", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2)
@@ -77,8 +77,7 @@ def test_n_samples_of_one_prompt_are_those_of_prefilling_each_row(engine, monkey
     seen = _calls(monkeypatch)
     shared = engine.generate(prompts, **call)
     assert seen == {"prefill_shared": 1, "prefill_cache_shared": 0 if mode == "ar" else 1}
-    for module in (engine_module, draft_worker):
-        monkeypatch.setattr(module, "one_prompt", lambda *a: False)
+    monkeypatch.setattr(request, "one_prompt", lambda *a: False)  # both sides' rule
     each = engine.generate(prompts, **call)
     assert seen == {"prefill_shared": 1, "prefill_cache_shared": 0 if mode == "ar" else 1}
     assert shared.token_ids == each.token_ids

@@ -19,7 +19,7 @@ from ssd_jax.models.protocol import forward, init_cache, is_builtin, with_length
 from ssd_jax.algorithm import backups, round_steps, steps
 from ssd_jax.runtime.metrics import layout_bytes
 from ssd_jax.runtime.placement import _placed, move, settle, spans_processes, to_host, to_mesh
-from ssd_jax.runtime.request import one_prompt
+from ssd_jax.runtime.request import prefill_once
 from ssd_jax.runtime.sharding import consume
 from ssd_jax.algorithm.speculation_cache import lookup
 from ssd_jax.algorithm.tree import draft_tree
@@ -164,10 +164,7 @@ class DraftWorker:
         self.local_rows = len(self.rows.device_set) > 1 and not self.rows.is_fully_replicated
         self.spec_bytes = {}
         self.cache = init_cache(self.cfg, B, cache_len, sharding=self.rows)
-        if (len(self.rows.device_set) == 1 and is_builtin(self.cfg)
-                and one_prompt(prompt_tokens, prompt_lens)):
-            # one prompt in every row: its KV computed once, copied to the rows (the
-            # engine's rule, `Engine._prefill_target`)
+        if prefill_once(self.cfg, len(self.rows.device_set), prompt_tokens, prompt_lens):
             self.cache = steps.prefill_cache_shared(self.params, self.cfg, self.cache,
                                                     self._put(prompt_tokens[:1]),
                                                     self._put(prompt_lens[:1]), ops=self.ops)

@@ -39,7 +39,7 @@ from ssd_jax.runtime.metrics import CompileTimer, Metrics
 from ssd_jax.algorithm.policy import BackupChooser, plan_from_sd, width_slope_from_times
 from ssd_jax.runtime.proposer import Proposer
 from ssd_jax.runtime.placement import Placement, make_placement, settle, spans_processes, to_mesh
-from ssd_jax.runtime.request import cache_length, encode, one_prompt, right_padded
+from ssd_jax.runtime.request import cache_length, encode, prefill_once, right_padded
 from ssd_jax.algorithm.sampling import SamplingParams
 from ssd_jax.runtime.sharding import init_target_cache, take_target
 from ssd_jax.algorithm.speculation_cache import check_budget
@@ -344,11 +344,8 @@ class Engine(HostLoop):
         cfg = self.tcfg
         self.tcache = self._new_target_cache(B, cache_len)
         lens = batch.prompt_lens
-        # one prompt in every row, on a one-device mesh: forwarded once (a sharded cache's rows
-        # are not copied across its devices, so a mesh of several prefills every row; a model
-        # of one's own keeps its own cache layout, so it prefills every row too)
         prefill, rows = steps.prefill, slice(None)
-        if self.placement.tp == 1 and is_builtin(cfg) and one_prompt(toks, lens):
+        if prefill_once(cfg, self.placement.tp, toks, lens):  # one prompt in every row
             prefill, rows = steps.prefill_shared, slice(0, 1)
         first, lp, cache = settle(prefill(
             self.tparams, cfg, self.tcache, to_mesh(toks[rows], tgt), to_mesh(lens[rows], tgt),

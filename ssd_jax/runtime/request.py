@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ssd_jax.models.protocol import is_builtin
 from ssd_jax.runtime.config import int_ids
 
 # Cache lengths come in multiples of this: calls whose needs round to one length share its compiles.
@@ -103,6 +104,14 @@ def one_prompt(tokens: np.ndarray, lens) -> bool:
     tokens, lens = np.asarray(tokens), np.asarray(lens)
     return (tokens.shape[0] > 1 and bool((tokens == tokens[:1]).all())
             and bool((lens == lens[0]).all()))
+
+
+def prefill_once(cfg, devices: int, tokens: np.ndarray, lens) -> bool:
+    """Whether a side (target or draft) prefills this block once and copies it to the rows: the
+    built-in transformer (a model of one's own defines its own cache pytree, whose leaves need
+    not all be `[B, ...]`) on a one-device mesh (a sharded cache's rows are not copied across its
+    devices), and `one_prompt`."""
+    return devices == 1 and is_builtin(cfg) and one_prompt(tokens, lens)
 
 
 def _bucket(n: int, quantum: int) -> int:
