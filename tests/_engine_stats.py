@@ -91,19 +91,27 @@ def target_model(kind: str = "f32") -> Model:
 
 
 @functools.lru_cache(maxsize=None)
-def exact(sampling: SamplingParams, window: int = WINDOW, prompt: tuple = tuple(PROMPT),
-          skip: int = 0, target: str = "f32") -> np.ndarray:
-    """The exact distribution [V ** window] of generated tokens skip .. skip + window - 1 under
-    plain sampling (the marginal of the first skip + window tokens) of `target_model(target)`,
-    enumerated from that model's own forward."""
+def target_logits_fn(target: str = "f32"):
+    """`target_model(target)`'s full cache-free forward, tokens [N, T] -> logits [N, T, V], one
+    jitted function for every case (the enumeration calls it on one shape per prompt and window
+    length, so the cases of one process that share those compile it once)."""
     tm = target_model(target)
 
     @jax.jit
     def logits_fn(tokens):
         cache = init_cache(tm.cfg, tokens.shape[0], tokens.shape[1])
         return forward(tm.params, tm.cfg, tokens, cache)[0]
+    return logits_fn
 
-    full = enumerate_window_distribution(logits_fn, list(prompt), skip + window, sampling, V)
+
+@functools.lru_cache(maxsize=None)
+def exact(sampling: SamplingParams, window: int = WINDOW, prompt: tuple = tuple(PROMPT),
+          skip: int = 0, target: str = "f32") -> np.ndarray:
+    """The exact distribution [V ** window] of generated tokens skip .. skip + window - 1 under
+    plain sampling (the marginal of the first skip + window tokens) of `target_model(target)`,
+    enumerated from that model's own forward."""
+    full = enumerate_window_distribution(target_logits_fn(target), list(prompt), skip + window,
+                                         sampling, V)
     return full.reshape(V ** skip, V ** window).sum(axis=0)
 
 

@@ -157,6 +157,53 @@ def test_enumeration_matches_chain_rule():
     assert (exact == 0).sum() > 0
 
 
+def _prefix_by_prefix(logits_fn, prompt, window, params, vocab):
+    """The exact window distribution the slow way: every prefix forwarded alone, its last row
+    through reference_probs, the chain rule over all vocab ** window windows."""
+    out = np.zeros(vocab ** window)
+    for idx in range(vocab ** window):
+        w = [idx // vocab ** (window - 1 - i) % vocab for i in range(window)]
+        prob, toks = 1.0, list(prompt)
+        for t in w:
+            prob *= reference_probs(np.asarray(logits_fn(jnp.asarray([toks], jnp.int32)))[0, -1],
+                                    params, vocab_size=vocab)[t]
+            toks.append(t)
+        out[idx] = prob
+    return out
+
+
+@pytest.mark.parametrize("window,batch_size", [(1, 4096), (3, 4096), (3, 3), (4, 7)])
+def test_enumeration_forwards_one_shape_and_equals_each_prefix_alone(window, batch_size):
+    """Every window's probability equals the chain rule over prefixes forwarded one by one, for a
+    batch that holds every sequence, one that divides them and one that does not (the last call
+    wraps around); logits_fn sees one shape, so a jitted one compiles once."""
+    fn, shapes = trigram_logits_fn(TARGET_TABLE), set()
+
+    def counted(tokens):
+        shapes.add(tokens.shape)
+        return fn(tokens)
+
+    params = SamplingParams(0.9, top_k=3)
+    got = enumerate_window_distribution(counted, list(PROMPT), window, params, V,
+                                        batch_size=batch_size)
+    want = _prefix_by_prefix(fn, PROMPT, window, params, V)
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-15)
+    assert len(shapes) == 1, shapes
+    assert shapes == {(min(batch_size, V ** (window - 1)), len(PROMPT) + window - 1)}
+
+
+def test_enumeration_refuses_a_logits_fn_that_sees_later_tokens():
+    """A forward whose rows depend on later tokens (no causal mask) cannot be read prefix by
+    prefix from a full-length call: a clear error, not a wrong distribution."""
+    fn = trigram_logits_fn(TARGET_TABLE)
+
+    def leaky(tokens):
+        return fn(tokens) + tokens[:, -1:, None].astype(jnp.float32)  # every row sees the last token
+
+    with pytest.raises(ValueError, match="not causal"):
+        enumerate_window_distribution(leaky, list(PROMPT), 3, SamplingParams(1.0), V)
+
+
 def test_window_counts_indexing():
     counts = window_counts(np.array([[0, 0, 0, 1], [3, 0, 0, 0], [3, 0, 0, 0]]), V)
     assert counts[1] == 1 and counts[3 * V ** 3] == 2 and counts.sum() == 3

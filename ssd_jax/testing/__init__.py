@@ -3,6 +3,8 @@
 Point it at any target / draft / proposal rule:
   1. `enumerate_window_distribution(logits_fn, prompt, window, params, vocab_size)` — the exact
      distribution of the next `window` tokens under plain sampling from the target (tiny vocab),
+     read from full-length forwards of every window by `logits_fn` (a causal model's cache-free
+     forward, `tokens [N, T] -> logits [N, T, V]`, called on one shape),
      each step's row from `reference_probs`: float64 numpy written from the sampling contract,
      sharing no code with the `probs_from_logits` the verifier uses (so a temperature / top-k /
      top-p bug cannot move the reference and the decoder together).
