@@ -113,6 +113,21 @@ def test_kth_largest_per_row_matches_top_k(kmax):
     assert f._cache_size() == 1
 
 
+@pytest.mark.parametrize("V,branches", [(1, []), (3, [3]), (4, [3]), (5, [4]), (8, [4]), (9, [5]),
+                                         (SMALL_K, [5]), (SMALL_K + 1, [6])])
+def test_a_short_row_compiles_only_the_passes_it_can_need(V, branches):
+    """A traced k is at most V, so a row of V entries needs no more than V passes: the switch
+    holds the pass counts below V, the first that reaches V, and the bisection only past SMALL_K
+    (a tiny vocabulary compiles half of them; one branch is no switch at all); every k in 0..V
+    is still exact."""
+    x = rows(11, (V + 1, 2, V))
+    k = jnp.asarray(np.arange(V + 1)[:, None, None] * np.ones((1, 2, 1), int), jnp.int32)
+    jaxpr = jax.make_jaxpr(kth_largest_per_row)(x, k)
+    switches = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+    assert [len(e.params["branches"]) for e in switches] == branches
+    np.testing.assert_array_equal(jax.jit(kth_largest_per_row)(x, k), _want_kth(x, k))
+
+
 def test_bisection_equals_passes_for_every_k():
     from ssd_jax.algorithm.small_topk import _kth_by_bisection, _kth_by_passes
 

@@ -76,6 +76,14 @@ def _kth_by_bisection(x, k):
 _PASS_BUCKETS = (1, 2, 4, 8, SMALL_K)  # unrolled pass counts a traced k chooses among
 
 
+def _pass_buckets(V: int) -> tuple[int, ...]:
+    """The pass counts a traced k <= V can need: the buckets below V and the first that reaches
+    it (no k needs more than V passes), so a small vocabulary compiles fewer branches."""
+    below = tuple(b for b in _PASS_BUCKETS if b < V)
+    reach = [b for b in _PASS_BUCKETS if b >= V][:1]
+    return below + tuple(reach)
+
+
 def kth_largest_per_row(x: jax.Array, k) -> jax.Array:
     """x `[..., V]`, k `[..., 1]` (or broadcastable; int, one per row, may be traced) -> `[..., 1]`:
     each row's k-th largest entry counting repeats (`kth_largest` with that row's k), or -inf
@@ -83,7 +91,8 @@ def kth_largest_per_row(x: jax.Array, k) -> jax.Array:
 
     Traced k compiles once for every value: a `lax.switch` on max(k) runs the smallest of
     1, 2, 4, 8, `SMALL_K` unrolled max passes that covers it (passes past a row's k change
-    nothing), and above `SMALL_K` 32 counting passes (`_kth_by_bisection`). (A loop of max(k)
+    nothing), and above `SMALL_K` 32 counting passes (`_kth_by_bisection`); a row of V entries
+    compiles only the branches a k <= V can reach (`_pass_buckets`). (A loop of max(k)
     passes would be shorter to compile, but XLA:CPU runs it 2-3x slower than unrolled passes at a
     few rows, and on a GPU a loop of unknown length reads its counter back every step.) A host
     (numpy) k decides in Python and gives the same numbers.
@@ -97,9 +106,12 @@ def kth_largest_per_row(x: jax.Array, k) -> jax.Array:
         return _kth_by_bisection(x, jnp.asarray(k))
     k = jnp.broadcast_to(jnp.asarray(k, jnp.int32), shape)
     kmax = jnp.max(k)
-    which = sum((kmax > b).astype(jnp.int32) for b in _PASS_BUCKETS)  # 0 .. len(buckets)
-    branches = [lambda x, n=n: _kth_by_passes(x, k, n) for n in _PASS_BUCKETS]
-    return jax.lax.switch(which, branches + [lambda x: _kth_by_bisection(x, k)], x)
+    buckets = _pass_buckets(x.shape[-1])
+    which = sum((kmax > b).astype(jnp.int32) for b in buckets)  # 0 .. len(buckets)
+    branches = [lambda x, n=n: _kth_by_passes(x, k, n) for n in buckets]
+    if x.shape[-1] > buckets[-1]:  # only a row longer than the passes reach needs the bisection
+        branches.append(lambda x: _kth_by_bisection(x, k))
+    return jax.lax.switch(which, branches, x)  # (switch clamps: which <= len(branches) - 1)
 
 
 _BLOCK = 128
