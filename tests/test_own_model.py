@@ -32,6 +32,8 @@ from ssd_jax.runtime.engine import Engine, SSDConfig
 from ssd_jax.testing import (detection_power_by_alternative, distribution_test,
                              enumerate_window_distribution, window_counts)
 
+from _step_calls import count_step_calls
+
 
 # ------------------------------------------------------------------ the outside model
 def sinusoid(positions, dim):
@@ -222,13 +224,8 @@ def test_only_the_builtin_transformer_shares_a_repeated_prompts_prefill(monkeypa
     (steps.prefill_shared / prefill_cache_shared); a model of one's own keeps its own cache
     layout, so its rows are prefilled one by one: here the NNX target's, while the built-in
     draft's prefill is shared. The tokens are the target's own greedy ones either way."""
-    from ssd_jax.algorithm import steps
-    calls = {"prefill": 0, "prefill_shared": 0, "prefill_cache": 0, "prefill_cache_shared": 0}
-    for name in calls:
-        def counted(*a, _real=getattr(steps, name), _name=name, **k):
-            calls[_name] += 1
-            return _real(*a, **k)
-        monkeypatch.setattr(steps, name, counted)
+    calls = count_step_calls(monkeypatch, ("prefill", "prefill_shared", "prefill_cache",
+                                           "prefill_cache_shared"))
     target = scaled(TinyLM(GV, rngs=nnx.Rngs(3)), 1.5)
     cfg = tiny_config("llama", vocab_size=GV)
     draft = Model(cfg, random_params(cfg, 0, scale=1.0))

@@ -15,6 +15,8 @@ from ssd_jax.models.params import perturb, random_params
 from ssd_jax.runtime import request
 from ssd_jax.runtime.engine import Engine, SSDConfig
 
+from _step_calls import count_step_calls
+
 CFG = tiny_config("qwen2", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2)
 
 
@@ -55,26 +57,13 @@ def engine():
     return Engine(target, draft, max_len=64, compilation_cache=False)
 
 
-def _calls(monkeypatch):
-    """Counts of the shared steps' calls, by name."""
-    seen = {"prefill_shared": 0, "prefill_cache_shared": 0}
-    for name in seen:
-        real = getattr(steps, name)
-
-        def counted(*a, _real=real, _name=name, **k):
-            seen[_name] += 1
-            return _real(*a, **k)
-        monkeypatch.setattr(steps, name, counted)
-    return seen
-
-
 @pytest.mark.parametrize("mode,kw", [("ar", {}), ("sd", {}),
                                      ("ssd", dict(ssd=SSDConfig(fanout=(2, 1, 1, 1))))])
 def test_n_samples_of_one_prompt_are_those_of_prefilling_each_row(engine, monkeypatch, mode, kw):
     prompts = [[5, 9, 2, 7, 1]] * 12
     call = dict(mode=mode, max_new_tokens=12, k=3, sampling=SamplingParams(temperature=0.9),
                 seed=4, **kw)
-    seen = _calls(monkeypatch)
+    seen = count_step_calls(monkeypatch, ("prefill_shared", "prefill_cache_shared"))
     shared = engine.generate(prompts, **call)
     assert seen == {"prefill_shared": 1, "prefill_cache_shared": 0 if mode == "ar" else 1}
     monkeypatch.setattr(request, "one_prompt", lambda *a: False)  # both sides' rule
@@ -87,7 +76,7 @@ def test_n_samples_of_one_prompt_are_those_of_prefilling_each_row(engine, monkey
 
 
 def test_a_batch_of_different_prompts_prefills_every_row(engine, monkeypatch):
-    seen = _calls(monkeypatch)
+    seen = count_step_calls(monkeypatch, ("prefill_shared", "prefill_cache_shared"))
     engine.generate([[5, 9, 2]] * 3 + [[5, 9, 3]], mode="sd", max_new_tokens=4, k=3)
     engine.generate([[5, 9, 2]], mode="sd", max_new_tokens=4, k=3)  # one row: nothing to share
     assert seen == {"prefill_shared": 0, "prefill_cache_shared": 0}
