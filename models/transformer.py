@@ -32,6 +32,20 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return w * xf.astype(x.dtype)
 
 
+def embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """The rows of `table` [V, E] at `tokens` [...] -> [..., E].
+
+    The table passes an optimization barrier tied to the tokens. XLA:CPU gathers a bf16 table
+    through an fp32 convert of the whole table; at top level that convert fuses into the gather,
+    but in a `lax.while_loop` body (`round_steps.sd_chunk`, `decode_chunk`) loop-invariant code
+    motion hoisted it out of the loop, so every chunk wrote the whole table in fp32 (1.4 GB for
+    the default pair). Tied to the loop-varying tokens, the table is not invariant and nothing
+    is hoisted; the barrier is free at run time and the rows are the same.
+    """
+    table, tokens = jax.lax.optimization_barrier((table, tokens))
+    return table[tokens]
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
     """x [..., N, D] at positions [...] (rotate-half convention of HF Llama/Qwen)."""
     inv = jnp.asarray(cfg.inv_freq())
@@ -128,7 +142,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache,
         check_room(cache.lengths, num_new, cache.max_len, "forward")
     W = cache.max_len if window is None else min(int(window), cache.max_len)
     positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    x = params.embed[tokens]
+    x = embed(params.embed, tokens)
     new_k, new_v = [], []
     g = params.tp_groups
     for lp, kc, vc in zip(params.layers, cache.k, cache.v):
@@ -183,7 +197,7 @@ def tree_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: ja
     check_room(step, 1, depth, "tree_step (branch KV slot `step`)")
     check_room(jnp.where(valid, prefix_len, 0), 0, cache.max_len, "tree_step (prefix_len)")
     W = cache.max_len if window is None else min(int(window), cache.max_len)
-    x = params.embed[tokens]  # [B, MQ, E]
+    x = embed(params.embed, tokens)  # [B, MQ, E]
     new_k, new_v = [], []
     g = params.tp_groups
     for lp, kc, vc, bk, bv in zip(params.layers, cache.k, cache.v, branch.k, branch.v):
