@@ -260,8 +260,8 @@ CHUNK_SSD = SSDConfig(fanout=(2, 2, 1))
 
 
 def test_round_chunks_default_follows_the_platform(tiny, monkeypatch):
-    """`Engine(round_chunks=None)`: off on a CPU (a while loop there cost the default pair's SD
-    call 15%), on elsewhere; True / False force it; anything else is a TypeError."""
+    """`Engine(round_chunks=None)`: off on a CPU (the default pair's chunks compile 5-8 s longer
+    for a 2-6% faster call), on elsewhere; True / False force it; anything else is a TypeError."""
     host, target, eng = tiny
     for mode in ("sd", "ssd"):
         calls = _count_chunks(monkeypatch, mode)

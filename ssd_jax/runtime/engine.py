@@ -119,9 +119,9 @@ class Engine(HostLoop):
         round_chunks: SD and SSD with the draft on the target's own mesh (colocated, or one
         device) run up to 8 rounds a dispatch in one `lax.while_loop` (`round_steps.sd_chunk` /
         `ssd_chunk`; the same tokens). None (default): on a GPU or TPU, where a round's
-        dispatches cost as much as its compute, and off on a CPU, where the default pair's SD
-        call ran 15% slower in the loop and its SSD call 27% (benchmarks/README.md); True /
-        False force it."""
+        dispatches cost as much as its compute, and off on a CPU, where the default pair's
+        chunks run a call 2-6% faster but compile 5-8 s longer on its first
+        (benchmarks/README.md); True / False force it."""
         if round_chunks is not None and not isinstance(round_chunks, bool):
             raise TypeError(f"round_chunks must be True, False or None, got {round_chunks!r}")
         self.round_chunks = round_chunks
