@@ -17,21 +17,51 @@ import argparse
 import time
 
 
+CHUNKS = {"ar": "decode_chunk", "sd": "sd_chunk", "ssd": "ssd_chunk"}
+
+
+def chunk_temporaries(engine, mode: str, prompts, **generate_kw) -> tuple[int, int]:
+    """(temporary bytes, argument bytes) of the chunk `mode` runs (`CHUNKS`), compiled with the
+    arguments `engine.generate(prompts, mode=mode, **generate_kw)` gave it on its first call.
+    Raises if the call ran no such chunk (streaming, a draft on its own mesh, chunks off)."""
+    import jax
+
+    from ssd_jax.algorithm import round_steps
+
+    def abstract(x):
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        return x
+
+    name = CHUNKS[mode]
+    real, seen = getattr(round_steps, name), []
+
+    def recorded(*args, **kw):
+        seen.append((jax.tree.map(abstract, args), jax.tree.map(abstract, kw)))
+        return real(*args, **kw)
+    setattr(round_steps, name, recorded)
+    try:
+        engine.generate(prompts, mode=mode, **generate_kw)
+    finally:
+        setattr(round_steps, name, real)
+    if not seen:
+        raise RuntimeError(f"{mode}: the engine did not run round_steps.{name}")
+    args, kw = seen[0]
+    m = real.lower(*args, **kw).compile().memory_analysis()
+    return m.temp_size_in_bytes, m.argument_size_in_bytes
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", default="ar,sd,ssd", help="comma-separated, of ar, sd, ssd")
     ap.add_argument("--tokens", type=int, default=16, help="new tokens per call")
     a = ap.parse_args(argv)
-    chunks = {"ar": "decode_chunk", "sd": "sd_chunk", "ssd": "ssd_chunk"}
     modes = a.modes.split(",")
-    if not modes or any(m not in chunks for m in modes) or a.tokens < 1:
-        ap.error(f"--modes takes a comma-separated subset of {sorted(chunks)}; --tokens >= 1")
-
-    import jax
+    if not modes or any(m not in CHUNKS for m in modes) or a.tokens < 1:
+        ap.error(f"--modes takes a comma-separated subset of {sorted(CHUNKS)}; --tokens >= 1")
 
     import ssd_jax
     from ssd_jax import Engine
-    from ssd_jax.algorithm import round_steps
     from ssd_jax.models import registry
     from ssd_jax.runtime.defaults import choose, describe
 
@@ -42,35 +72,15 @@ def main(argv=None) -> None:
     eng = Engine(target, draft, round_chunks=True)
     prompt = [target.tokenizer.encode("def fibonacci(n):\n")]
     mib = 2 ** 20
-    tables = {"target": target.params.embed.nbytes, "draft": draft.params.embed.nbytes}
-    print("embedding tables:", ", ".join(f"{k} {v / mib:.0f} MiB {getattr(m.params.embed, 'dtype')}"
-                                          for (k, v), m in zip(tables.items(), (target, draft))))
-
-    def abstract(x):
-        if isinstance(x, jax.Array):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-        return x
+    print("embedding tables:", ", ".join(f"{name} {m.params.embed.nbytes / mib:.0f} MiB "
+                                          f"{m.params.embed.dtype}"
+                                          for name, m in (("target", target), ("draft", draft))))
 
     for mode in modes:
-        name = chunks[mode]
-        real, seen = getattr(round_steps, name), []
-
-        def recorded(*args, _real=real, **kw):
-            seen.append((jax.tree.map(abstract, args), jax.tree.map(abstract, kw)))
-            return _real(*args, **kw)
-        setattr(round_steps, name, recorded)
-        try:
-            t = time.perf_counter()
-            eng.generate(prompt, mode=mode, max_new_tokens=a.tokens, k=4)
-            wall = time.perf_counter() - t
-        finally:
-            setattr(round_steps, name, real)
-        if not seen:
-            raise SystemExit(f"{mode}: the engine did not run round_steps.{name}")
-        args, kw = seen[0]
-        m = real.lower(*args, **kw).compile().memory_analysis()
-        print(f"{mode}: round_steps.{name} temporaries {m.temp_size_in_bytes / mib:.1f} MiB "
-              f"(arguments {m.argument_size_in_bytes / mib:.0f} MiB; first call {wall:.1f} s)",
+        t = time.perf_counter()
+        temp, arg = chunk_temporaries(eng, mode, prompt, max_new_tokens=a.tokens, k=4)
+        print(f"{mode}: round_steps.{CHUNKS[mode]} temporaries {temp / mib:.1f} MiB "
+              f"(arguments {arg / mib:.0f} MiB; call and compile {time.perf_counter() - t:.1f} s)",
               flush=True)
 
 
