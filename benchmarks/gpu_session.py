@@ -10,7 +10,7 @@ stops starting steps at `--budget-s`). The whole list takes ~15 minutes on an H2
 lease's run: the first lease (2026-12-04, benchmarks/README.md "On one H200") ran the first five
 of the old order; the next should run `--only engine_check_bf16,step,step_graphs,pair_b16`
 (~8 minutes: the open questions), and a second run, if the lease allows one, `--only
-engine_check,kernels_paper,host_overhead,projection`.
+engine_check,chunk_memory,kernels_paper,host_overhead,projection`.
 
 1. `env`: the device and jax's version (and nvidia-smi's line, in the JSON).
 2. `engine_check`: benchmarks/gpu_engine_check.py: AR, SD, SSD on the xla and pallas backends
@@ -27,6 +27,10 @@ engine_check,kernels_paper,host_overhead,projection`.
    host loop that times each) against the engine's whole round (the default device loop: its wall
    / rounds); each mode's first call (trace, compile, run). `pair_b1_cold` starts with an empty
    persistent cache and step store, `pair_b1_warm` is a second process that finds them filled.
+   `chunk_memory`: `pair --chunk-memory`: each chunk of steps or rounds (on by default on a
+   GPU) compiled as the engine calls it, its temporaries beside the embedding's bytes; on a CPU a
+   hoisted fp32 copy of the table made them 1.4 GB (benchmarks/README.md, "A chunk's loop
+   rewrote the embedding in fp32").
 5. `kernels_pair` / `kernels_paper`: pallas_kernels/bench_gpu.py at the default pair's draft
    shape (batch 16) and at the paper's shape: max error against the jnp reference, time per call,
    bytes/s against the HBM roofline, against XLA's forms.
@@ -91,6 +95,10 @@ def pair(argv) -> int:
     ap.add_argument("--cache", default=None, help="persistent compile cache + step store dir")
     ap.add_argument("--first-calls-only", action="store_true",
                     help="time each mode's first call only (the warm second process)")
+    ap.add_argument("--chunk-memory", action="store_true",
+                    help="time nothing: each mode's chunk (decode_chunk, sd_chunk, ssd_chunk) "
+                         "compiled as the engine calls it, its temporaries beside the "
+                         "embedding's bytes (benchmarks/chunk_memory.py)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU)")
     ap.add_argument("--json", required=True)
     args = ap.parse_args(argv)
@@ -127,6 +135,17 @@ def pair(argv) -> int:
         kw = dict(max_new_tokens=args.new, eos_ids=[])
         for mode, mkw in modes.items():
             row = dict(batch=b, mode=mode)
+            if args.chunk_memory:  # a weight-sized temporary is a weight rewritten every chunk
+                from chunk_memory import chunk_temporaries
+                eng.round_chunks = True  # a GPU's default; --smoke's CPU leaves it off
+                temp, arg = chunk_temporaries(eng, mode, prompts, **{
+                    k: v for k, v in mkw.items() if k != "mode"}, **kw)
+                row.update(chunk_temp_mib=temp / 2**20, chunk_args_mib=arg / 2**20,
+                           embed_mib={n: m.params.embed.nbytes / 2**20 for n, m in models.items()})
+                res["runs"].append(row)
+                print(json.dumps(row), flush=True)
+                Path(args.json).write_text(json.dumps(res, indent=1))
+                continue
             t0 = time.perf_counter()
             out = eng.generate(prompts, **mkw, **kw)
             row["first_call_s"] = time.perf_counter() - t0
@@ -275,6 +294,8 @@ def _steps(out: Path, smoke: bool, cache: Path):
          "pair_b1_warm.json"),
         ("pair_b16", [py, here, "pair", *s, "--batch", "16", "--cache", str(cache),
                       "--json", str(out / "pair_b16.json")], 240, "pair_b16.json"),
+        ("chunk_memory", [py, here, "pair", *s, "--batch", "1", "--chunk-memory",
+                          "--json", str(out / "chunk_memory.json")], 150, "chunk_memory.json"),
         ("kernels_pair", [*bench, *s, "--shape", "pair", "--no-sweep",
                           "--json", str(out / "kernels_pair.json")], 90, "kernels_pair.json"),
         ("kernels_paper", [*bench, *s, "--json", str(out / "kernels_paper.json")], 150,

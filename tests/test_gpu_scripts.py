@@ -77,19 +77,19 @@ def test_engine_check_smoke_end_to_end(tmp_path):
 
 
 def test_gpu_session_smoke_writes_one_json_with_each_step(tmp_path):
-    """Some steps of the session (the whole one runs ~2 min here): the bare decode step, and the
+    """Some steps of the session (the whole one runs ~2 min here): the bare decode step, the
     pair's engine on tiny shapes, a cold process then a warm one on the same compile cache and
-    step store."""
+    step store, and its chunks' temporaries."""
     out, work = tmp_path / "out", tmp_path / "work"
     p = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_session.py"),
                         "--smoke", "--out", str(out), "--work", str(work),
-                        "--only", "env,step,pair_b1_cold,pair_b1_warm"],
+                        "--only", "env,step,pair_b1_cold,pair_b1_warm,chunk_memory"],
                        capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert sorted(os.listdir(out)) == ["gpu_session.json", "logs.txt"]  # what a lease returns
     steps = json.loads((out / "gpu_session.json").read_text())["steps"]
-    assert list(steps) == ["env", "step", "pair_b1_cold", "pair_b1_warm"]
+    assert list(steps) == ["env", "step", "pair_b1_cold", "pair_b1_warm", "chunk_memory"]
     assert all(s["status"] == "ok" for s in steps.values())
     assert [(r["model"], r["batch"]) for r in steps["step"]["result"]["runs"]] == [
         (m, b) for m in ("target", "draft") for b in (1, 16)]
@@ -106,3 +106,8 @@ def test_gpu_session_smoke_writes_one_json_with_each_step(tmp_path):
             assert sum(r["acceptance_hist"]) > 0
     assert "wall_s" not in warm["runs"][0]  # --first-calls-only
     assert jax.__version__ == cold["jax"]
+    chunks = steps["chunk_memory"]["result"]["runs"]
+    assert [r["mode"] for r in chunks] == ["ar", "sd", "ssd"]
+    for r in chunks:  # each chunk compiled and measured (the bound is tests/test_chunk_memory's)
+        assert r["chunk_temp_mib"] > 0 and r["chunk_args_mib"] > 0, r
+        assert set(r["embed_mib"]) == {"target", "draft"}, r
