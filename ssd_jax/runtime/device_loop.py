@@ -30,13 +30,13 @@ wait for that speculation) is read. With the draft on the target's own mesh (and
 (SSD's four steps above, in that order) in one dispatch and one read
 (`ssd_jax.runtime.round_chunks`, whose methods `DeviceLoop` inherits). AR: decode_chunk (up to
 16 tokens in one while_loop), read; decode, commit_tokens, read per token when the host needs
-each token.
+each token. The reads themselves (a report applied on the host, the call's state and counters
+at its end) are `ssd_jax.runtime.round_reports`', inherited too.
 """
 from __future__ import annotations
 
 import time
 
-import jax
 import numpy as np
 
 from ssd_jax.algorithm import decode_state as ds
@@ -44,12 +44,13 @@ from ssd_jax.algorithm import round_steps as rs
 from ssd_jax.algorithm import steps
 from ssd_jax.runtime.auto_backup import AutoBackup
 from ssd_jax.runtime.draft_worker import DraftRun, RoundState
-from ssd_jax.runtime.metrics import Metrics, RoundTimes
+from ssd_jax.runtime.metrics import Metrics
 from ssd_jax.runtime.placement import move, to_mesh
 from ssd_jax.runtime.round_chunks import RoundChunks
+from ssd_jax.runtime.round_reports import RoundReports
 
 
-class DeviceLoop(RoundChunks):
+class DeviceLoop(RoundChunks, RoundReports):
     """One generate call's device state and its rounds (made by `Engine.generate`)."""
 
     def __init__(self, engine, batch, rids, run: dict, metrics: Metrics, k: int):
@@ -73,130 +74,6 @@ class DeviceLoop(RoundChunks):
         self.uncounted = dict(lookups_by_accept=np.zeros(k + 1, np.int64),
                               hits_by_accept=np.zeros(k + 1, np.int64),
                               backups=np.zeros(len(rs.BACKUP_INDEX), np.int64))
-
-    # ------------------------------------------------------------------ reports
-    def read(self, rep) -> np.ndarray:
-        """Fetch one report (the round's one device->host read) and apply it on the host."""
-        r = np.asarray(rep)
-        self.pending, self.pending_packed = None, False
-        act, kept, fin, hit, toks, lps = ds.read_report(r)
-        tokens = int(kept.sum())
-        if self.mirror:
-            was = self.batch.active
-            tokens = self._emit(kept, fin, toks, lps)
-            # A row the host ended this round (a stop string, a closed stream) was still running
-            # on the device when the draft looked its outcome up: the host loop never counts
-            # that lookup, so neither does this one.
-            ended = was & ~self.batch.active & (fin == ds.RUNNING) & (hit >= 0)
-            if ended.any():
-                self._uncount(ended, kept, hit)
-                hit = np.where(ended, -1, hit)
-        self.count += kept
-        self.alive = fin == ds.RUNNING
-        self.running = bool(self.alive.any()) if not self.mirror else bool(self.batch.active.any())
-        self.last = dict(active=int(act.sum()), tokens=tokens, hit=int((hit > 0).sum()),
-                         lookups=int((hit >= 0).sum()))
-        return r
-
-    def _pending_report(self):
-        """The unread report: SD and SSD keep the round's packed `Outcome` (its report after the
-        six outcome columns), AR and the prefill the report itself."""
-        p = self.pending
-        return p[:, 6:] if self.pending_packed else p
-
-    def _uncount(self, rows, kept, hit) -> None:
-        """Take back the lookups of `rows` [B] bool (their accepted count is kept - 1: the device
-        kept the whole round for a row only the host ended) from the call's counters."""
-        c = self.uncounted
-        for row in np.flatnonzero(rows):
-            j = int(kept[row]) - 1
-            c["lookups_by_accept"][j] += 1
-            c["hits_by_accept"][j] += int(hit[row] > 0)
-            if hit[row] == 0:
-                c["backups"][rs.BACKUP_INDEX[self.backup]] += 1
-
-    def read_draft(self, rep, during: str) -> np.ndarray:
-        """`read` of an array the draft's work of the round feeds: an error raised by it is the
-        draft's (DraftDown, the call falls back) unless the target's own report of the round
-        fails too (then it is the target's, raised as is)."""
-        from ssd_jax.runtime.fallback import DraftDown
-        try:
-            return self.read(rep)
-        except Exception as e:  # noqa: BLE001 - any failure of the draft's device work
-            if self.pending is not None:
-                try:
-                    jax.block_until_ready(self.pending)
-                except Exception:  # noqa: BLE001 - the target failed: not the draft's to contain
-                    raise e from None
-            down = DraftDown(during, e)
-            down.__cause__ = e
-            raise down from e
-
-    def _emit(self, kept, fin, toks, lps) -> int:
-        """Mirror mode: each committing row's tokens through `Batch.emit` (stop strings,
-        callbacks); rows it ended that the device still runs are ended on the device."""
-        b = self.batch
-        n = 0
-        for row in np.flatnonzero(kept):
-            n += b.emit(int(row), toks[row, :kept[row]], lps[row, :kept[row]])
-        host_active = b.active
-        for code in (ds.STOP, ds.CANCELLED):
-            name = ds.FINISH_NAMES[code]
-            ended = (fin == ds.RUNNING) & ~host_active & \
-                np.asarray([f == name for f in b.finish])
-            if ended.any():
-                self.state = rs.end_rows(self.state, to_mesh(ended, self.tgt), code)
-                self.active = self.state.active
-        return n
-
-    def sync_host(self) -> None:
-        """Bring the host's Batch up to the device state (the call's end, or a draft failure):
-        one fetch of the state; a report still unread is read first."""
-        if self.pending is not None:
-            self.read(self._pending_report())
-        if self.mirror:
-            return
-        st = jax.device_get(self.state)
-        b = self.batch
-        for row in range(b.size):
-            c = int(st.count[row])
-            got = st.tokens[row, :c].tolist()
-            b.generated[row] = got
-            b.history[row] = b.history[row][:int(b.prompt_lens[row])] + got
-            b.logprobs[row] = st.logprobs[row, :c].astype(float).tolist()
-            b.finish[row] = ds.FINISH_NAMES[int(st.finish[row])]
-
-    def counters_into(self, m: Metrics, lookups=None) -> None:
-        """The device counters of the call into `m` (one fetch; a draft that failed has lost
-        its lookup counters, and only the target's histograms are read)."""
-        st = self.state
-        hists = (st.accept_hist, st.accept_hist_after_hit, st.accept_hist_after_miss)
-        try:
-            hists, c = jax.device_get((hists, lookups))
-        except Exception:  # noqa: BLE001 - the draft failed: its counters are lost with it
-            hists, c = jax.device_get(hists), None
-        if m.k:
-            m.accept_hist = [int(x) for x in hists[0]]
-            if m.mode == "ssd":
-                m.accept_hist_after_hit = [int(x) for x in hists[1]]
-                m.accept_hist_after_miss = [int(x) for x in hists[2]]
-        if c is not None:
-            c, u = c.totals(), self.uncounted
-            m.lookups_by_accept = [int(x - y) for x, y in zip(c.lookups_by_accept, u["lookups_by_accept"])]
-            m.hits_by_accept = [int(x - y) for x, y in zip(c.hits_by_accept, u["hits_by_accept"])]
-            m.lookups, m.hits = sum(m.lookups_by_accept), sum(m.hits_by_accept)
-            for kind, i in rs.BACKUP_INDEX.items():
-                if int(c.backups[i] - u["backups"][i]):
-                    m.backups[kind] = int(c.backups[i] - u["backups"][i])
-
-    def _round(self, t0, c0, **kw) -> RoundTimes:
-        """Add a round read now to the timeline (its wall since t0); returns its entry."""
-        r = RoundTimes(**kw)
-        r.round_s = time.perf_counter() - t0
-        r.tokens = self.last["tokens"]
-        r.compiled = self.e._timer.seconds > c0
-        self.m.add_round(r)
-        return r
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, cache_len: int, draft) -> None:
