@@ -37,10 +37,11 @@ def embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
 
     The table passes an optimization barrier tied to the tokens. XLA:CPU gathers a bf16 table
     through an fp32 convert of the whole table; at top level that convert fuses into the gather,
-    but in a `lax.while_loop` body (`round_steps.sd_chunk`, `decode_chunk`) loop-invariant code
-    motion hoisted it out of the loop, so every chunk wrote the whole table in fp32 (1.4 GB for
-    the default pair). Tied to the loop-varying tokens, the table is not invariant and nothing
-    is hoisted; the barrier is free at run time and the rows are the same.
+    but in a loop body (`round_steps.decode_chunk` / `sd_chunk` / `ssd_chunk`, the scanned tree)
+    loop-invariant code motion hoisted it out of the loop, so every chunk wrote the whole table
+    again in fp32 (benchmarks/README.md, "A chunk's loop rewrote the embedding in fp32"). Tied
+    to the loop-varying tokens, the table is not invariant and nothing is hoisted; the barrier
+    costs nothing at run time and the rows are the same.
     """
     table, tokens = jax.lax.optimization_barrier((table, tokens))
     return table[tokens]
