@@ -87,6 +87,50 @@ def _median(xs):
     return float(statistics.median(xs)) if xs else None
 
 
+def _chunk_memory_row(eng, models, prompts, mkw, kw) -> dict:
+    """The chunk `mkw["mode"]` runs, compiled as the engine calls it: its temporaries beside the
+    embedding's bytes (a weight-sized temporary is a weight rewritten every chunk)."""
+    from chunk_memory import chunk_temporaries
+    temp, arg = chunk_temporaries(eng, mkw["mode"], prompts,
+                                  **{k: v for k, v in mkw.items() if k != "mode"}, **kw)
+    return dict(chunk_temp_mib=temp / 2**20, chunk_args_mib=arg / 2**20,
+                embed_mib={n: m.params.embed.nbytes / 2**20 for n, m in models.items()})
+
+
+def _timed_row(eng, prompts, mkw, kw, first_calls_only: bool) -> dict:
+    """One mode's first call (trace, compile, run), then unless `first_calls_only` a timed call
+    and, for SD / SSD, the host loop's per-phase medians (`timeline=True`)."""
+    mode, row = mkw["mode"], {}
+    t0 = time.perf_counter()
+    out = eng.generate(prompts, **mkw, **kw)
+    row["first_call_s"] = time.perf_counter() - t0
+    row["first_call_compile_s"] = out.metrics.compile_s
+    if first_calls_only:
+        return row
+    t0 = time.perf_counter()
+    out = eng.generate(prompts, **mkw, **kw)
+    wall = time.perf_counter() - t0
+    m = out.metrics
+    toks = sum(len(t) for t in out.token_ids)
+    row.update(wall_s=wall, tokens=toks, tok_per_s=toks / wall, rounds=m.rounds,
+               round_ms=wall / max(1, m.rounds) * 1e3, compile_s=m.compile_s,
+               prefill_s=m.prefill_s)
+    if mode == "ssd":
+        row.update(hits=m.hits, lookups=m.lookups)
+    if mode != "ar":
+        row["acceptance_hist"] = list(m.accept_hist)
+        tl = eng.generate(prompts, **mkw, timeline=True, **kw).metrics.timeline
+        steady = [r for r in tl if not r.compiled][1:] or tl
+        row.update(timeline_round_ms=_median([r.round_s * 1e3 for r in steady]),
+                   verify_ms=_median([r.verify_s * 1e3 for r in steady]),
+                   draft_ms=_median([r.draft_s * 1e3 for r in steady]),
+                   backup_ms=_median([r.backup_s * 1e3 for r in steady]))
+        # (the 2026-12-04 JSON also holds round_minus_parts_ms = round_ms - these parts:
+        # negative there, since the parts come from the slower host loop, so not a host share;
+        # dropped)
+    return row
+
+
 def pair(argv) -> int:
     ap = argparse.ArgumentParser(prog="gpu_session.py pair")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
@@ -130,48 +174,17 @@ def pair(argv) -> int:
                init_params_s=init_s, engine_s=engine_s, backend=dict(eng.backend), runs=[])
     modes = {"ar": dict(mode="ar"), "sd": dict(mode="sd", k=K),
              "ssd": dict(mode="ssd", k=K, ssd=SSDConfig(fanout=FANOUT))}
+    if args.chunk_memory:
+        eng.round_chunks = True  # a GPU's default; --smoke's CPU leaves it off
     for b in args.batch:
         prompts = [[int(x) for x in rng.integers(1, vocab, args.prompt_len)] for _ in range(b)]
         kw = dict(max_new_tokens=args.new, eos_ids=[])
         for mode, mkw in modes.items():
             row = dict(batch=b, mode=mode)
-            if args.chunk_memory:  # a weight-sized temporary is a weight rewritten every chunk
-                from chunk_memory import chunk_temporaries
-                eng.round_chunks = True  # a GPU's default; --smoke's CPU leaves it off
-                temp, arg = chunk_temporaries(eng, mode, prompts, **{
-                    k: v for k, v in mkw.items() if k != "mode"}, **kw)
-                row.update(chunk_temp_mib=temp / 2**20, chunk_args_mib=arg / 2**20,
-                           embed_mib={n: m.params.embed.nbytes / 2**20 for n, m in models.items()})
-                res["runs"].append(row)
-                print(json.dumps(row), flush=True)
-                Path(args.json).write_text(json.dumps(res, indent=1))
-                continue
-            t0 = time.perf_counter()
-            out = eng.generate(prompts, **mkw, **kw)
-            row["first_call_s"] = time.perf_counter() - t0
-            row["first_call_compile_s"] = out.metrics.compile_s
-            if not args.first_calls_only:
-                t0 = time.perf_counter()
-                out = eng.generate(prompts, **mkw, **kw)
-                wall = time.perf_counter() - t0
-                m = out.metrics
-                toks = sum(len(t) for t in out.token_ids)
-                row.update(wall_s=wall, tokens=toks, tok_per_s=toks / wall, rounds=m.rounds,
-                           round_ms=wall / max(1, m.rounds) * 1e3, compile_s=m.compile_s,
-                           prefill_s=m.prefill_s)
-                if mode == "ssd":
-                    row.update(hits=m.hits, lookups=m.lookups)
-                if mode != "ar":
-                    row["acceptance_hist"] = list(m.accept_hist)
-                    tl = eng.generate(prompts, **mkw, timeline=True, **kw).metrics.timeline
-                    steady = [r for r in tl if not r.compiled][1:] or tl
-                    row.update(timeline_round_ms=_median([r.round_s * 1e3 for r in steady]),
-                               verify_ms=_median([r.verify_s * 1e3 for r in steady]),
-                               draft_ms=_median([r.draft_s * 1e3 for r in steady]),
-                               backup_ms=_median([r.backup_s * 1e3 for r in steady]))
-                    # (the 2026-12-04 JSON also holds round_minus_parts_ms = round_ms - these
-                    # parts: negative there, since the parts come from the slower host loop, so
-                    # not a host share; dropped)
+            if args.chunk_memory:
+                row.update(_chunk_memory_row(eng, models, prompts, mkw, kw))
+            else:
+                row.update(_timed_row(eng, prompts, mkw, kw, args.first_calls_only))
             res["runs"].append(row)
             print(json.dumps(row), flush=True)
             res["total_s"] = time.perf_counter() - t_start
