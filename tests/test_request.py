@@ -5,6 +5,7 @@ import pytest
 
 from ssd_jax.models.kv_cache import CacheOverflowError
 from ssd_jax.models.config import tiny_config
+from ssd_jax.runtime.batch import Batch
 from ssd_jax.runtime.request import (cache_length, check_room, encode, one_prompt, prefill_bucket,
                                      prefill_once, right_padded)
 
@@ -35,6 +36,8 @@ def test_prompts_pad_to_a_power_of_two_from_16():
     assert toks[0, :3].tolist() == [4, 5, 6] and not toks[0, 3:].any()
     assert toks[1, :17].tolist() == rows[1] and not toks[1, 17:].any()
     assert right_padded(rows, cap=20).shape == (2, 20)
+    with pytest.raises(ValueError, match="a row of 17 tokens is past the block's 16 columns"):
+        right_padded(rows, cap=16)
 
 
 class _Tok:
@@ -60,6 +63,27 @@ def test_encode_takes_one_prompt_or_a_list_as_text_or_ids():
             encode(bad, None, 30, chat=False)
     with pytest.raises(TypeError, match=r"prompts\[1\]"):
         encode([[1], [2.5]], None, 30, chat=False)
+
+
+def test_a_large_batch_of_id_lists_is_checked_in_one_pass_with_the_same_errors():
+    """Thousands of plain int lists take `encode`'s one-pass check; anything else in any row (a
+    bool, a float, a numpy integer, an empty row, an id out of range) takes the one-by-one path,
+    which names it; and the rows a caller passed are never changed by the call's batch."""
+    rows = [[1, 2, 3]] * 2999 + [[4, 5]]
+    out = encode(rows, None, 30, chat=False)
+    assert out == rows and all(type(t) is int for r in out for t in r)
+    for bad, exc, err in (([True], TypeError, r"prompts\[2999\]\[0\]"),
+                          ([4, 2.0], TypeError, r"prompts\[2999\]\[1\]"),
+                          ([], ValueError, "empty prompt"),
+                          ([4, 30], ValueError, r"out of range \[0, 30\)")):
+        with pytest.raises(exc, match=err):
+            encode(rows[:-1] + [bad], None, 30, chat=False)
+    mixed = encode(rows[:-1] + [[np.int64(4), 5]], None, 30, chat=False)
+    assert mixed[-1] == [4, 5] and type(mixed[-1][0]) is int
+    caller = [[1, 2, 3], [4, 5]]
+    batch = Batch(encode(caller, None, 30, chat=False), 4, eos_ids=[])
+    batch.emit(0, [7], [0.0])
+    assert caller == [[1, 2, 3], [4, 5]] and batch.history[0] == [1, 2, 3, 7]
 
 
 def test_one_prompt_is_a_batch_of_one_prompt_repeated():

@@ -30,6 +30,9 @@ MAX_LEN = 2 ** 17
 MAX_NEW_TOKENS = MAX_LEN
 
 
+_PLAIN_INT = {int}  # type(x) is int: no bool (its own type), no numpy scalar (checked one by one)
+
+
 def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
@@ -38,6 +41,10 @@ def int_ids(values, name: str) -> list[int]:
     """`values` (a sequence of Python ints, or a 1-D integer numpy / jax array) as a list of ints;
     a TypeError naming `name` (e.g. "prompts[2]") and the position of the first float, bool,
     string or other non-integer, before any work. 3.0 is refused too: an id is never rounded."""
+    if type(values) is range:
+        return list(values)
+    if type(values) is list and set(map(type, values)) <= _PLAIN_INT:  # the common case, at C speed
+        return list(values)
     if hasattr(values, "dtype") and hasattr(values, "shape"):  # numpy / jax array
         a = np.asarray(values)
         if a.dtype == np.bool_ or not np.issubdtype(a.dtype, np.integer) or a.ndim != 1:
