@@ -54,16 +54,22 @@ class Batch:
 
     Invariants while a row is active: history = prompt + generated, the last entry is the bonus
     token at position n = len(history) - 1 (in neither KV cache yet), prev = history[-2].
+
+    `prompts` are kept as given (never changed); the per-row lists `history`, `generated` and
+    `logprobs` are made on first use: the device loop needs none of them until the call's end, and
+    a list per row of a batch of thousands is what Python's garbage collector then walks again and
+    again (benchmarks/README.md, "A call's per-row host work in whole-batch passes").
     """
 
     def __init__(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids: Sequence[int],
                  stop: Sequence[str] = (), decode: Callable[[list[int]], str] | None = None,
                  on_tokens: Callable[[int, list[int]], None] | None = None):
-        self.prompt_lens = np.array([len(p) for p in prompts], np.int32)
-        self.history = [list(map(int, p)) for p in prompts]
-        self.generated: list[list[int]] = [[] for _ in prompts]
-        self.logprobs: list[list[float]] = [[] for _ in prompts]
-        self.finish = ["" for _ in prompts]
+        self.prompts = prompts
+        self.prompt_lens = np.fromiter(map(len, prompts), np.int32, len(prompts))
+        self._history: list[list[int]] | None = None
+        self._generated: list[list[int]] | None = None
+        self._logprobs: list[list[float]] | None = None
+        self.finish = [""] * len(prompts)
         self.max_new = int(max_new_tokens)
         self.eos = set(int(e) for e in eos_ids)
         self.stop = [s for s in stop if s]
@@ -75,7 +81,40 @@ class Batch:
     @property
     def size(self) -> int:
         """B, the number of rows."""
-        return len(self.history)
+        return len(self.prompts)
+
+    @property
+    def history(self) -> list[list[int]]:
+        """`[B][n_b + 1]` each row's prompt + generated ids (made from them on first use)."""
+        if self._history is None:
+            self._history = [list(map(int, p)) + g for p, g in zip(self.prompts, self.generated)]
+        return self._history
+
+    @history.setter
+    def history(self, rows: list[list[int]] | None) -> None:
+        self._history = rows  # None: made again from the prompts and `generated` when next read
+
+    @property
+    def generated(self) -> list[list[int]]:
+        """`[B][g_b]` each row's generated ids (empty lists until something is committed)."""
+        if self._generated is None:
+            self._generated = [[] for _ in self.prompts]
+        return self._generated
+
+    @generated.setter
+    def generated(self, rows: list[list[int]]) -> None:
+        self._generated = rows
+
+    @property
+    def logprobs(self) -> list[list[float]]:
+        """`[B][g_b]` the target's log-probability of each generated id."""
+        if self._logprobs is None:
+            self._logprobs = [[] for _ in self.prompts]
+        return self._logprobs
+
+    @logprobs.setter
+    def logprobs(self, rows: list[list[float]]) -> None:
+        self._logprobs = rows
 
     @property
     def active(self) -> np.ndarray:

@@ -60,7 +60,7 @@ class DeviceLoop(RoundChunks, RoundReports):
         self.rids_t = to_mesh(rids, self.tgt)
         # Tokens pass through the host per round only where the host has work for them.
         self.mirror = batch.on_tokens is not None or bool(batch.stop)
-        self.state = to_mesh(ds.initial_state(batch.history, batch.max_new, sorted(batch.eos), k),
+        self.state = to_mesh(ds.initial_state(batch.prompts, batch.max_new, sorted(batch.eos), k),
                              self.tgt)
         self.active = None  # [B] bool on the target mesh, after the last commit
         self.running = True  # from the last report read

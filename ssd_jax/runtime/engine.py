@@ -339,7 +339,7 @@ class Engine(HostLoop):
         returns (first token [B], its log-prob [B], the cache) on the target mesh, and the
         prompts right-padded to the prefill bucket [B, T] (host), which the draft's prefill takes."""
         B = batch.size
-        toks = right_padded(batch.history)
+        toks = right_padded(batch.prompts)  # nothing generated yet: the history's rows
         tgt = self.placement.target
         cfg = self.tcfg
         self.tcache = self._new_target_cache(B, cache_len)

@@ -112,8 +112,7 @@ class RoundReports:
         b.generated = [t if c == L else t[:c] for t, c in zip(st.tokens.tolist(), counts)]
         b.logprobs = [x if c == L else x[:c]
                       for x, c in zip(st.logprobs.astype(np.float64).tolist(), counts)]
-        b.history = [(h if len(h) == p else h[:p]) + g
-                     for h, p, g in zip(b.history, b.prompt_lens.tolist(), b.generated)]
+        b.history = None  # made from the prompts and these tokens if read (a draft that failed)
         b.finish = [ds.FINISH_NAMES[f] for f in st.finish.tolist()]
 
     def counters_into(self, m: Metrics, lookups=None) -> None:
