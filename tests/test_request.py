@@ -84,6 +84,11 @@ def test_a_large_batch_of_id_lists_is_checked_in_one_pass_with_the_same_errors()
     batch = Batch(encode(caller, None, 30, chat=False), 4, eos_ids=[])
     batch.emit(0, [7], [0.0])
     assert caller == [[1, 2, 3], [4, 5]] and batch.history[0] == [1, 2, 3, 7]
+    # the device loop sets each row's tokens at the call's end and drops the history, which is
+    # then made again from the prompts (a draft's failure reads it to re-prefill the target)
+    batch.generated, batch.history = [[7, 8], [9]], None
+    assert batch.history == [[1, 2, 3, 7, 8], [4, 5, 9]] and caller == [[1, 2, 3], [4, 5]]
+    assert Batch(caller, 4, eos_ids=[]).logprobs == [[], []]
 
 
 def test_one_prompt_is_a_batch_of_one_prompt_repeated():

@@ -44,6 +44,24 @@ class TokenSink:
         self.commit(row, ids, [float("nan")] * len(ids), "")
 
 
+class _RowLists:
+    """A `Batch` attribute of one list per row, made empty on first read (`Batch`'s docstring)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, batch, owner=None):
+        if batch is None:
+            return self
+        rows = batch.__dict__.get(self.slot)
+        if rows is None:
+            rows = batch.__dict__[self.slot] = [[] for _ in batch.prompts]
+        return rows
+
+    def __set__(self, batch, rows) -> None:
+        batch.__dict__[self.slot] = rows
+
+
 class Batch:
     """prompt ids per row -> committed history; `emit` applies EOS / stop strings / exact budgets.
 
@@ -61,14 +79,15 @@ class Batch:
     again (benchmarks/README.md, "A call's per-row host work in whole-batch passes").
     """
 
+    generated = _RowLists()  # [B][g_b] each row's generated ids
+    logprobs = _RowLists()  # [B][g_b] the target's log-probability of each generated id
+
     def __init__(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids: Sequence[int],
                  stop: Sequence[str] = (), decode: Callable[[list[int]], str] | None = None,
                  on_tokens: Callable[[int, list[int]], None] | None = None):
         self.prompts = prompts
         self.prompt_lens = np.fromiter(map(len, prompts), np.int32, len(prompts))
         self._history: list[list[int]] | None = None
-        self._generated: list[list[int]] | None = None
-        self._logprobs: list[list[float]] | None = None
         self.finish = [""] * len(prompts)
         self.max_new = int(max_new_tokens)
         self.eos = set(int(e) for e in eos_ids)
@@ -93,28 +112,6 @@ class Batch:
     @history.setter
     def history(self, rows: list[list[int]] | None) -> None:
         self._history = rows  # None: made again from the prompts and `generated` when next read
-
-    @property
-    def generated(self) -> list[list[int]]:
-        """`[B][g_b]` each row's generated ids (empty lists until something is committed)."""
-        if self._generated is None:
-            self._generated = [[] for _ in self.prompts]
-        return self._generated
-
-    @generated.setter
-    def generated(self, rows: list[list[int]]) -> None:
-        self._generated = rows
-
-    @property
-    def logprobs(self) -> list[list[float]]:
-        """`[B][g_b]` the target's log-probability of each generated id."""
-        if self._logprobs is None:
-            self._logprobs = [[] for _ in self.prompts]
-        return self._logprobs
-
-    @logprobs.setter
-    def logprobs(self, rows: list[list[float]]) -> None:
-        self._logprobs = rows
 
     @property
     def active(self) -> np.ndarray:

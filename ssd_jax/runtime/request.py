@@ -52,7 +52,7 @@ def _plain_id_lists(prompts, vocab_size: int) -> list[list[int]] | None:
     """`prompts` as a list, when every one is a non-empty list of plain ints in [0, vocab_size):
     one check over all of them at C speed, where a batch of thousands of short prompts spent longer
     in the one-by-one checks than in its prefill. The rows are the caller's own lists (`Batch`
-    copies them). None otherwise: `encode`'s one-by-one path then names the problem."""
+    never changes them: its history rows are copies). None otherwise: `encode`'s one-by-one path then names the problem."""
     if not isinstance(prompts, (list, tuple)) or set(map(type, prompts)) != {list} \
             or not all(prompts):
         return None
