@@ -175,7 +175,7 @@ def pair(argv) -> int:
     modes = {"ar": dict(mode="ar"), "sd": dict(mode="sd", k=K),
              "ssd": dict(mode="ssd", k=K, ssd=SSDConfig(fanout=FANOUT))}
     if args.chunk_memory:
-        eng.round_chunks = True  # a GPU's default; --smoke's CPU leaves it off
+        eng.round_chunks = True  # on by default on a GPU; forced, so --smoke's CPU runs them too
     for b in args.batch:
         prompts = [[int(x) for x in rng.integers(1, vocab, args.prompt_len)] for _ in range(b)]
         kw = dict(max_new_tokens=args.new, eos_ids=[])

@@ -45,7 +45,11 @@ class TokenSink:
 
 
 class _RowLists:
-    """A `Batch` attribute of one list per row, made empty on first read (`Batch`'s docstring)."""
+    """A `Batch` attribute of one list per row, made by `make(batch)` (empty lists by default) on
+    first read, and again on the read after None is assigned (`Batch`'s docstring)."""
+
+    def __init__(self, make: Callable[["Batch"], list] | None = None):
+        self.make = make or (lambda batch: [[] for _ in batch.prompts])
 
     def __set_name__(self, owner, name: str) -> None:
         self.slot = "_" + name
@@ -55,7 +59,7 @@ class _RowLists:
             return self
         rows = batch.__dict__.get(self.slot)
         if rows is None:
-            rows = batch.__dict__[self.slot] = [[] for _ in batch.prompts]
+            rows = batch.__dict__[self.slot] = self.make(batch)
         return rows
 
     def __set__(self, batch, rows) -> None:
@@ -81,13 +85,14 @@ class Batch:
 
     generated = _RowLists()  # [B][g_b] each row's generated ids
     logprobs = _RowLists()  # [B][g_b] the target's log-probability of each generated id
+    # [B][n_b + 1] each row's prompt + generated ids (the prompts are never changed: copies)
+    history = _RowLists(lambda b: [list(map(int, p)) + g for p, g in zip(b.prompts, b.generated)])
 
     def __init__(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids: Sequence[int],
                  stop: Sequence[str] = (), decode: Callable[[list[int]], str] | None = None,
                  on_tokens: Callable[[int, list[int]], None] | None = None):
         self.prompts = prompts
         self.prompt_lens = np.fromiter(map(len, prompts), np.int32, len(prompts))
-        self._history: list[list[int]] | None = None
         self.finish = [""] * len(prompts)
         self.max_new = int(max_new_tokens)
         self.eos = set(int(e) for e in eos_ids)
@@ -101,17 +106,6 @@ class Batch:
     def size(self) -> int:
         """B, the number of rows."""
         return len(self.prompts)
-
-    @property
-    def history(self) -> list[list[int]]:
-        """`[B][n_b + 1]` each row's prompt + generated ids (made from them on first use)."""
-        if self._history is None:
-            self._history = [list(map(int, p)) + g for p, g in zip(self.prompts, self.generated)]
-        return self._history
-
-    @history.setter
-    def history(self, rows: list[list[int]] | None) -> None:
-        self._history = rows  # None: made again from the prompts and `generated` when next read
 
     @property
     def active(self) -> np.ndarray:

@@ -30,7 +30,10 @@ MAX_LEN = 2 ** 17
 MAX_NEW_TOKENS = MAX_LEN
 
 
-_PLAIN_INT = {int}  # type(x) is int: no bool (its own type), no numpy scalar (checked one by one)
+def plain_ints(values) -> bool:
+    """Whether every entry of `values` (an iterable) is a Python int: `type(x) is int`, so no bool
+    (its own type) and no numpy scalar (those take `int_ids`' one-by-one checks); at C speed."""
+    return set(map(type, values)) <= {int}
 
 
 def _is_int(x) -> bool:
@@ -43,7 +46,7 @@ def int_ids(values, name: str) -> list[int]:
     string or other non-integer, before any work. 3.0 is refused too: an id is never rounded."""
     if type(values) is range:
         return list(values)
-    if type(values) is list and set(map(type, values)) <= _PLAIN_INT:  # the common case, at C speed
+    if type(values) is list and plain_ints(values):  # the common case
         return list(values)
     if hasattr(values, "dtype") and hasattr(values, "shape"):  # numpy / jax array
         a = np.asarray(values)

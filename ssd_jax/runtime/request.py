@@ -11,7 +11,7 @@ import itertools
 import numpy as np
 
 from ssd_jax.models.protocol import is_builtin
-from ssd_jax.runtime.config import int_ids
+from ssd_jax.runtime.config import int_ids, plain_ints
 
 # Cache lengths come in multiples of this: calls whose needs round to one length share its compiles.
 CACHE_QUANTUM = 256
@@ -57,7 +57,7 @@ def _plain_id_lists(prompts, vocab_size: int) -> list[list[int]] | None:
             or not all(prompts):
         return None
     flat = list(itertools.chain.from_iterable(prompts))
-    if not set(map(type, flat)) <= {int} or min(flat) < 0 or max(flat) >= vocab_size:
+    if not plain_ints(flat) or min(flat) < 0 or max(flat) >= vocab_size:
         return None
     return list(prompts)
 
@@ -108,11 +108,11 @@ def right_padded(rows, cap: int | None = None) -> np.ndarray:
     """Token rows right-padded with 0 to the prefill bucket of the longest (at most `cap`
     columns): `[B, T]` int32."""
     lens = np.fromiter(map(len, rows), np.int64, len(rows))
-    T = prefill_bucket(int(lens.max()))
+    longest = int(lens.max())
+    T = prefill_bucket(longest)
     toks = np.zeros((len(rows), T if cap is None else min(T, cap)), np.int32)
-    if lens.max() > toks.shape[1]:
-        raise ValueError(f"a row of {int(lens.max())} tokens is past the block's "
-                         f"{toks.shape[1]} columns")
+    if longest > toks.shape[1]:
+        raise ValueError(f"a row of {longest} tokens is past the block's {toks.shape[1]} columns")
     # every row's ids in one pass (row-major, as the mask below lists its cells)
     toks[np.arange(toks.shape[1]) < lens[:, None]] = np.fromiter(
         itertools.chain.from_iterable(rows), np.int32, int(lens.sum()))
