@@ -32,6 +32,7 @@ import re
 
 import jax
 
+from ssd_jax._compat import XLA_CPU_HAS_CLASSIC_EMITTERS
 from ssd_jax.runtime.mappings import map_count, map_limit
 
 _FLAG = "jax_disable_most_optimizations"
@@ -43,10 +44,11 @@ CALLER_XLA_FLAGS: str | None = None  # XLA_FLAGS as the session was started with
 
 def classic_emitters_for(markexpr: str) -> bool:
     """Whether a session run with `-m markexpr` compiles with CLASSIC_EMITTERS: yes, unless
-    SSD_JAX_TEST_FULL_OPT=1 or the expression selects the real-weight tests (names `real_weights`
+    SSD_JAX_TEST_FULL_OPT=1, the installed jaxlib has no classic emitters (0.12 dropped them and
+    their flag: ssd_jax._compat), or the expression selects the real-weight tests (names `real_weights`
     or `alone` other than after `not`), whose fully optimized programs run long and ran ~10%
     slower with them (benchmarks/README.md, "XLA:CPU's classic emitters for the suite")."""
-    if not LEAN_BY_DEFAULT:
+    if not LEAN_BY_DEFAULT or not XLA_CPU_HAS_CLASSIC_EMITTERS:
         return False
     return all(neg for neg, _ in re.findall(r"(\bnot\b[\s(]*)?\b(real_weights|alone)\b", markexpr))
 

@@ -1,6 +1,7 @@
 """The suite's compile level (tests/_compile_level.py): lean for ordinary tests, full inside
 `optimized()` and for the real-weight modules, and never leaked from one test to the next."""
 import os
+import subprocess
 import sys
 
 import jax
@@ -75,8 +76,24 @@ def test_the_session_compiles_with_xlas_classic_cpu_emitters_unless_it_runs_real
     ("real_weights and not alone", False), ("alone", False), ("real_weights", False),
     ("slow or real_weights", False), ("not(real_weights)", True)])
 def test_which_sessions_get_the_classic_emitters(markexpr, classic):
+    """By the session's `-m`, where the installed XLA has the classic emitters; never where it
+    does not (jaxlib 0.12 dropped them and their flag, which would abort the CPU client)."""
     from _compile_level import classic_emitters_for
-    assert classic_emitters_for(markexpr) == classic
+    from ssd_jax._compat import XLA_CPU_HAS_CLASSIC_EMITTERS
+    assert classic_emitters_for(markexpr) == (classic and XLA_CPU_HAS_CLASSIC_EMITTERS)
+
+
+def test_the_classic_emitters_flag_is_known_exactly_where_it_is_set():
+    """`XLA_CPU_HAS_CLASSIC_EMITTERS` says what the installed XLA accepts: a process started with
+    the flag comes up where it is True and aborts on the unknown flag where it is False."""
+    from _compile_level import CLASSIC_EMITTERS
+    from ssd_jax._compat import XLA_CPU_HAS_CLASSIC_EMITTERS
+    env = dict(os.environ, XLA_FLAGS=CLASSIC_EMITTERS, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert (r.returncode == 0) == XLA_CPU_HAS_CLASSIC_EMITTERS, r.stderr[-2000:]
+    if not XLA_CPU_HAS_CLASSIC_EMITTERS:
+        assert "xla_cpu_use_fusion_emitters" in r.stderr
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
