@@ -2,7 +2,8 @@
 
 The kernels are written for the Pallas *Triton* backend: on JAX 0.10.2 a `pallas_call` without
 compiler params lowers to Mosaic GPU, and only `jax.experimental.pallas.triton.CompilerParams`
-selects Triton. From JAX 0.11 that backend is deprecated (importing it may warn) but still present.
+selects Triton. From JAX 0.11 that backend is deprecated (importing it may warn) but still present;
+JAX 0.12 also warns (DeprecationWarning) each time it lowers a Triton kernel.
 If a later JAX drops it, this module must still import: the jnp references keep working and the
 kernels raise a clear error when called.
 """

@@ -22,7 +22,7 @@ try:  # private, used only to parse and verify the Triton module embedded in the
     from jax._src.pallas.triton import lowering as _triton_lowering
 
     _new_triton_ctx = _triton_lowering._new_ir_context
-except (ImportError, AttributeError):  # pragma: no cover - other JAX versions
+except (ImportError, AttributeError):  # pragma: no cover - other JAX versions: the check fails
     _new_triton_ctx = None
 
 
@@ -294,18 +294,24 @@ def _custom_calls(op, acc):
     return acc
 
 
+# The GPU the kernels are lowered for, without one: JAX 0.12's Triton lowering asks the device
+# for its compute capability and, on a CPU, takes it from the abstract mesh's device instead.
+H100 = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+    device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"))
+
+
 def _check_triton_lowering(fn, *args, ieee_dots=False):
-    """Lower for CUDA; verify each embedded Triton module and check the Triton shape rules."""
-    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    """Lower for CUDA (an H100); verify each embedded Triton module and check the Triton shape
+    rules."""
+    with jax.sharding.use_abstract_mesh(H100):
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     calls = [c for c in _custom_calls(lowered.compiler_ir("stablehlo").operation, [])
              if "triton" in str(c.attributes["call_target_name"])]
     assert len(calls) == 1, "expected exactly one Triton kernel"
     config = calls[0].attributes["mhlo.backend_config"] if (
         "mhlo.backend_config" in calls[0].attributes) else None
-    # JAX/jaxlib > 0.10.2 compiles the Triton module to PTX during lowering (a stronger check) and
-    # embeds no IR; the IR checks below then have nothing to read.
-    if _new_triton_ctx is None or config is None or "ir" not in config:  # pragma: no cover
-        return
+    assert _new_triton_ctx is not None, "this JAX has no Triton IR context to read the kernel with"
+    assert config is not None and "ir" in config, "the Triton custom call embeds no Triton IR"
     data = config["ir"].value_bytes
     with _new_triton_ctx():
         module = _mlir_ir.Module.parse(data)
