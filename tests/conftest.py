@@ -5,6 +5,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
+# The package's pytest plugin (pyproject's pytest11 entry point) imported jax before this file ran,
+# so JAX read no JAX_PLATFORMS: set it as a config. It matters where JAX's CUDA plugin is
+# installed (the `inspect` extra): a backend start that tries the GPU unregisters the plugin,
+# and with it the deviceless compiler the `gpu_aot` tests use.
+jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
 jax.config.update("jax_num_cpu_devices", 2)
 jax.config.update("jax_enable_x64", False)
 
@@ -58,11 +63,38 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.real_weights)
 
 
+# marker -> (the modules its tests import, the extra that installs them)
+NEEDS = {"oracle": (("torch", "transformers"), "oracle"),
+         "gpu_aot": (("jax_plugins.xla_cuda12",), "inspect")}
+
+
+def _missing(marker: str) -> str | None:
+    """What of a marker's modules (NEEDS) cannot be imported, or None."""
+    import importlib.util
+    mods, _ = NEEDS[marker]
+    missing = []
+    for m in mods:
+        try:
+            if importlib.util.find_spec(m) is None:
+                missing.append(m)
+        except ModuleNotFoundError:  # a parent package is missing
+            missing.append(m)
+    return ", ".join(missing) or None
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     """Each test compiles lean (tests/_compile_level.py says why) unless it runs the real weights.
     Set before the test's fixtures, module-scoped ones included, and again for every test, so one
-    that changed the level cannot pass it on."""
+    that changed the level cannot pass it on.
+
+    A test marked `oracle` (HF transformers on torch) or `gpu_aot` (JAX's CUDA plugin) fails
+    without what it needs, never skips: a session without it deselects them by name
+    (`-m "not oracle"`)."""
+    for marker, (_, extra) in NEEDS.items():
+        if item.get_closest_marker(marker) is not None and (missing := _missing(marker)):
+            pytest.fail(f"{item.nodeid} needs {missing}, which is not installed: `pip install -e "
+                        f".[{extra}]`, or deselect it with -m \"not {marker}\"", pytrace=False)
     set_lean(LEAN_BY_DEFAULT and item.get_closest_marker("real_weights") is None)
 
 

@@ -237,6 +237,7 @@ def _save_torch_safetensors(path, tensors, dtype):
     return {k: torch.from_numpy(v).to(dtype).float().numpy() for k, v in tensors.items()}
 
 
+@pytest.mark.oracle  # torch writes the bf16 / fp16 safetensors files
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16", "float16"])
 def test_hf_folder_round_trip(tmp_path, dtype_name):
     import torch
@@ -260,6 +261,7 @@ def test_hf_folder_round_trip(tmp_path, dtype_name):
     assert got_config["num_key_value_heads"] == 2
 
 
+@pytest.mark.oracle
 def test_hf_folder_sharded_and_tied(tmp_path):
     import torch
 
@@ -541,6 +543,7 @@ def _run_oracle(path: Path) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.oracle
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])
 def test_gguf_tensors_match_transformers(fetched, name):
     report = _run_oracle(fetched(name))

@@ -11,13 +11,14 @@ from ssd_jax.models.kv_cache import init_cache
 from ssd_jax.models.params import params_from_hf, random_hf_tensors
 from ssd_jax.models.transformer import forward
 
-torch = pytest.importorskip("torch", reason="torch is the test oracle: pip install -e .[test]")
-transformers = pytest.importorskip("transformers")
 
 TOL = 1e-4  # max |Δ| / max |logit|
 
 
 def hf_model(cfg, tensors):
+    import torch
+    import transformers
+
     hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf())
     hf_cfg._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.float32)
@@ -29,6 +30,8 @@ def hf_model(cfg, tensors):
 
 
 def hf_logits(model, ids):
+    import torch
+
     with torch.no_grad():
         return model(torch.tensor(ids)).logits.numpy()
 
@@ -45,6 +48,7 @@ CONFIGS = {
 }
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_logits_match_hf_for_every_call_shape(name):
     cfg = tiny_config(**CONFIGS[name])

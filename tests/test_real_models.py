@@ -40,6 +40,7 @@ def smollm():
     return load_model("smollm2-135m", "float32")  # the HF oracle runs fp32
 
 
+@pytest.mark.oracle
 def test_smollm2_greedy_matches_hf_transformers(smollm):
     ids = [smollm.tokenizer.encode(p) for p in PROMPTS]
     want = hf_greedy("smollm2-135m", ids, 32)
@@ -66,6 +67,7 @@ def test_smollm2_sd_and_ssd_with_a_layer_skip_draft(smollm):
             assert 0 < out.metrics.hits < out.metrics.lookups
 
 
+@pytest.mark.oracle
 @pytest.mark.alone  # the 1.5B fp32 oracle's 13 GB: a process of its own (tests/conftest.py)
 def test_qwen_pair_loads_and_target_matches_hf_transformers():
     for name in (registry.DEFAULT_TARGET, registry.DEFAULT_DRAFT):

@@ -281,6 +281,7 @@ def _smollm_published(hf):
 
 
 @pytest.mark.slow
+@pytest.mark.oracle
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])
 def test_encode_decode_match_transformers(pair, name):
     ours, hf = pair(name)
@@ -308,6 +309,7 @@ def test_encode_decode_match_transformers(pair, name):
 
 
 @pytest.mark.slow
+@pytest.mark.oracle
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])
 def test_chat_template_matches_transformers(pair, name):
     ours, hf = pair(name)
@@ -324,6 +326,7 @@ def test_chat_template_matches_transformers(pair, name):
 
 
 @pytest.mark.slow
+@pytest.mark.oracle
 def test_special_ids_and_sizes(pair):
     smol, smol_hf = pair("smollm2-135m")
     assert smol.vocab_size == 49152 == len(smol_hf)

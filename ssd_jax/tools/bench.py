@@ -261,7 +261,7 @@ def _validate(args) -> None:
         raise ValueError(f"--cores {args.cores[0]},{args.cores[1]}: this process may only use CPUs "
                          f"{usable}")
     if args.hf == "yes" and not _hf_available():
-        raise ValueError("--hf yes needs torch and transformers (pip install -e \".[test]\")")
+        raise ValueError("--hf yes needs torch and transformers (pip install -e \".[oracle]\")")
 
 
 def _check_models(args) -> None:

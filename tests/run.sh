@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The test suite in its two passes (README "Test"), each in a virtual environment of its own:
+#   main   Python 3.12 and the newest jax / jaxlib / flax / orbax-checkpoint pip resolves within
+#          pyproject's pins: the whole suite except the tests marked `oracle` (HF transformers on
+#          torch, whose CPU build is kept on CI's disk for Python 3.11 only; on 3.12 pip would fetch
+#          a CUDA build of several GB), then JAX's CUDA plugin and the `gpu_aot` tests.
+#   floor  Python 3.11 and the oldest versions pyproject admits (tests/floor-constraints.txt), with
+#          the oracle: every `oracle` test, then the engine, the exactness quick loop, loading,
+#          checkpoints, the golden ids and the CLI again on the old JAX, then the model and engine
+#          tests with the CPU kernels built for AVX2 only.
+# SSD_JAX_TEST_PASSES="main" (or "floor") runs one; PYTHON312 / PYTHON311 name the interpreters.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+find_python() {  # $1: "3.12"; $2: an interpreter the caller named (may be empty)
+  local want=$1 p
+  for p in "${2:-}" "python$want" "$(pyenv root 2>/dev/null)/versions/$want"*/bin/"python$want"; do
+    if [ -n "$p" ] && "$p" -c "import sys; sys.exit(f'{sys.version_info[0]}.{sys.version_info[1]}' != '$want')" 2>/dev/null; then
+      echo "$p"; return 0
+    fi
+  done
+  echo "tests/run.sh: no Python $want found (name one: PYTHON${want/./}=/path/to/python$want)" >&2
+  return 1
+}
+
+venv() {  # $1: folder, $2: interpreter; leaves it activated
+  "$2" -m venv "$1"
+  . "$1/bin/activate"
+  python -m pip install -q --upgrade pip
+}
+
+main_pass() {
+  venv .venv "$(find_python 3.12 "${PYTHON312:-}")"
+  python -m pip install -q -e ".[test]"
+  python -c "import jax, jaxlib, flax, orbax.checkpoint as o, sys; print('main pass: Python', sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, 'orbax-checkpoint', o.__version__)"
+  ssd-jax fetch qwen2.5-coder-1.5b qwen2.5-coder-0.5b smollm2-135m humaneval sharegpt mt-bench asdiv
+  python -m pytest -n 2 -m "not real_weights and not oracle and not gpu_aot"
+  python -m pytest -n 2 -m "real_weights and not alone and not oracle"
+  # then JAX's CUDA plugin (the `inspect` extra, ~200 MB) and what compiles for an H100 without
+  # one; installed last so that the suite above runs as a CPU user's install does
+  python -m pip install -q -e ".[inspect]"
+  python -m pytest -m gpu_aot
+  deactivate
+}
+
+FLOOR_MODULES=(tests/test_generate.py tests/test_engine_exactness.py tests/test_golden_ids.py
+               tests/test_loading.py tests/test_checkpoint.py tests/test_tokenizer.py
+               tests/test_model_oracle.py tests/test_api.py)
+
+floor_pass() {
+  venv .venv-floor "$(find_python 3.11 "${PYTHON311:-}")"
+  python -m pip install -q -c tests/floor-constraints.txt -e ".[test,oracle]"
+  python -c "import jax, jaxlib, flax, orbax.checkpoint as o, sys; print('floor pass: Python', sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, 'orbax-checkpoint', o.__version__)"
+  ssd-jax fetch qwen2.5-coder-1.5b qwen2.5-coder-0.5b smollm2-135m
+  python -m pytest -n 2 -m "not real_weights and (oracle or not slow)" "${FLOOR_MODULES[@]}"
+  python -m pytest -n 2 -m "real_weights and not alone and (oracle or not slow)"
+  python -m pytest -m alone
+  # The portable path and the backend / dtype / draft-format selection: the model and engine tests
+  # again with the CPU kernels built for AVX2 only (SSD_JAX_CPU_ISA=avx2 compiles out the AVX-512
+  # BF16 / VNNI paths and ssd_jax.runtime.defaults masks those features, so everything is chosen as
+  # on a CPU without them). The algorithm's rules do not depend on the ISA; the kernels' numerics do.
+  SSD_JAX_CPU_ISA=avx2 python -m pytest -q -n 2 -m "not slow" tests/test_backends.py \
+    tests/test_generate.py tests/test_model_oracle.py tests/test_defaults.py
+  deactivate
+}
+
+for pass in ${SSD_JAX_TEST_PASSES:-main floor}; do
+  case "$pass" in
+    main) main_pass ;;
+    floor) floor_pass ;;
+    *) echo "tests/run.sh: unknown pass '$pass' (main, floor)" >&2; exit 2 ;;
+  esac
+done
