@@ -59,11 +59,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# The default pair's published shapes (HF config.json of Qwen2.5-Coder-1.5B / -0.5B)
-TARGET_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
-                   num_heads=12, num_kv_heads=2, head_dim=128, tie_embeddings=True)
-DRAFT_0_5B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
-                  num_heads=14, num_kv_heads=2, head_dim=64, tie_embeddings=True)
+# The default pair's published shapes, as `ssd-jax inspect` compiles them
+from ssd_jax.tools.inspect import QWEN_0_5B as DRAFT_0_5B, QWEN_1_5B as TARGET_1_5B  # noqa: E402
 SMOKE_T = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                num_kv_heads=2, head_dim=16, tie_embeddings=True)
 SMOKE_D = dict(SMOKE_T, num_layers=1)

@@ -332,7 +332,8 @@ def test_every_flag_has_help_that_shows_its_default():
             shown = "default" in h.lower() and text in h
         if not shown:
             no_default.append(f"{name} (default {d!r}): {h}")
-    assert seen == {"ssd-jax", "ssd-jax fetch", "ssd-jax generate", "ssd-jax bench"}
+    assert seen == {"ssd-jax", "ssd-jax fetch", "ssd-jax generate", "ssd-jax bench",
+                    "ssd-jax inspect"}
     assert missing == [] and no_default == [], (missing, no_default)
 
 

@@ -94,7 +94,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `ssd-jax` argument parser (fetch, generate, bench)."""
+    """The `ssd-jax` argument parser (fetch, generate, bench, inspect)."""
     from ssd_jax.tools import bench
 
     p = _Parser(prog="ssd-jax", description=__doc__.splitlines()[0])
@@ -201,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="AR, SD and SSD (and HF assisted generation) side by side",
                        description=bench.__doc__.split("\n\n")[0])
     bench.add_arguments(b, _fanout)
+    from ssd_jax.tools import inspect
+    i = sub.add_parser("inspect", help="what each step compiles to for an H100 / H200 / TPU v5e, "
+                       "without one", description=inspect.__doc__.split("\n\n")[0])
+    inspect.add_arguments(i)
     return p
 
 
@@ -476,7 +480,9 @@ def main(argv=None) -> int:
     from ssd_jax.algorithm import aot
     store = aot.store_dir()  # process-wide: generate's step store must not outlive the call
     try:
-        return {"fetch": _fetch, "generate": _generate, "bench": _bench}[args.command](args)
+        from ssd_jax.tools import inspect
+        return {"fetch": _fetch, "generate": _generate, "bench": _bench,
+                "inspect": inspect.run}[args.command](args)
     except (ValueError, registry.FetchError, FileNotFoundError, OSError, BenchError,
             BenchmarkSetError, GenerateError) as e:
         msg = " ".join(str(e).split("\n")[0].split()) or type(e).__name__

@@ -1,0 +1,439 @@
+"""What a step compiles to, for a GPU or TPU this machine does not have: `ssd-jax inspect`.
+
+XLA compiles for a device it is not running on (deviceless AOT): an H100 or H200 (sm_90a) from a
+target config shipped here (`targets/`), a TPU v5e from libtpu's topology, or the local backend.
+Nothing runs. For each step of a pair at a batch size it reports, from the optimized program:
+
+- `kernels`: the operations a call launches (fusions, library calls, copies, sorts, ...; not
+  parameters, tuples, bitcasts or constants), in the entry computation and in every loop body or
+  branch it runs (a loop body counted once), and `per_layer`, that over the model's layers;
+- `cache_copies`: copies or transposes the size of one layer's KV cache (a cache moved whole
+  instead of updated in place);
+- `large_temporaries`: other results the size of a layer's smallest weight or more that are not
+  outputs (a weight-sized intermediate, e.g. a vector-matrix product done as multiply + reduce);
+- `bytes_accessed` (XLA's cost analysis of the optimized module) against `must_read`, the weights
+  plus the KV cache window the step reads: `bytes_ratio` 1.0 is every byte read once;
+- `memory` (`memory_analysis()`: arguments, outputs, temporaries) and `compile_s`.
+
+Steps, each a pure function over abstract arrays (`jax.eval_shape` of `init_params` / `init_cache`,
+so a 1.5B model takes no memory): `decode` (one token, greedy), `verify` (K+1 tokens at once),
+`prefill` (a prompt block, last logits), `draft` (the draft's one-token step) and `tree` (SSD's
+branch step, `tree_step`, over sum(fan-out) branches).
+
+A GPU target needs the CUDA plugin (`pip install "ssd_jax[inspect]"`: the plugin and its PJRT
+runtime, no CUDA libraries) and, on a machine without a GPU, JAX's platforms left to "cpu" (set
+here when JAX has not started a backend yet; else start Python with JAX_PLATFORMS=cpu); a TPU
+target needs `libtpu`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from pathlib import Path
+from typing import Callable
+
+TARGETS = ("h100", "h200", "tpu-v5e", "local")
+STEPS = ("decode", "verify", "prefill", "draft", "tree")
+_TARGET_CONFIGS = Path(__file__).parent / "targets"
+
+# HLO instructions that launch nothing: values, views and containers (a loop's or branch's body
+# is counted on its own).
+_NOT_KERNELS = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while",
+                "conditional", "call", "after-all", "opt-barrier", "partition-id", "replica-id",
+                "add-dependency", "domain"}
+
+
+# ------------------------------------------------------------------------------------------------
+# The optimized program, read as text
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Instr:
+    """One instruction of an HLO computation, as printed."""
+    name: str
+    op: str
+    shape: str           # as printed: "bf16[1,1024,2,128]{3,2,1,0}" or a tuple "(f32[2], s32[])"
+    attrs: str           # the rest of the line (operands, calls=, body=, ...)
+    root: bool
+
+
+def _shape_end(text: str, i: int) -> int:
+    """Index just past the shape that starts at text[i] (a tuple's parentheses balanced)."""
+    if text[i] != "(":
+        return text.index(" ", i)
+    depth = 0
+    for j in range(i, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[j], 0)
+        if depth == 0:
+            return j + 1
+    raise ValueError(f"unbalanced tuple shape in {text[i:i + 80]!r}")
+
+
+_HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
+_INSTR = re.compile(r"^\s+(ROOT )?%?([\w.\-]+) = ")
+
+
+def parse_hlo(text: str) -> tuple[dict[str, list[Instr]], str]:
+    """Optimized HLO text -> ({computation name: its instructions}, the entry's name)."""
+    comps: dict[str, list[Instr]] = {}
+    entry, current = None, None
+    for line in text.splitlines():
+        if current is None:
+            m = _HEADER.match(line)
+            if m:
+                current = m.group(2)
+                comps[current] = []
+                if m.group(1):
+                    entry = current
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        rest = line[m.end():]
+        end = _shape_end(rest, 0)
+        op_m = re.match(r"\s*([a-z][\w\-]*)\(", rest[end:])
+        if op_m is None:
+            continue
+        comps[current].append(Instr(m.group(2), op_m.group(1), rest[:end],
+                                    rest[end + op_m.end():], bool(m.group(1))))
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return comps, entry
+
+
+def _called(attrs: str, keys: tuple[str, ...]) -> list[str]:
+    names = []
+    for key in keys:
+        for m in re.finditer(rf"\b{key}=\{{?([^}},]+(?:,\s*%[^}},]+)*)\}}?", attrs):
+            names += [n.strip().lstrip("%") for n in m.group(1).split(",")]
+    return names
+
+
+def executed(comps: dict[str, list[Instr]], entry: str) -> list[str]:
+    """The computations whose instructions run as kernels: the entry and, transitively, the bodies,
+    conditions and branches of its loops and conditionals (not fusions' insides)."""
+    seen, todo = [], [entry]
+    while todo:
+        c = todo.pop()
+        if c in seen or c not in comps:
+            continue
+        seen.append(c)
+        for ins in comps[c]:
+            if ins.op in ("while", "conditional", "call"):
+                todo += _called(ins.attrs, ("body", "condition", "branch_computations",
+                                            "true_computation", "false_computation", "to_apply"))
+    return seen
+
+
+_ARRAY = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+          "f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
+
+
+def arrays(shape: str) -> list[tuple[str, int]]:
+    """(dtype, element count) of each array in a printed shape (one, or a tuple's)."""
+    out = []
+    for dt, dims in _ARRAY.findall(shape):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        out.append((dt, n))
+    return out
+
+
+def nbytes(shape: str) -> int:
+    """Bytes of the arrays in a printed shape."""
+    return sum(_BYTES.get(dt, 4) * n for dt, n in arrays(shape))
+
+
+@dataclasses.dataclass
+class ProgramReport:
+    """What one compiled step launches and moves (module docstring)."""
+    step: str
+    batch: int
+    layers: int
+    kernels: int
+    per_layer: float
+    kernel_ops: dict
+    cache_copies: int
+    large_temporaries: list
+    bytes_accessed: float | None
+    must_read: int
+    bytes_ratio: float | None
+    memory: dict
+    compile_s: float
+
+    def line(self) -> str:
+        """One line: the step, its batch and each figure."""
+        ratio = "n/a" if self.bytes_ratio is None else f"{self.bytes_ratio:.2f}"
+        return (f"{self.step:8s} b={self.batch:<3d} kernels {self.kernels:5d} "
+                f"({self.per_layer:5.1f} a layer)  cache copies {self.cache_copies:4d}  "
+                f"large temporaries {len(self.large_temporaries):4d}  bytes / must-read {ratio:>5s}  "
+                f"temp {self.memory.get('temp', 0) / 2**20:8.1f} MiB  compile {self.compile_s:5.1f} s")
+
+
+def analyse(text: str, *, layers: int, cache_elems: int, small_weight_bytes: int) -> dict:
+    """Counts of module docstring from optimized HLO `text`: kernels (and by opcode, a fusion as
+    its kind), cache-sized copies / transposes, large non-output temporaries."""
+    comps, entry = parse_hlo(text)
+    fused_roots = {name: next((i.op for i in ins if i.root), None) for name, ins in comps.items()}
+    outputs = set()
+    for ins in comps[entry]:
+        if ins.root:
+            outputs |= set(re.findall(r"%([\w.\-]+)", ins.attrs.split(")")[0])) | {ins.name}
+    kernels, ops, copies, large = 0, {}, 0, []
+    for c in executed(comps, entry):
+        for ins in comps[c]:
+            if ins.op in _NOT_KERNELS:
+                continue
+            kernels += 1
+            kind = ins.op
+            root_op = None
+            if ins.op == "fusion":
+                m = re.search(r"kind=(k\w+)", ins.attrs)
+                kind = f"fusion:{m.group(1) if m else '?'}"
+                called = _called(ins.attrs, ("calls",))
+                root_op = fused_roots.get(called[0]) if called else None
+            ops[kind] = ops.get(kind, 0) + 1
+            elems = [n for _, n in arrays(ins.shape)]
+            cache_sized = cache_elems in elems
+            if cache_sized and (ins.op in ("copy", "transpose") or root_op in ("copy", "transpose")):
+                copies += 1
+            elif (not cache_sized and c == entry and ins.name not in outputs
+                  and nbytes(ins.shape) >= small_weight_bytes):
+                large.append(f"{ins.op} {ins.shape.split('{')[0]}")
+    return dict(kernels=kernels, per_layer=kernels / max(layers, 1), kernel_ops=ops,
+                cache_copies=copies, large_temporaries=large)
+
+
+# ------------------------------------------------------------------------------------------------
+# Targets
+# ------------------------------------------------------------------------------------------------
+def target_device(target: str):
+    """One device of `target` (TARGETS) to compile for; a clear error naming what is missing."""
+    import jax
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
+    if target == "local":
+        return jax.devices()[0]
+    from jax.experimental import topologies
+    if target in ("h100", "h200"):
+        try:
+            import jax_plugins.xla_cuda12  # noqa: F401
+        except ImportError:
+            raise RuntimeError(f"--target {target} compiles with JAX's CUDA plugin, which is not "
+                               "installed: pip install \"ssd_jax[inspect]\"") from None
+        config = (_TARGET_CONFIGS / f"{target}.txtpb").read_text()
+        from jax._src import xla_bridge
+        if not xla_bridge.backends_are_initialized() and not jax.config.jax_platforms:
+            # without a GPU the plugin registers its compiler only if no backend tried the GPU
+            jax.config.update("jax_platforms", "cpu")
+        try:
+            topo = topologies.get_topology_desc(target, "cuda", target_config=config,
+                                                topology="1x1x1")
+        except NotImplementedError:
+            raise RuntimeError(f"--target {target}: JAX's CUDA plugin did not register (without a "
+                               "GPU it does only when JAX starts with JAX_PLATFORMS=cpu; set it "
+                               "before importing jax)") from None
+        return topo.devices[0]
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        raise RuntimeError("--target tpu-v5e compiles with libtpu, which is not installed: "
+                           "pip install \"jax[tpu]\"") from None
+    return topologies.get_topology_desc("v5e:2x2", "tpu").devices[0]
+
+
+def _bytes_accessed(compiled) -> float | None:
+    """XLA's cost analysis of the optimized module (a deviceless GPU executable has none of its
+    own: the CPU client analyses its module)."""
+    try:
+        cost = compiled.cost_analysis()
+        if isinstance(cost, (list, tuple)):
+            cost = cost[0] if cost else None
+        if cost and "bytes accessed" in cost:
+            return float(cost["bytes accessed"])
+        import jax
+        from jax._src.lib import _jax
+        module = compiled.runtime_executable().hlo_modules()[0]
+        cost = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
+        return float(cost["bytes accessed"])
+    except Exception:  # noqa: BLE001 - a report without the figure, not a failed inspection
+        return None
+
+
+# ------------------------------------------------------------------------------------------------
+# Steps
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """A call's shapes: batch, cache slots, K, the prompt block, the tree's fan-out."""
+    batch: int = 1
+    max_len: int = 1024
+    k: int = 4
+    prompt: int = 128
+    fanout: tuple[int, ...] = (3, 2, 2, 1, 1)
+
+
+def _step(name: str, cfg, sh: Shapes) -> tuple[Callable, tuple, int, int]:
+    """(fn, abstract args, donated arg index or -1, KV bytes the step reads) for step `name`."""
+    import jax
+    import jax.numpy as jnp
+
+    from ssd_jax.models.kv_cache import init_cache
+    from ssd_jax.models.params import init_params
+    from ssd_jax.models.transformer import forward, init_branch_kv, tree_step
+
+    B, S = sh.batch, sh.max_len
+    params = jax.eval_shape(lambda k: init_params(cfg, k), jax.random.key(0))
+    cache = jax.eval_shape(lambda: init_cache(cfg, B, S))
+    kv = 2 * cfg.num_layers * B * S * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    if name in ("decode", "draft"):
+        def fn(p, tok, c):
+            logits, c = forward(p, cfg, tok, c, last_only=True)
+            return jnp.argmax(logits, -1).astype(jnp.int32), c
+        return fn, (params, i32(B, 1), cache), 2, kv
+    if name == "verify":
+        def fn(p, tok, c):
+            return forward(p, cfg, tok, c)
+        return fn, (params, i32(B, sh.k + 1), cache), 2, kv
+    if name == "prefill":
+        def fn(p, tok, n, c):
+            logits, c = forward(p, cfg, tok, c, n, last_only=True)
+            return jnp.argmax(logits, -1).astype(jnp.int32), c
+        return fn, (params, i32(B, sh.prompt), i32(B), cache), 3, kv
+    if name == "tree":
+        mq = sum(sh.fanout)
+        branch = jax.eval_shape(lambda: init_branch_kv(cfg, B, mq, sh.k))
+
+        def fn(p, tok, pos, c, n, br, step, valid):
+            logits, br = tree_step(p, cfg, tok, pos, c, n, br, step, valid)
+            return jnp.argmax(logits, -1).astype(jnp.int32), br
+        return fn, (params, i32(B, mq), i32(B, mq), cache, i32(B, mq), branch, i32(),
+                    jax.ShapeDtypeStruct((B, mq), jnp.bool_)), 5, kv
+    raise ValueError(f"step must be one of {', '.join(STEPS)}, got {name!r}")
+
+
+def inspect_step(name: str, cfg, shapes: Shapes = Shapes(), target: str = "local",
+                 device=None) -> ProgramReport:
+    """Compile step `name` (STEPS) of the model `cfg` (a `ModelConfig`; its dtype is the weights')
+    at `shapes` for `target` (TARGETS) and report what the program launches and moves."""
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    device = device or target_device(target)
+    sharding = SingleDeviceSharding(device)
+    fn, args, donate, kv = _step(name, cfg, shapes)
+    placed = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
+    t = time.perf_counter()
+    compiled = jax.jit(fn, donate_argnums=donate).trace(*placed).lower().compile()
+    compile_s = time.perf_counter() - t
+    params = args[0]
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    small = min(x.size * x.dtype.itemsize for x in jax.tree.leaves(params.layers[0]) if x.ndim == 2)
+    cache_elems = shapes.batch * shapes.max_len * cfg.num_kv_heads * cfg.head_dim
+    counts = analyse(compiled.as_text(), layers=cfg.num_layers, cache_elems=cache_elems,
+                     small_weight_bytes=small)
+    accessed = _bytes_accessed(compiled)
+    m = compiled.memory_analysis()
+    memory = {} if m is None else dict(arguments=m.argument_size_in_bytes,
+                                       outputs=m.output_size_in_bytes, alias=m.alias_size_in_bytes,
+                                       temp=m.temp_size_in_bytes)
+    must = weights + kv
+    return ProgramReport(step=name, batch=shapes.batch, layers=cfg.num_layers, **counts,
+                         bytes_accessed=accessed, must_read=must,
+                         bytes_ratio=None if accessed is None else accessed / must,
+                         memory=memory, compile_s=compile_s)
+
+
+# The default pair's published shapes (HF config.json of Qwen2.5-Coder-1.5B- / 0.5B-Instruct).
+QWEN_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
+                 num_heads=12, num_kv_heads=2, head_dim=128, tie_embeddings=True)
+QWEN_0_5B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
+                 num_heads=14, num_kv_heads=2, head_dim=64, tie_embeddings=True)
+TARGET_STEPS, DRAFT_STEPS = ("decode", "verify", "prefill"), ("draft", "tree")
+
+
+def default_pair(dtype: str = "bfloat16", max_len: int = 1024) -> dict:
+    """{"target": cfg, "draft": cfg}: the default pair's shapes (weights never loaded)."""
+    from ssd_jax.models.config import tiny_config
+    return {name: tiny_config("qwen2", rope_theta=1e6, max_position_embeddings=max_len, dtype=dtype,
+                              **shape)
+            for name, shape in (("target", QWEN_1_5B), ("draft", QWEN_0_5B))}
+
+
+def inspect_pair(pair: dict, target: str = "local", steps=STEPS, batches=(1, 16),
+                 shapes: Shapes = Shapes(), on_report: Callable | None = None) -> list[ProgramReport]:
+    """Every step of `steps` at every batch of `batches` for a pair {"target": cfg, "draft": cfg}
+    (decode / verify / prefill on the target, draft / tree on the draft), compiled for `target`."""
+    bad = [s for s in steps if s not in STEPS]
+    if bad or not steps:
+        raise ValueError(f"steps must be a non-empty subset of {', '.join(STEPS)}, got {list(steps)}")
+    if not batches or any(int(b) < 1 for b in batches):
+        raise ValueError(f"batches must be positive, got {list(batches)}")
+    device = target_device(target)
+    reports = []
+    for b in batches:
+        for name in steps:
+            cfg = pair["target"] if name in TARGET_STEPS else pair["draft"]
+            r = inspect_step(name, cfg, dataclasses.replace(shapes, batch=int(b)), target, device)
+            reports.append(r)
+            if on_report is not None:
+                on_report(r)
+    return reports
+
+
+# ------------------------------------------------------------------------------------------------
+# ssd-jax inspect
+# ------------------------------------------------------------------------------------------------
+def add_arguments(p) -> None:
+    """The `ssd-jax inspect` flags."""
+    p.add_argument("--target", default="h100", choices=TARGETS,
+                   help="what to compile for (default h100; `local`: this machine's backend)")
+    p.add_argument("--steps", default=",".join(STEPS),
+                   help=f"comma-separated (default {','.join(STEPS)}: all of them)")
+    p.add_argument("--batch", default="1,16", help="comma-separated batch sizes (default 1,16)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="the weights' and caches' dtype (default bfloat16)")
+    p.add_argument("--max-len", type=int, default=1024, help="KV cache slots (default 1024)")
+    p.add_argument("-k", type=int, default=4, help="draft tokens a round (default 4)")
+    p.add_argument("--json", default=None,
+                   help="also write the reports to this JSON file (default: none)")
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise ValueError(f"{flag} takes positive integers, got {text!r}")
+    return vals
+
+
+def run(args) -> int:
+    """`ssd-jax inspect`: the default pair's steps compiled for --target, one line each."""
+    import json
+
+    steps = tuple(s for s in args.steps.split(",") if s)
+    if not steps or any(s not in STEPS for s in steps):
+        raise ValueError(f"--steps takes a comma-separated subset of {', '.join(STEPS)}, "
+                         f"got {args.steps!r}")
+    batches = _ints(args.batch, "--batch")
+    if args.max_len < 2 or args.k < 1 or args.k + 1 > args.max_len:
+        raise ValueError(f"--max-len must be >= 2 and -k in [1, max-len - 1], got --max-len "
+                         f"{args.max_len}, -k {args.k}")
+    shapes = Shapes(max_len=args.max_len, k=args.k, prompt=min(128, args.max_len))
+    print(f"ssd-jax inspect: the default pair's shapes ({args.dtype}, {args.max_len} cache slots, "
+          f"K={args.k}) compiled for {args.target}", flush=True)
+    reports = inspect_pair(default_pair(args.dtype, args.max_len), args.target, steps, batches,
+                           shapes, on_report=lambda r: print(r.line(), flush=True))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(target=args.target, dtype=args.dtype, max_len=args.max_len, k=args.k,
+                           reports=[dataclasses.asdict(r) for r in reports]), f, indent=1)
+    return 0

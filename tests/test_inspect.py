@@ -1,0 +1,172 @@
+"""`ssd_jax.tools.inspect`: reading an optimized program (kernels, whole-cache copies, large
+temporaries) from HLO text written here by hand, from programs compiled on this CPU whose
+answer is known by construction, and for an H100 without one (tests marked `gpu_aot`, which
+need JAX's CUDA plugin: the `inspect` extra)."""
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from ssd_jax.models.config import tiny_config
+from ssd_jax.models.params import init_params
+from ssd_jax.tools import cli
+from ssd_jax.tools import inspect as ins
+
+# Two computations run as kernels (the entry and the loop body); the fusions' own computations
+# do not. Written by hand: the entry launches a transpose fusion of a cache-sized array (4x8x2x4
+# = 256 elements), an in-place update, a cuBLAS call and the loop; the body launches one fusion
+# and one copy of the cache-sized array; parameters, tuples, bitcasts and constants launch nothing.
+HLO = """HloModule jit_f, entry_computation_layout={()}
+
+%fused_transpose (p: bf16[4,8,2,4]) -> bf16[4,2,8,4] {
+  %p = bf16[4,8,2,4]{3,2,1,0} parameter(0)
+  ROOT %t = bf16[4,2,8,4]{3,2,1,0} transpose(%p), dimensions={0,2,1,3}
+}
+
+%fused_dus (a: bf16[4,8,2,4], b: bf16[4,1,2,4], i: s32[]) -> bf16[4,8,2,4] {
+  %a = bf16[4,8,2,4]{3,2,1,0} parameter(0)
+  %b = bf16[4,1,2,4]{3,2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %d = bf16[4,8,2,4]{3,2,1,0} dynamic-update-slice(%a, %b, %z, %i, %z, %z)
+}
+
+%fused_mul (x: bf16[64,32], y: bf16[32]) -> bf16[64,32] {
+  %x = bf16[64,32]{1,0} parameter(0)
+  %y = bf16[32]{0} parameter(1)
+  %yb = bf16[64,32]{1,0} broadcast(%y), dimensions={1}
+  ROOT %m = bf16[64,32]{1,0} multiply(%x, %yb)
+}
+
+%body (s: (s32[], bf16[4,8,2,4])) -> (s32[], bf16[4,8,2,4]) {
+  %s = (s32[], bf16[4,8,2,4]{3,2,1,0}) parameter(0)
+  %n = s32[] get-tuple-element(%s), index=0
+  %c = bf16[4,8,2,4]{3,2,1,0} get-tuple-element(%s), index=1
+  %n1 = s32[] fusion(%n), kind=kLoop, calls=%fused_transpose
+  %c1 = bf16[4,8,2,4]{3,2,1,0} copy(%c)
+  ROOT %r = (s32[], bf16[4,8,2,4]{3,2,1,0}) tuple(%n1, %c1)
+}
+
+%cond (s: (s32[], bf16[4,8,2,4])) -> pred[] {
+  %s = (s32[], bf16[4,8,2,4]{3,2,1,0}) parameter(0)
+  %n = s32[] get-tuple-element(%s), index=0
+  %k = s32[] constant(3)
+  ROOT %lt = pred[] compare(%n, %k), direction=LT
+}
+
+ENTRY %main (cache: bf16[4,8,2,4], new: bf16[4,1,2,4], i: s32[], w: bf16[64,32], v: bf16[32]) -> (bf16[4,8,2,4], bf16[4,2,8,4], f32[4]) {
+  %cache = bf16[4,8,2,4]{3,2,1,0} parameter(0)
+  %new = bf16[4,1,2,4]{3,2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %w = bf16[64,32]{1,0} parameter(3)
+  %v = bf16[32]{0} parameter(4)
+  %tr = bf16[4,2,8,4]{3,2,1,0} fusion(%cache), kind=kLoop, calls=%fused_transpose
+  %up = bf16[4,8,2,4]{3,2,1,0} fusion(%cache, %new, %i), kind=kLoop, calls=%fused_dus
+  %big = bf16[64,32]{1,0} fusion(%w, %v), kind=kLoop, calls=%fused_mul
+  %bc = bf16[2048]{0} bitcast(%big)
+  %g = (f32[4]{0}, s8[256]{0}) custom-call(%bc), custom_call_target="__cublas$gemm"
+  %gv = f32[4]{0} get-tuple-element(%g), index=0
+  %z = s32[] constant(0)
+  %t = (s32[], bf16[4,8,2,4]{3,2,1,0}) tuple(%z, %up)
+  %loop = (s32[], bf16[4,8,2,4]{3,2,1,0}) while(%t), condition=%cond, body=%body
+  %out = bf16[4,8,2,4]{3,2,1,0} get-tuple-element(%loop), index=1
+  ROOT %res = (bf16[4,8,2,4]{3,2,1,0}, bf16[4,2,8,4]{3,2,1,0}, f32[4]{0}) tuple(%out, %tr, %gv)
+}
+"""
+
+
+def test_the_parser_reads_computations_shapes_and_the_entry():
+    comps, entry = ins.parse_hlo(HLO)
+    assert entry == "main"
+    assert set(comps) == {"fused_transpose", "fused_dus", "fused_mul", "body", "cond", "main"}
+    g = next(i for i in comps["main"] if i.name == "g")
+    assert (g.op, g.shape) == ("custom-call", "(f32[4]{0}, s8[256]{0})")
+    assert ins.arrays(g.shape) == [("f32", 4), ("s8", 256)] and ins.nbytes(g.shape) == 16 + 256
+    assert set(ins.executed(comps, entry)) == {"main", "cond", "body"}
+
+
+def test_the_analysis_counts_what_the_hand_written_program_launches():
+    got = ins.analyse(HLO, layers=2, cache_elems=4 * 8 * 2 * 4, small_weight_bytes=64 * 32 * 2)
+    # entry: tr, up, big, g (4); cond: lt (1); body: n1, c1 (2)
+    assert got["kernels"] == 7 and got["per_layer"] == 3.5
+    assert got["kernel_ops"] == {"fusion:kLoop": 4, "custom-call": 1, "compare": 1, "copy": 1}
+    # the transpose fusion in the entry and the copy in the body; the in-place update is neither
+    assert got["cache_copies"] == 2
+    # the weight-sized multiply feeds the library call: a temporary, not an output
+    assert got["large_temporaries"] == ["fusion bf16[64,32]"]
+
+
+def test_a_tuple_shape_with_parenthesised_tpu_layouts_is_read_whole():
+    text = ("ENTRY %m (p: f32[8,128]) -> f32[8,128] {\n"
+            "  %p = f32[8,128]{1,0:T(8,128)} parameter(0)\n"
+            "  %f = (f32[8,128]{1,0:T(8,128)}, s32[]) fusion(%p), kind=kLoop, calls=%x\n"
+            "  ROOT %g = f32[8,128]{1,0:T(8,128)} get-tuple-element(%f), index=0\n}\n")
+    comps, _ = ins.parse_hlo(text)
+    f = comps["m"][1]
+    assert f.op == "fusion" and ins.arrays(f.shape) == [("f32", 1024), ("s32", 1)]
+
+
+CFG = tiny_config("qwen2", vocab_size=64, num_layers=2, hidden_size=32, intermediate_size=64,
+                  num_heads=4, num_kv_heads=2, head_dim=8)
+
+
+def test_a_cache_moved_whole_is_counted_and_an_update_in_place_is_not():
+    """Compiled here: the cache with two axes swapped is one cache-sized transpose; updating one
+    row with dynamic_update_slice (the cache donated) moves nothing whole."""
+    cache = jax.ShapeDtypeStruct((2, 64, 2, 8), jnp.float32)
+    row = jax.ShapeDtypeStruct((2, 1, 2, 8), jnp.float32)
+    moved = jax.jit(lambda c: jnp.swapaxes(c, 1, 2)).lower(cache).compile().as_text()
+    kw = dict(layers=1, cache_elems=2 * 64 * 2 * 8, small_weight_bytes=1 << 30)
+    assert ins.analyse(moved, **kw)["cache_copies"] == 1
+    in_place = jax.jit(lambda c, r: jax.lax.dynamic_update_slice(c, r, (0, 3, 0, 0)),
+                       donate_argnums=0).lower(cache, row).compile().as_text()
+    assert ins.analyse(in_place, **kw)["cache_copies"] == 0
+
+
+@pytest.mark.parametrize("step", ins.STEPS)
+def test_every_step_compiles_and_reports_on_the_local_backend(step):
+    rep = ins.inspect_step(step, CFG, ins.Shapes(batch=2, max_len=32, k=3, prompt=8,
+                                                 fanout=(2, 1, 1, 1)), "local")
+    assert rep.step == step and rep.batch == 2 and rep.layers == 2
+    assert rep.kernels > 0 and rep.per_layer == rep.kernels / 2
+    assert rep.bytes_accessed is not None and rep.bytes_ratio > 0
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
+        jax.eval_shape(lambda k: init_params(CFG, k), jax.random.key(0))))
+    assert rep.must_read == weights + 2 * 2 * 2 * 32 * 2 * 8 * 4  # K and V, layers, B, S, KVH, D
+    assert rep.memory["arguments"] >= weights and rep.compile_s > 0
+
+
+def test_bad_arguments_are_refused_by_name(capsys):
+    with pytest.raises(ValueError, match="target must be one of"):
+        ins.target_device("h300")
+    with pytest.raises(ValueError, match="steps must be a non-empty subset"):
+        ins.inspect_pair(ins.default_pair(), "local", steps=("decode", "sample"))
+    with pytest.raises(ValueError, match="batches must be positive"):
+        ins.inspect_pair(ins.default_pair(), "local", batches=(0,))
+    assert cli.main(["inspect", "--target", "local", "--steps", "decode,nope"]) == cli.EXIT_USAGE
+    assert "--steps takes a comma-separated subset" in capsys.readouterr().err
+    assert cli.main(["inspect", "--target", "local", "--batch", "1,x"]) == cli.EXIT_USAGE
+    assert "--batch takes comma-separated integers" in capsys.readouterr().err
+    assert cli.main(["inspect", "--target", "local", "-k", "0"]) == cli.EXIT_USAGE
+    assert "-k in [1, max-len - 1]" in capsys.readouterr().err
+
+
+@pytest.mark.gpu_aot
+def test_the_default_pairs_decode_compiles_for_an_h100_without_one(tmp_path, capsys):
+    """The CLI on the default pair's shapes for sm_90a: one line per step, the JSON beside it, and
+    figures a deviceless compile can give (a cost analysis included)."""
+    out = tmp_path / "h100.json"
+    assert cli.main(["inspect", "--target", "h100", "--steps", "decode,tree", "--batch", "1",
+                     "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("ssd-jax inspect: the default pair's shapes") and "h100" in lines[0]
+    assert [ln.split()[0] for ln in lines[1:]] == ["decode", "tree"]
+    res = json.loads(out.read_text())
+    dec = res["reports"][0]
+    assert res["target"] == "h100" and dec["layers"] == 28 and dec["batch"] == 1
+    assert dec["kernels"] > 28 and dec["bytes_ratio"] > 0.9  # every weight read at least once
+    assert dec["memory"]["arguments"] >= 3e9  # the 1.5B target's bf16 weights
+    assert any(k.startswith("fusion") for k in dec["kernel_ops"])
