@@ -23,12 +23,13 @@ def _release(version: str) -> tuple[int, ...]:
 JAX_VERSION = _release(jax.__version__)
 JAXLIB_VERSION = _release(jaxlib.__version__)
 
-# XLA:CPU's classic elemental emitters: jaxlib 0.12 dropped them with their switch
-# (`--xla_cpu_use_fusion_emitters`), and an unknown XLA flag aborts the process when the CPU client
-# starts, so the flag may be set only where the emitters still exist.
-XLA_CPU_HAS_CLASSIC_EMITTERS = JAXLIB_VERSION < (0, 12)
+# XLA:CPU's classic elemental emitters: jaxlib 0.11 dropped them with their switch
+# (`--xla_cpu_use_fusion_emitters`, only a reserved name in 0.11.2's and 0.12's XLA), and an
+# unknown XLA flag aborts the process when the CPU client starts, so the flag may be set only where
+# the emitters still exist.
+XLA_CPU_HAS_CLASSIC_EMITTERS = JAXLIB_VERSION < (0, 11)
 
-# XLA:CPU's fp32 logistic: up to jaxlib 0.11 it is Cephes' expf, which the cpu backend's SiLU
-# (models/cpu/kernels/exp16.h) reproduces bit for bit; jaxlib 0.12 computes it differently for gates
-# in about [-86, -7.6] (up to 2 ulp apart there; bf16 rounds the difference away).
-XLA_CPU_FP32_LOGISTIC_IS_CEPHES = JAXLIB_VERSION < (0, 12)
+# XLA:CPU's fp32 logistic: in jaxlib 0.10 it is Cephes' expf, which the cpu backend's SiLU
+# (models/cpu/kernels/exp16.h) reproduces bit for bit; jaxlib 0.11.2 and 0.12 compute it differently
+# for gates in about [-86, -7.6] (up to 2 ulp apart there; bf16 rounds the difference away).
+XLA_CPU_FP32_LOGISTIC_IS_CEPHES = JAXLIB_VERSION < (0, 11)

@@ -44,7 +44,7 @@ CALLER_XLA_FLAGS: str | None = None  # XLA_FLAGS as the session was started with
 
 def classic_emitters_for(markexpr: str) -> bool:
     """Whether a session run with `-m markexpr` compiles with CLASSIC_EMITTERS: yes, unless
-    SSD_JAX_TEST_FULL_OPT=1, the installed jaxlib has no classic emitters (0.12 dropped them and
+    SSD_JAX_TEST_FULL_OPT=1, the installed jaxlib has no classic emitters (0.11 dropped them and
     their flag: ssd_jax._compat), or the expression selects the real-weight tests (names `real_weights`
     or `alone` other than after `not`), whose fully optimized programs run long and ran ~10%
     slower with them (benchmarks/README.md, "XLA:CPU's classic emitters for the suite")."""

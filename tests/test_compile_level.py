@@ -77,7 +77,7 @@ def test_the_session_compiles_with_xlas_classic_cpu_emitters_unless_it_runs_real
     ("slow or real_weights", False), ("not(real_weights)", True)])
 def test_which_sessions_get_the_classic_emitters(markexpr, classic):
     """By the session's `-m`, where the installed XLA has the classic emitters; never where it
-    does not (jaxlib 0.12 dropped them and their flag, which would abort the CPU client)."""
+    does not (jaxlib 0.11 dropped them and their flag, which would abort the CPU client)."""
     from _compile_level import classic_emitters_for
     from ssd_jax._compat import XLA_CPU_HAS_CLASSIC_EMITTERS
     assert classic_emitters_for(markexpr) == (classic and XLA_CPU_HAS_CLASSIC_EMITTERS)

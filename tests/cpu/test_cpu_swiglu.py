@@ -21,7 +21,7 @@ kernel, reference = jax.jit(swiglu.kernel), jax.jit(xla_swiglu)
 
 def _assert_same(got, want):
     """Bit for bit where XLA's fp32 logistic is the Cephes expf the kernel reproduces; where the
-    installed XLA computes it otherwise (jaxlib 0.12, ssd_jax._compat), fp32 values within 2 ulp
+    installed XLA computes it otherwise (jaxlib 0.11 on, ssd_jax._compat), fp32 values within 2 ulp
     of XLA's, and bf16 ones still bit for bit."""
     max_ulp = 0 if XLA_CPU_FP32_LOGISTIC_IS_CEPHES or got.dtype != np.float32 else 2
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
