@@ -219,7 +219,12 @@ def target_device(target: str):
         raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
     if target == "local":
         return jax.devices()[0]
+    from jax._src import xla_bridge
     from jax.experimental import topologies
+    if not xla_bridge.backends_are_initialized() and not jax.config.jax_platforms:
+        # no backend started yet: only the CPU's, so that a GPU plugin without a GPU neither fails
+        # loudly nor unregisters the compiler the deviceless compile needs
+        jax.config.update("jax_platforms", "cpu")
     if target in ("h100", "h200"):
         try:
             import jax_plugins.xla_cuda12  # noqa: F401
@@ -227,10 +232,6 @@ def target_device(target: str):
             raise RuntimeError(f"--target {target} compiles with JAX's CUDA plugin, which is not "
                                "installed: pip install \"ssd_jax[inspect]\"") from None
         config = (_TARGET_CONFIGS / f"{target}.txtpb").read_text()
-        from jax._src import xla_bridge
-        if not xla_bridge.backends_are_initialized() and not jax.config.jax_platforms:
-            # without a GPU the plugin registers its compiler only if no backend tried the GPU
-            jax.config.update("jax_platforms", "cpu")
         try:
             topo = topologies.get_topology_desc(target, "cuda", target_config=config,
                                                 topology="1x1x1")
