@@ -24,7 +24,7 @@ find_python() {  # $1: "3.12"; $2: an interpreter the caller named (may be empty
 }
 
 venv() {  # $1: folder, $2: interpreter; leaves it activated
-  "$2" -m venv "$1"
+  "$2" -m venv --clear "$1"  # a folder left by another Python is made anew
   . "$1/bin/activate"
   python -m pip install -q --upgrade pip
 }

@@ -170,3 +170,70 @@ def test_the_default_pairs_decode_compiles_for_an_h100_without_one(tmp_path, cap
     assert dec["kernels"] > 28 and dec["bytes_ratio"] > 0.9  # every weight read at least once
     assert dec["memory"]["arguments"] >= 3e9  # the 1.5B target's bf16 weights
     assert any(k.startswith("fusion") for k in dec["kernel_ops"])
+
+
+def test_the_librarys_compile_options_leave_a_cpu_program_as_it_was():
+    """`aot.COMPILER_OPTIONS` only turns off an XLA:GPU pass: the CPU compiles the decode step to
+    the same program with them as without (metadata aside)."""
+    import re
+
+    from ssd_jax.algorithm.aot import step_jit
+    fn, args, donate, _ = ins._step("decode", CFG, ins.Shapes(batch=2, max_len=32))
+    texts = [re.sub(r", metadata=\{[^}]*\}", "", j(fn, donate_argnums=donate).trace(*args)
+                    .lower().compile().as_text()) for j in (jax.jit, step_jit)]
+    assert texts[0] == texts[1]
+
+
+@pytest.mark.gpu_aot
+def test_the_engines_decode_step_reads_each_weight_once_on_an_h100():
+    """`steps.decode` as the engine jits it, the default pair's target at b = 1, for sm_90a: no
+    weight-sized temporaries (the qkv and o projections stay GEMMs: aot.COMPILER_OPTIONS) and the
+    bytes XLA moves within 5% of the weights plus the KV window; without the options, a
+    plain jax.jit of the same step has the temporaries (what the option is for)."""
+    from jax.sharding import SingleDeviceSharding
+
+    from ssd_jax.algorithm import steps
+    from ssd_jax.algorithm.sampling import SamplingParams
+    from ssd_jax.models.kv_cache import init_cache
+
+    cfg = ins.default_pair()["target"]
+    on = SingleDeviceSharding(ins.target_device("h100"))
+    place = lambda t: jax.tree.map(  # noqa: E731
+        lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a), sharding=on), t)
+    params = place(jax.eval_shape(lambda k: init_params(cfg, k), jax.random.key(0)))
+    cache = place(jax.eval_shape(lambda: init_cache(cfg, 1, 1024)))
+    i32 = jax.ShapeDtypeStruct((1,), jnp.int32, sharding=on)
+    args = (params, cfg, cache, i32, jax.ShapeDtypeStruct((1,), jnp.bool_, sharding=on),
+            jax.ShapeDtypeStruct((), jnp.int32, sharding=on), i32,
+            place(SamplingParams(temperature=0.0)), cfg.vocab_size)
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    smallest = min(x.size * x.dtype.itemsize for x in jax.tree.leaves(params.layers[0])
+                   if x.ndim == 2)
+    kv = 2 * 28 * 1024 * 2 * 128 * 2
+    reports = {}
+    for name, jitted in (("engine", steps.decode.jit),
+                         ("plain", jax.jit(steps.decode.__wrapped__,
+                                           static_argnames=("cfg", "vocab_size", "ops"),
+                                           donate_argnames=("cache",)))):
+        compiled = jitted.trace(*args).lower().compile()
+        reports[name] = (ins.analyse(compiled.as_text(), layers=28, cache_elems=1024 * 2 * 128,
+                                     small_weight_bytes=smallest), ins._bytes_accessed(compiled))
+    counts, accessed = reports["engine"]
+    assert counts["large_temporaries"] == [] and accessed <= 1.05 * (weights + kv), counts
+    assert len(reports["plain"][0]["large_temporaries"]) >= 2 * 28  # qkv and o, every layer
+
+
+def test_a_step_takes_the_options_from_python_and_runs_inside_another_jit():
+    """JAX refuses compiler options on a nested jit: a `step_jit` step called inside another trace
+    (a chunk calling `verify`) runs as a plain jit there. This pins the private JAX function that
+    tells the two apart (`jax._src.core.trace_state_clean`)."""
+    from jax._src import core as jax_core
+
+    from ssd_jax.algorithm.aot import step_jit
+    seen = []
+    step = step_jit(lambda x: x * 2)
+    outer = jax.jit(lambda x: (seen.append(jax_core.trace_state_clean()), step(x) + 1)[1])
+    assert jax_core.trace_state_clean()
+    assert float(step(jnp.float32(3))) == 6.0 and float(outer(jnp.float32(3))) == 7.0
+    assert seen == [False]
+    assert float(jax.vmap(step)(jnp.ones(2))[0]) == 2.0

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax
+from jax._src import core as jax_core
 import numpy as np
 
 _STORE: list[Path | None] = [None]
@@ -206,17 +207,55 @@ def _register_outputs() -> None:
                 cls(**{f.name: None for f in dataclasses.fields(cls)})))
 
 
+# XLA:GPU turns a vector-matrix product whose weight is below a size threshold (a decode step's
+# qkv and o projections) into an elementwise multiply that writes a weight-sized temporary, then a
+# reduce: its `dot-strength-reduction` pass. Kept as GEMMs, a decode step reads each weight once
+# (benchmarks/README.md, "What the steps compile to for an H100": the default pair's b = 1 decode
+# step moves 1.01x its weights and KV instead of 1.21x, 57 kernels fewer). The pass is XLA:GPU's:
+# CPU and TPU programs compile as without the option. Every jitted step that runs a model takes it.
+COMPILER_OPTIONS = {"xla_disable_hlo_passes": "dot-strength-reduction"}
+
+
+class _Step:
+    """`fun` jitted twice: with `COMPILER_OPTIONS` for a call from Python, without for a call
+    inside another trace (an SD / SSD chunk calling `verify`, a user's own jit), which is part of
+    the outer program and compiled with its options (JAX refuses options on a nested jit). Every
+    other attribute (`lower`, `trace`, ...) is the top-level jit's."""
+
+    def __init__(self, fun: Callable, **jit_kwargs):
+        functools.update_wrapper(self, fun)
+        self.top = jax.jit(fun, compiler_options=COMPILER_OPTIONS, **jit_kwargs)
+        self.nested = jax.jit(fun, **jit_kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["top"], name)
+
+    def __call__(self, *args, **kwargs):
+        # a private JAX function (pinned by tests/test_inspect.py): True outside every trace
+        if jax_core.trace_state_clean():
+            return self.top(*args, **kwargs)
+        return self.nested(*args, **kwargs)
+
+
+def step_jit(fun: Callable | None = None, **jit_kwargs):
+    """`jax.jit(fun, **jit_kwargs)` with the library's `COMPILER_OPTIONS` (`_Step`); a decorator
+    too."""
+    if fun is None:
+        return functools.partial(step_jit, **jit_kwargs)
+    return _Step(fun, **jit_kwargs)
+
+
 class StoredJit:
     """`jax.jit(fun, static_argnames=..., donate_argnames=...)` with the step store (module
-    docstring). Called like `fun`; every other attribute (`lower`, `trace`, `eval_shape`, ...) is
+    docstring) and the library's `COMPILER_OPTIONS`. Called like `fun`; every other attribute (`lower`, `trace`, `eval_shape`, ...) is
     the plain jitted function's. `exported` / `loaded` count the steps this process wrote to and
     read from the store, `plain_calls` the calls it ran as a plain jit while the store was on."""
 
     def __init__(self, fun: Callable, static_argnames: Sequence[str] = (),
                  donate_argnames: Sequence[str] = ()):
         functools.update_wrapper(self, fun)
-        self.jit = jax.jit(fun, static_argnames=tuple(static_argnames),
-                           donate_argnames=tuple(donate_argnames))
+        self.jit = step_jit(fun, static_argnames=tuple(static_argnames),
+                            donate_argnames=tuple(donate_argnames))
         self._fun = fun
         self._sig = inspect.signature(fun)
         self.static_argnames, self.donate_argnames = tuple(static_argnames), tuple(donate_argnames)
@@ -302,7 +341,7 @@ class StoredJit:
             if n in self._donate:
                 donated.extend(range(at, at + count))
             at += count
-        return frozenset(donated), jax.jit(exp.call, donate_argnums=tuple(donated))
+        return frozenset(donated), step_jit(exp.call, donate_argnums=tuple(donated))
 
     def _export(self, static, names, tree, leaves):
         from ssd_jax.models.kv_cache import traced_checks_off
@@ -337,4 +376,5 @@ def stored_jit(fun: Callable | None = None, *, static_argnames: Sequence[str] = 
     return StoredJit(fun, static_argnames, donate_argnames)
 
 
-__all__ = ["StoredJit", "describe", "library_fingerprint", "set_store", "store_dir", "stored_jit"]
+__all__ = ["COMPILER_OPTIONS", "StoredJit", "describe", "library_fingerprint", "set_store",
+           "step_jit", "store_dir", "stored_jit"]

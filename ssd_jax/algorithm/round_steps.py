@@ -30,7 +30,7 @@ from flax import struct
 
 from ssd_jax.models.ops import XLA, Ops
 from ssd_jax.algorithm import backups, steps
-from ssd_jax.algorithm.aot import inside_step, stored_jit
+from ssd_jax.algorithm.aot import inside_step, step_jit, stored_jit
 from ssd_jax.algorithm import decode_state as ds
 from ssd_jax.algorithm.speculation_cache import SpeculationCache, lookup
 
@@ -315,9 +315,9 @@ def fit_rows(rows: jax.Array, row_vocab: int) -> jax.Array:
     return jnp.pad(rows, [(0, 0)] * (rows.ndim - 1) + [(0, row_vocab - V)])
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "vocab_size", "row_vocab", "k", "backup",
-                                             "saguaro_top_n", "row_dtype", "ops", "local_rows"),
-                   donate_argnames=("cache",))
+@step_jit(static_argnames=("cfg", "vocab_size", "row_vocab", "k", "backup", "saguaro_top_n",
+                           "row_dtype", "ops", "local_rows"),
+          donate_argnames=("cache",))
 def resolve(params, cfg, cache, tree: SpeculationCache, outcome: jax.Array,
             counters: LookupCounters, seed, request_ids, sampling, saguaro_c, history=None,
             neural=None, *, vocab_size: int, row_vocab: int, k: int, backup: str,

@@ -17,6 +17,7 @@ import numpy as np
 from ssd_jax.models import backends
 from ssd_jax.models.protocol import forward, init_cache, is_builtin, with_lengths
 from ssd_jax.algorithm import backups, round_steps, steps
+from ssd_jax.algorithm.aot import step_jit
 from ssd_jax.runtime.metrics import layout_bytes
 from ssd_jax.runtime.placement import _placed, move, settle, spans_processes, to_host, to_mesh
 from ssd_jax.runtime.request import prefill_once
@@ -66,7 +67,7 @@ class DraftRun:
                    sampling=run["draft_sampling"], k=run["k"], **kw)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "ops"))
+@step_jit(static_argnames=("cfg", "ops"))
 def _logits(params, cfg, tokens, cache, ops):
     return forward(params, cfg, tokens, cache, ops=ops)[0]
 

@@ -15,7 +15,8 @@ Nothing runs. For each step of a pair at a batch size it reports, from the optim
   plus the KV cache window the step reads: `bytes_ratio` 1.0 is every byte read once;
 - `memory` (`memory_analysis()`: arguments, outputs, temporaries) and `compile_s`.
 
-Steps, each a pure function over abstract arrays (`jax.eval_shape` of `init_params` / `init_cache`,
+Each step is compiled as the engine compiles its steps (`ssd_jax.algorithm.aot.step_jit`: with the
+library's XLA options). Steps, each a pure function over abstract arrays (`jax.eval_shape` of `init_params` / `init_cache`,
 so a 1.5B model takes no memory): `decode` (one token, greedy), `verify` (K+1 tokens at once),
 `prefill` (a prompt block, last logits), `draft` (the draft's one-token step) and `tree` (SSD's
 branch step, `tree_step`, over sum(fan-out) branches).
@@ -326,12 +327,14 @@ def inspect_step(name: str, cfg, shapes: Shapes = Shapes(), target: str = "local
     import jax
     from jax.sharding import SingleDeviceSharding
 
+    from ssd_jax.algorithm.aot import step_jit
+
     device = device or target_device(target)
     sharding = SingleDeviceSharding(device)
     fn, args, donate, kv = _step(name, cfg, shapes)
     placed = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
     t = time.perf_counter()
-    compiled = jax.jit(fn, donate_argnums=donate).trace(*placed).lower().compile()
+    compiled = step_jit(fn, donate_argnums=donate).trace(*placed).lower().compile()
     compile_s = time.perf_counter() - t
     params = args[0]
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
