@@ -212,6 +212,7 @@ def step(argv) -> int:
     import numpy as np
     from jax import lax
 
+    from ssd_jax.algorithm.aot import step_jit
     from ssd_jax.models.kv_cache import init_cache
     from ssd_jax.models.params import init_params, param_bytes
     from ssd_jax.models.transformer import forward
@@ -230,8 +231,9 @@ def step(argv) -> int:
         def device_loop(p, tok, cache):
             return lax.fori_loop(0, args.iters, lambda i, c: decode(p, *c), (tok, cache))
 
-        one = jax.jit(decode, donate_argnums=2)
-        loop = jax.jit(device_loop, donate_argnums=2)
+        # compiled as the engine compiles its steps (the library's XLA options: aot.step_jit)
+        one = step_jit(decode, donate_argnums=2)
+        loop = step_jit(device_loop, donate_argnums=2)
         for b in args.batch:
             def fresh():
                 c = init_cache(cfg, b, window)

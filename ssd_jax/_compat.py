@@ -6,7 +6,6 @@ changed and the version that changed it, so a later floor lift deletes one line.
 """
 from __future__ import annotations
 
-import jax
 import jaxlib
 
 
@@ -20,7 +19,6 @@ def _release(version: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-JAX_VERSION = _release(jax.__version__)
 JAXLIB_VERSION = _release(jaxlib.__version__)
 
 # XLA:CPU's classic elemental emitters: jaxlib 0.11 dropped them with their switch

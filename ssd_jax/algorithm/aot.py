@@ -247,8 +247,8 @@ def step_jit(fun: Callable | None = None, **jit_kwargs):
 
 class StoredJit:
     """`jax.jit(fun, static_argnames=..., donate_argnames=...)` with the step store (module
-    docstring) and the library's `COMPILER_OPTIONS`. Called like `fun`; every other attribute (`lower`, `trace`, `eval_shape`, ...) is
-    the plain jitted function's. `exported` / `loaded` count the steps this process wrote to and
+    docstring) and the library's `COMPILER_OPTIONS` (`step_jit`). Called like `fun`; every other
+    attribute (`lower`, `trace`, `eval_shape`, ...) is the plain jitted function's. `exported` / `loaded` count the steps this process wrote to and
     read from the store, `plain_calls` the calls it ran as a plain jit while the store was on."""
 
     def __init__(self, fun: Callable, static_argnames: Sequence[str] = (),
