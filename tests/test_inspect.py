@@ -197,6 +197,7 @@ def test_the_engines_decode_step_reads_each_weight_once_on_an_h100():
     from ssd_jax.models.kv_cache import init_cache
 
     cfg = ins.default_pair()["target"]
+    shapes = ins.Shapes(batch=1, max_len=1024)
     on = SingleDeviceSharding(ins.target_device("h100"))
     place = lambda t: jax.tree.map(  # noqa: E731
         lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a), sharding=on), t)
@@ -206,21 +207,17 @@ def test_the_engines_decode_step_reads_each_weight_once_on_an_h100():
     args = (params, cfg, cache, i32, jax.ShapeDtypeStruct((1,), jnp.bool_, sharding=on),
             jax.ShapeDtypeStruct((), jnp.int32, sharding=on), i32,
             place(SamplingParams(temperature=0.0)), cfg.vocab_size)
-    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-    smallest = min(x.size * x.dtype.itemsize for x in jax.tree.leaves(params.layers[0])
-                   if x.ndim == 2)
-    kv = 2 * 28 * 1024 * 2 * 128 * 2
+    kv = 2 * 28 * 1024 * 2 * 128 * 2  # K and V, layers, S, KVH, D, bf16
     reports = {}
     for name, jitted in (("engine", steps.decode.jit),
                          ("plain", jax.jit(steps.decode.__wrapped__,
                                            static_argnames=("cfg", "vocab_size", "ops"),
                                            donate_argnames=("cache",)))):
         compiled = jitted.trace(*args).lower().compile()
-        reports[name] = (ins.analyse(compiled.as_text(), layers=28, cache_elems=1024 * 2 * 128,
-                                     small_weight_bytes=smallest), ins._bytes_accessed(compiled))
-    counts, accessed = reports["engine"]
-    assert counts["large_temporaries"] == [] and accessed <= 1.05 * (weights + kv), counts
-    assert len(reports["plain"][0]["large_temporaries"]) >= 2 * 28  # qkv and o, every layer
+        reports[name] = ins.report("decode", compiled, cfg, shapes, params, kv)
+    engine = reports["engine"]
+    assert engine.large_temporaries == [] and engine.bytes_ratio <= 1.05, engine.line()
+    assert len(reports["plain"].large_temporaries) >= 2 * 28  # qkv and o, every layer
 
 
 def test_a_step_takes_the_options_from_python_and_runs_inside_another_jit():

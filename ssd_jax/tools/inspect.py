@@ -281,7 +281,8 @@ class Shapes:
 
 
 def _step(name: str, cfg, sh: Shapes) -> tuple[Callable, tuple, int, int]:
-    """(fn, abstract args, donated arg index or -1, KV bytes the step reads) for step `name`."""
+    """(fn, abstract args, the donated argument's index, KV bytes the step reads) for step
+    `name`."""
     import jax
     import jax.numpy as jnp
 
@@ -335,8 +336,16 @@ def inspect_step(name: str, cfg, shapes: Shapes = Shapes(), target: str = "local
     placed = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
     t = time.perf_counter()
     compiled = step_jit(fn, donate_argnums=donate).trace(*placed).lower().compile()
-    compile_s = time.perf_counter() - t
-    params = args[0]
+    return report(name, compiled, cfg, shapes, args[0], kv, time.perf_counter() - t)
+
+
+def report(name: str, compiled, cfg, shapes: Shapes, params, kv_bytes: int,
+           compile_s: float = 0.0) -> ProgramReport:
+    """The ProgramReport of a `compiled` step of the model `cfg` at `shapes` whose weights are
+    `params` (arrays or shapes) and which reads `kv_bytes` of KV cache: also for a step compiled
+    elsewhere (the engine's own, `steps.decode.jit.trace(...).lower().compile()`)."""
+    import jax
+
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     small = min(x.size * x.dtype.itemsize for x in jax.tree.leaves(params.layers[0]) if x.ndim == 2)
     cache_elems = shapes.batch * shapes.max_len * cfg.num_kv_heads * cfg.head_dim
@@ -347,7 +356,7 @@ def inspect_step(name: str, cfg, shapes: Shapes = Shapes(), target: str = "local
     memory = {} if m is None else dict(arguments=m.argument_size_in_bytes,
                                        outputs=m.output_size_in_bytes, alias=m.alias_size_in_bytes,
                                        temp=m.temp_size_in_bytes)
-    must = weights + kv
+    must = weights + kv_bytes
     return ProgramReport(step=name, batch=shapes.batch, layers=cfg.num_layers, **counts,
                          bytes_accessed=accessed, must_read=must,
                          bytes_ratio=None if accessed is None else accessed / must,
