@@ -4,8 +4,9 @@ platform and the machine.
 Backends:
 
 - `xla`: the reference ops of models/ops.py, on every platform, differentiable.
-- `pallas`: the Pallas tree-attention and outcome-conditioned gather kernels
-  (`ssd_jax.pallas_kernels`) over the XLA ops; the default on a GPU. On the CPU they run in the
+- `pallas`: the Pallas kernels (`ssd_jax.pallas_kernels`) over the XLA ops: `attend` (a few new
+  tokens' cache write and attention in one launch; a prefill block takes the XLA op), the tree
+  attention and the outcome-conditioned gather; the default on a GPU. On the CPU they run in the
   Pallas interpreter (for tests). A kernel that fails to compile is replaced by its XLA
   reference, with one warning (`without_kernels`).
 - plug-ins, found through the `ssd_jax.backends` entry-point group (a name and a zero-argument
@@ -27,7 +28,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from ssd_jax.models.ops import XLA, Ops, xla_cache_gather, xla_tree_attention
+from ssd_jax.models.ops import XLA, Ops, xla_attend, xla_cache_gather, xla_tree_attention
 
 ENTRY_POINT_GROUP = "ssd_jax.backends"
 _RUNTIME: dict[str, Callable[[], Ops]] = {}
@@ -88,10 +89,29 @@ def _cache_gather_interpret(*args):
     return cache_gather(*args, interpret=True)
 
 
+def _attend(q, k_new, v_new, positions, k_cache, v_cache, *, window=None, interpret=False):
+    """The cache write and attention in one kernel where it serves (a few new tokens a row),
+    else the XLA reference (a prefill block)."""
+    from ssd_jax.pallas_kernels.cache_attention import cache_attention, serves
+    if not serves(q, k_cache):
+        return xla_attend(q, k_new, v_new, positions, k_cache, v_cache, window=window)
+    return cache_attention(q, k_new, v_new, positions, k_cache, v_cache, window=window,
+                           interpret=interpret)
+
+
+def _attend_gpu(*args, window=None):
+    return _attend(*args, window=window)
+
+
+def _attend_interpret(*args, window=None):
+    return _attend(*args, window=window, interpret=True)
+
+
 def pallas_ops(platform: str) -> Ops:
     """The pallas table for `platform` ("cpu": the Pallas interpreter; else compiled kernels)."""
     interpret = platform == "cpu"
     return Ops(name="pallas",
+               attend=_attend_interpret if interpret else _attend_gpu,
                tree_attention=_tree_attention_interpret if interpret else _tree_attention_gpu,
                cache_gather=_cache_gather_interpret if interpret else _cache_gather_gpu,
                fast_dtypes=("bfloat16", "float32"),
@@ -101,10 +121,11 @@ def pallas_ops(platform: str) -> Ops:
                custom_calls=() if interpret else ("__gpu$xla.gpu.triton",))
 
 
-_KERNEL_OPS = {"tree_attention": xla_tree_attention, "cache_gather": xla_cache_gather}
+_KERNEL_OPS = {"attend": xla_attend, "tree_attention": xla_tree_attention,
+               "cache_gather": xla_cache_gather}
 
 
-def without_kernels(ops: Ops, names=("tree_attention", "cache_gather"), reason: str = "") -> Ops:
+def without_kernels(ops: Ops, names=tuple(_KERNEL_OPS), reason: str = "") -> Ops:
     """`ops` with the named kernel ops replaced by their XLA references, warning once; its name
     records which (e.g. "pallas[xla tree_attention]")."""
     names = tuple(n for n in names if getattr(ops, n) is not _KERNEL_OPS[n])
@@ -127,7 +148,11 @@ def _probe_args():
     gather = (jax.ShapeDtypeStruct((B, MQ, 2), jnp.int32), jax.ShapeDtypeStruct((B, MQ), jnp.bool_),
               jax.ShapeDtypeStruct((B, MQ, K), jnp.int32), jax.ShapeDtypeStruct((B, MQ, K, V), f),
               jax.ShapeDtypeStruct((B, 2), jnp.int32))
-    return {"tree_attention": tree, "cache_gather": gather}
+    T = 2
+    attend = (jax.ShapeDtypeStruct((B, T, H, D), f), jax.ShapeDtypeStruct((B, T, KVH, D), f),
+              jax.ShapeDtypeStruct((B, T, KVH, D), f), jax.ShapeDtypeStruct((B, T), jnp.int32),
+              jax.ShapeDtypeStruct((B, S, KVH, D), f), jax.ShapeDtypeStruct((B, S, KVH, D), f))
+    return {"attend": attend, "tree_attention": tree, "cache_gather": gather}
 
 
 def probe(ops: Ops, device=None) -> Ops:

@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ssd_jax.models.ops import xla_attend
+from ssd_jax.pallas_kernels.cache_attention import MAX_ROWS, cache_attention, serves
 from ssd_jax.pallas_kernels.cache_gather import cache_gather, cache_gather_reference
 from ssd_jax.pallas_kernels.tree_attention import (tree_attention, tree_attention_reference,
                                            tree_attention_xla)
@@ -282,6 +284,72 @@ def test_gather_kernel_random():
 
 
 # ----------------------------------------------------------------------------------------------
+# Cache attention (the write and the attention of a few new tokens): kernel vs xla_attend
+# ----------------------------------------------------------------------------------------------
+def _attend_problem(rng, *, B, T, KVH, G, D, S, dtype, starts):
+    """New tokens at starts[b] + t over a cache of random (stale past the start) KV."""
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), dtype)  # noqa: E731
+    positions = jnp.asarray(np.asarray(starts)[:, None] + np.arange(T)[None], jnp.int32)
+    return (f(B, T, KVH * G, D), f(B, T, KVH, D), f(B, T, KVH, D), positions, f(B, S, KVH, D),
+            f(B, S, KVH, D))
+
+
+# (B, T, KVH, G, D, S, window, starts): decode, a K+1 verify, G not a power of 2 (the merge's
+# masked rows and heads), the draft's G = 7, a window short of S, a row at slot 0, rows whose new
+# tokens run past the cache's end (dropped, never written elsewhere), T x G at MAX_ROWS.
+ATTEND_CASES = [(2, 1, 2, 2, 16, 64, None, (0, 37)), (3, 5, 2, 6, 32, 50, None, (0, 13, 48)),
+                (2, 3, 2, 5, 16, 40, 24, (21, 2)), (1, 1, 2, 7, 64, 96, 30, (29,)),
+                (2, 4, 1, 3, 16, 33, None, (31, 16)), (1, 16, 1, 8, 16, 64, None, (40,))]
+
+
+@pytest.mark.parametrize("case", ATTEND_CASES, ids=str)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_cache_attention_kernel_matches_xla_attend(case, dtype):
+    B, T, KVH, G, D, S, W, starts = case
+    args = _attend_problem(np.random.default_rng(len(starts) * 7 + T), B=B, T=T, KVH=KVH, G=G,
+                           D=D, S=S, dtype=dtype, starts=starts)
+    assert serves(args[0], args[4])
+    out, k, v = cache_attention(*args, window=W, block_s=16, interpret=True)
+    ref_out, ref_k, ref_v = xla_attend(*args, window=W)
+    # the caches: the very rows written, every other slot untouched (bit for bit)
+    np.testing.assert_array_equal(np.asarray(k, np.float32), np.asarray(ref_k, np.float32))
+    np.testing.assert_array_equal(np.asarray(v, np.float32), np.asarray(ref_v, np.float32))
+    # the output: the reference rounds normalised probabilities, the kernel unnormalised ones
+    tol = dict(atol=2e-6, rtol=2e-6) if dtype == jnp.float32 else dict(atol=3e-2, rtol=3e-2)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32), **tol)
+
+
+def test_cache_attention_never_reads_past_the_start_and_splits_agree():
+    """Stale slots at and past each row's start hold NaN: the kernel reads only the prefix (and
+    the new rows), with one split or many."""
+    B, T, KVH, G, D, S = 2, 3, 2, 3, 16, 80
+    q, kn, vn, pos, kc, vc = _attend_problem(np.random.default_rng(3), B=B, T=T, KVH=KVH, G=G,
+                                             D=D, S=S, dtype=jnp.float32, starts=(45, 7))
+    stale = jnp.arange(S)[None, :, None, None] >= pos[:, :1, None, None]
+    kc, vc = jnp.where(stale, jnp.nan, kc), jnp.where(stale, jnp.nan, vc)
+    ref = xla_attend(q, kn, vn, pos, jnp.nan_to_num(kc), jnp.nan_to_num(vc))[0]
+    for splits in (1, 3, 8):
+        out = cache_attention(q, kn, vn, pos, kc, vc, block_s=16, num_splits=splits,
+                              interpret=True)[0]
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=2e-6)
+
+
+def test_cache_attention_refuses_what_it_does_not_serve():
+    q = jnp.zeros((1, 9, 16, 16))  # 9 tokens x 16 heads per kv head: past MAX_ROWS
+    cache = jnp.zeros((1, 32, 1, 16))
+    assert not serves(q, cache) and serves(q[:, :7], cache)  # 7 x 16 rows fit MAX_ROWS
+    new = jnp.zeros((1, 9, 1, 16))
+    with pytest.raises(ValueError, match="query rows"):
+        cache_attention(q, new, new, jnp.zeros((1, 9), jnp.int32), cache, cache, interpret=True)
+    with pytest.raises(ValueError, match="inconsistent shapes"):
+        cache_attention(q[:, :1], new, new, jnp.zeros((1, 1), jnp.int32), cache, cache,
+                        interpret=True)
+    with pytest.raises(ValueError, match="window 40"):
+        cache_attention(q[:, :1], new[:, :1], new[:, :1], jnp.zeros((1, 1), jnp.int32), cache,
+                        cache, window=40, interpret=True)
+
+
+# ----------------------------------------------------------------------------------------------
 # Cross-lowering to CUDA (Triton) on the CPU, at the engine's shapes
 # ----------------------------------------------------------------------------------------------
 def _custom_calls(op, acc):
@@ -300,33 +368,37 @@ H100 = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.Abst
     device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"))
 
 
-def _check_triton_lowering(fn, *args, ieee_dots=False):
-    """Lower for CUDA (an H100); verify each embedded Triton module and check the Triton shape
-    rules."""
+def _check_triton_lowering(fn, *args, ieee_dots=False, kernels=1):
+    """Lower for CUDA (an H100); verify each of the `kernels` embedded Triton modules and check
+    the Triton shape rules."""
     with jax.sharding.use_abstract_mesh(H100):
         lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     calls = [c for c in _custom_calls(lowered.compiler_ir("stablehlo").operation, [])
              if "triton" in str(c.attributes["call_target_name"])]
-    assert len(calls) == 1, "expected exactly one Triton kernel"
-    config = calls[0].attributes["mhlo.backend_config"] if (
-        "mhlo.backend_config" in calls[0].attributes) else None
+    assert len(calls) == kernels, f"expected {kernels} Triton kernel(s), found {len(calls)}"
     assert _new_triton_ctx is not None, "this JAX has no Triton IR context to read the kernel with"
-    assert config is not None and "ir" in config, "the Triton custom call embeds no Triton IR"
-    data = config["ir"].value_bytes
-    with _new_triton_ctx():
-        module = _mlir_ir.Module.parse(data)
-        assert module.operation.verify()
-        text = str(module)
-    for dims in re.findall(r"tensor<((?:\d+x)+)", text):
-        for d in dims.rstrip("x").split("x"):
-            assert int(d) & (int(d) - 1) == 0, f"non power-of-2 tensor dim {d} in tensor<{dims}...>"
-    dots = re.findall(r"tt\.dot .*?: tensor<(\d+)x(\d+)x\w+> \* tensor<(\d+)x(\d+)x", text)
-    for dims in dots:
-        assert min(map(int, dims)) >= 16, f"dot smaller than 16x16x16: {dims}"
-    if ieee_dots:  # float32 inputs must not be rounded to TF32 (IEEE is Triton's unprinted default)
-        dot_lines = [line for line in text.splitlines() if "tt.dot" in line]
-        assert dot_lines and not any("tf32" in line for line in dot_lines)
-    return text
+    texts = []
+    for call in calls:
+        config = call.attributes["mhlo.backend_config"] if (
+            "mhlo.backend_config" in call.attributes) else None
+        assert config is not None and "ir" in config, "the Triton custom call embeds no Triton IR"
+        data = config["ir"].value_bytes
+        with _new_triton_ctx():
+            module = _mlir_ir.Module.parse(data)
+            assert module.operation.verify()
+            text = str(module)
+        for dims in re.findall(r"tensor<((?:\d+x)+)", text):
+            for d in dims.rstrip("x").split("x"):
+                assert int(d) & (int(d) - 1) == 0, f"non power-of-2 tensor dim {d} in tensor<{dims}...>"
+        dots = re.findall(r"tt\.dot .*?: tensor<(\d+)x(\d+)x\w+> \* tensor<(\d+)x(\d+)x", text)
+        for dims in dots:
+            assert min(map(int, dims)) >= 16, f"dot smaller than 16x16x16: {dims}"
+        if ieee_dots:  # float32 inputs must not be rounded to TF32 (IEEE is Triton's unprinted default)
+            dot_lines = [line for line in text.splitlines() if "tt.dot" in line]
+            assert not any("tf32" in line for line in dot_lines)
+        texts.append(text)
+    assert not ieee_dots or any("tt.dot" in t for t in texts), "no dot in any kernel"
+    return texts[0] if kernels == 1 else texts
 
 
 def _sds(shape, dtype):
@@ -348,6 +420,22 @@ def test_tree_kernel_lowers_for_cuda(shape, dtype):
             _sds((B, MQ), jnp.int32), _sds((B, MQ, Kb, KVH, D), dtype),
             _sds((B, MQ, Kb, KVH, D), dtype), _sds((), jnp.int32), _sds((B, MQ), jnp.bool_))
     _check_triton_lowering(tree_attention, *args, ieee_dots=dtype == jnp.float32)
+
+
+# (B, T, H, KVH, D, S): the default pair's target decode and K+1 verify (G = 6), its draft's
+# step (G = 7), at batch 1 and 16.
+ENGINE_ATTEND_SHAPES = [(1, 1, 12, 2, 128, 1024), (16, 1, 12, 2, 128, 1024), (1, 5, 12, 2, 128, 1024),
+                        (16, 5, 12, 2, 128, 1024), (1, 1, 14, 2, 64, 1024), (16, 1, 14, 2, 64, 1024)]
+
+
+@pytest.mark.parametrize("shape", ENGINE_ATTEND_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_cache_attention_lowers_for_cuda(shape, dtype):
+    B, T, H, KVH, D, S = shape
+    args = (_sds((B, T, H, D), dtype), _sds((B, T, KVH, D), dtype), _sds((B, T, KVH, D), dtype),
+            _sds((B, T), jnp.int32), _sds((B, S, KVH, D), dtype), _sds((B, S, KVH, D), dtype))
+    # the attention and the merge of its splits
+    _check_triton_lowering(cache_attention, *args, ieee_dots=dtype == jnp.float32, kernels=2)
 
 
 @pytest.mark.parametrize("B", [1, 2, 4, 16])

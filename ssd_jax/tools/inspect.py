@@ -280,15 +280,36 @@ class Shapes:
     fanout: tuple[int, ...] = (3, 2, 2, 1, 1)
 
 
-def _step(name: str, cfg, sh: Shapes) -> tuple[Callable, tuple, int, int]:
+def default_ops(target: str, backend: str = "auto"):
+    """The backend table `backend` ("auto", "xla", "pallas") on `target`'s platform, as the
+    engine's `ssd_jax.models.backends.select` picks it ("auto": the pallas kernels on a GPU, the
+    XLA ops on a TPU; for `local`, select's own answer here)."""
+    from ssd_jax.models.backends import pallas_ops, select
+    from ssd_jax.models.ops import XLA
+    if backend not in ("auto", "xla", "pallas"):
+        raise ValueError(f"backend must be auto, xla or pallas, got {backend!r}")
+    if target == "local" or backend == "xla":
+        return select(backend) if target == "local" else XLA
+    if target == "tpu-v5e":
+        if backend == "pallas":
+            raise ValueError("the pallas backend's kernels are Triton (GPU) kernels: on tpu-v5e "
+                             "choose --backend auto or xla")
+        return XLA
+    return pallas_ops("gpu")
+
+
+def _step(name: str, cfg, sh: Shapes, ops=None) -> tuple[Callable, tuple, int, int]:
     """(fn, abstract args, the donated argument's index, KV bytes the step reads) for step
-    `name`."""
+    `name`, its model ops from the table `ops` (default the XLA reference)."""
     import jax
     import jax.numpy as jnp
 
     from ssd_jax.models.kv_cache import init_cache
+    from ssd_jax.models.ops import XLA
     from ssd_jax.models.params import init_params
     from ssd_jax.models.transformer import forward, init_branch_kv, tree_step
+
+    ops = XLA if ops is None else ops
 
     B, S = sh.batch, sh.max_len
     params = jax.eval_shape(lambda k: init_params(cfg, k), jax.random.key(0))
@@ -297,16 +318,16 @@ def _step(name: str, cfg, sh: Shapes) -> tuple[Callable, tuple, int, int]:
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     if name in ("decode", "draft"):
         def fn(p, tok, c):
-            logits, c = forward(p, cfg, tok, c, last_only=True)
+            logits, c = forward(p, cfg, tok, c, last_only=True, ops=ops)
             return jnp.argmax(logits, -1).astype(jnp.int32), c
         return fn, (params, i32(B, 1), cache), 2, kv
     if name == "verify":
         def fn(p, tok, c):
-            return forward(p, cfg, tok, c)
+            return forward(p, cfg, tok, c, ops=ops)
         return fn, (params, i32(B, sh.k + 1), cache), 2, kv
     if name == "prefill":
         def fn(p, tok, n, c):
-            logits, c = forward(p, cfg, tok, c, n, last_only=True)
+            logits, c = forward(p, cfg, tok, c, n, last_only=True, ops=ops)
             return jnp.argmax(logits, -1).astype(jnp.int32), c
         return fn, (params, i32(B, sh.prompt), i32(B), cache), 3, kv
     if name == "tree":
@@ -314,7 +335,7 @@ def _step(name: str, cfg, sh: Shapes) -> tuple[Callable, tuple, int, int]:
         branch = jax.eval_shape(lambda: init_branch_kv(cfg, B, mq, sh.k))
 
         def fn(p, tok, pos, c, n, br, step, valid):
-            logits, br = tree_step(p, cfg, tok, pos, c, n, br, step, valid)
+            logits, br = tree_step(p, cfg, tok, pos, c, n, br, step, valid, ops=ops)
             return jnp.argmax(logits, -1).astype(jnp.int32), br
         return fn, (params, i32(B, mq), i32(B, mq), cache, i32(B, mq), branch, i32(),
                     jax.ShapeDtypeStruct((B, mq), jnp.bool_)), 5, kv
@@ -322,20 +343,25 @@ def _step(name: str, cfg, sh: Shapes) -> tuple[Callable, tuple, int, int]:
 
 
 def inspect_step(name: str, cfg, shapes: Shapes = Shapes(), target: str = "local",
-                 device=None) -> ProgramReport:
+                 device=None, ops=None) -> ProgramReport:
     """Compile step `name` (STEPS) of the model `cfg` (a `ModelConfig`; its dtype is the weights')
-    at `shapes` for `target` (TARGETS) and report what the program launches and moves."""
+    at `shapes` for `target` (TARGETS) with the backend table `ops` (default: what the engine
+    picks there, `default_ops`) and report what the program launches and moves."""
     import jax
     from jax.sharding import SingleDeviceSharding
 
     from ssd_jax.algorithm.aot import step_jit
 
     device = device or target_device(target)
+    ops = default_ops(target) if ops is None else ops
     sharding = SingleDeviceSharding(device)
-    fn, args, donate, kv = _step(name, cfg, shapes)
+    fn, args, donate, kv = _step(name, cfg, shapes, ops)
     placed = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
     t = time.perf_counter()
-    compiled = step_jit(fn, donate_argnums=donate).trace(*placed).lower().compile()
+    # Pallas's Triton lowering reads the GPU it lowers for from the default device
+    with jax.default_device(device):
+        lowered = step_jit(fn, donate_argnums=donate).trace(*placed).lower()
+    compiled = lowered.compile()
     return report(name, compiled, cfg, shapes, args[0], kv, time.perf_counter() - t)
 
 
@@ -380,9 +406,11 @@ def default_pair(dtype: str = "bfloat16", max_len: int = 1024) -> dict:
 
 
 def inspect_pair(pair: dict, target: str = "local", steps=STEPS, batches=(1, 16),
-                 shapes: Shapes = Shapes(), on_report: Callable | None = None) -> list[ProgramReport]:
+                 shapes: Shapes = Shapes(), on_report: Callable | None = None,
+                 ops=None) -> list[ProgramReport]:
     """Every step of `steps` at every batch of `batches` for a pair {"target": cfg, "draft": cfg}
-    (decode / verify / prefill on the target, draft / tree on the draft), compiled for `target`."""
+    (decode / verify / prefill on the target, draft / tree on the draft), compiled for `target`
+    with the backend table `ops` (default `default_ops(target)`)."""
     bad = [s for s in steps if s not in STEPS]
     if bad or not steps:
         raise ValueError(f"steps must be a non-empty subset of {', '.join(STEPS)}, got {list(steps)}")
@@ -393,7 +421,8 @@ def inspect_pair(pair: dict, target: str = "local", steps=STEPS, batches=(1, 16)
     for b in batches:
         for name in steps:
             cfg = pair["target"] if name in TARGET_STEPS else pair["draft"]
-            r = inspect_step(name, cfg, dataclasses.replace(shapes, batch=int(b)), target, device)
+            r = inspect_step(name, cfg, dataclasses.replace(shapes, batch=int(b)), target, device,
+                             ops)
             reports.append(r)
             if on_report is not None:
                 on_report(r)
@@ -414,6 +443,10 @@ def add_arguments(p) -> None:
                    help="the weights' and caches' dtype (default bfloat16)")
     p.add_argument("--max-len", type=int, default=1024, help="KV cache slots (default 1024)")
     p.add_argument("-k", type=int, default=4, help="draft tokens a round (default 4)")
+    p.add_argument("--backend", default="auto", choices=("auto", "xla", "pallas"),
+                   help="the model ops compiled: auto (default) what the engine picks on the "
+                        "target (the Pallas kernels on a GPU), or xla / pallas, to see what a "
+                        "kernel replaces")
     p.add_argument("--json", default=None,
                    help="also write the reports to this JSON file (default: none)")
 
@@ -441,12 +474,13 @@ def run(args) -> int:
         raise ValueError(f"--max-len must be >= 2 and -k in [1, max-len - 1], got --max-len "
                          f"{args.max_len}, -k {args.k}")
     shapes = Shapes(max_len=args.max_len, k=args.k, prompt=min(128, args.max_len))
+    ops = default_ops(args.target, args.backend)
     print(f"ssd-jax inspect: the default pair's shapes ({args.dtype}, {args.max_len} cache slots, "
-          f"K={args.k}) compiled for {args.target}", flush=True)
+          f"K={args.k}) compiled for {args.target}, {ops.name} ops", flush=True)
     reports = inspect_pair(default_pair(args.dtype, args.max_len), args.target, steps, batches,
-                           shapes, on_report=lambda r: print(r.line(), flush=True))
+                           shapes, on_report=lambda r: print(r.line(), flush=True), ops=ops)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(target=args.target, dtype=args.dtype, max_len=args.max_len, k=args.k,
-                           reports=[dataclasses.asdict(r) for r in reports]), f, indent=1)
+            json.dump(dict(target=args.target, backend=ops.name, dtype=args.dtype,
+                           max_len=args.max_len, k=args.k, reports=[dataclasses.asdict(r) for r in reports]), f, indent=1)
     return 0

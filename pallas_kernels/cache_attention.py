@@ -1,0 +1,255 @@
+"""Attention of a few new tokens over the KV cache, with the cache write, in one kernel: the GPU's
+`attend` (decode, the K+1-token verify, the draft chain's steps).
+
+The reference is `ssd_jax.models.ops.xla_attend`: write the new K/V rows at their positions, then
+attend each query over the slots s <= its position (and s < window). Compiled for an H100, that
+reference is per layer two cache updates, two batched dots, the softmax's two reductions and a
+convert, and a transpose of the output; at batch > 1 XLA also transposes each cache whole, because
+a cache stored `[B, S, KVH, D]` has its batch axes (B, KVH) apart (`ssd-jax inspect`).
+
+This kernel reads the cache as stored: program (b, h, split) loads the rows of (sequence b,
+kv head h) as strided blocks. It needs what `forward` always passes: the T new tokens of a row sit
+at consecutive positions `start[b] + t`. Then query t sees
+
+  * the prefix: cache slots `0 .. start[b] - 1` (and < window), read from the cache, and
+  * the new tokens `0 .. t` (those at slots < window), read from `k_new` / `v_new`,
+
+so the prefix it reads and the slots it writes (`start[b] .. start[b] + T - 1`, dropped past the
+cache's end) never overlap, and the write is done in the same launch: the caches are aliased to the
+outputs (in place where the caller donates them, as the engine's steps do). Split-k over the live
+prefix as in `tree_attention` (the GQA group and the T queries folded into the rows of one block);
+the last split also takes the new tokens; XLA merges the splits by log-sum-exp.
+
+Numerics: fp32 logits scaled by D^-0.5, an online fp32 softmax, the unnormalised probabilities
+rounded to the cache dtype for p @ v, summed in fp32 (the reference rounds the normalised ones):
+equal to the reference within the cache dtype's rounding, not bit for bit.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ssd_jax.pallas_kernels._compat import (is_pow2, masked_load, masked_store, next_pow2,
+                                            require_triton, triton_params)
+from ssd_jax.pallas_kernels.tree_attention import default_num_splits, default_tiling
+
+_HIGHEST = lax.Precision.HIGHEST
+MAX_ROWS = 128  # query rows one program holds (registers); more (a prefill): the reference
+
+
+def serves(q, k_cache) -> bool:
+    """Whether the kernel takes this call: at most MAX_ROWS query rows per kv head (T x G, padded),
+    D a power of 2 >= 16 (Triton), q and cache of one float dtype."""
+    B, T, H, D = q.shape
+    G = H // k_cache.shape[2]
+    return ((T - 1) * G + next_pow2(G) <= MAX_ROWS and is_pow2(D) and D >= 16 and q.dtype == k_cache.dtype
+            and q.dtype in (jnp.float32, jnp.bfloat16))
+
+
+def _kernel(q_ref, start_ref, kn_ref, vn_ref, k_ref, v_ref, o_ref, lse_ref, k_out, v_out, *,
+            scale, block_s, num_splits, window, tokens, group, precision):
+    """One program = one (sequence b, kv head h, split).
+
+    q_ref:  [R, D]  the T x G queries of kv head h, row r = t * G + g (rows past T x G zero)
+    start_ref: [Tp] int32, every entry start[b] (the first new token's slot)
+    kn_ref, vn_ref: [Tp, D]  the new K / V rows of (b, h) (rows past T zero)
+    k_ref, v_ref: [S_blk, D] the cache of (b, h); only the live prefix is read
+    o_ref: [R, D] this split's output normalised by its own sum; lse_ref: [R] its log-sum-exp
+    k_out, v_out: the same caches (aliased): the last split writes the new rows
+    """
+    split = pl.program_id(2)
+    q = q_ref[...]
+    rows, head_dim = q.shape
+    start = jnp.max(start_ref[...])
+    live = jnp.minimum(start, window)  # prefix slots every query sees
+    n_blocks = (live + block_s - 1) // block_s
+    per_split = (n_blocks + num_splits - 1) // num_splits
+    first = split * per_split
+    count = jnp.clip(n_blocks - first, 0, per_split)
+    col = lax.broadcasted_iota(jnp.int32, (block_s,), 0)
+
+    def update(carry, s, v):
+        o, m, l = carry
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet: exp() NaN-free
+        alpha = jnp.exp(m - m_shift)
+        p = jnp.exp(s - m_shift[:, None])
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)
+        return alpha[:, None] * o + pv, m_new, alpha * l + jnp.sum(p, axis=1)
+
+    def body(i, carry):
+        cols = (first + i) * block_s + col
+        in_live = (cols < live)[:, None]  # past it: stale slots (or past S), read as 0, masked
+        k = masked_load(k_ref.at[pl.ds((first + i) * block_s, block_s), :], mask=in_live, other=0)
+        v = masked_load(v_ref.at[pl.ds((first + i) * block_s, block_s), :], mask=in_live, other=0)
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32) * scale
+        return update(carry, jnp.where(cols[None, :] < live, s, -jnp.inf), v)
+
+    carry = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
+             jnp.zeros((rows,), jnp.float32))
+    o, m, l = lax.fori_loop(0, count, body, carry)
+
+    # The new tokens, in the last split: query t sees new token u <= t at a slot < window.
+    last = split == num_splits - 1
+    kn, vn = kn_ref[...], vn_ref[...]
+    u = lax.broadcasted_iota(jnp.int32, (rows, kn.shape[0]), 1)
+    t = lax.broadcasted_iota(jnp.int32, (rows, kn.shape[0]), 0) // group
+    seen = last & (u <= t) & (u < tokens) & (start + u < window)
+    s = lax.dot_general(q, kn, (((1,), (1,)), ((), ())), precision=precision,
+                        preferred_element_type=jnp.float32) * scale
+    o, m, l = update((o, m, l), jnp.where(seen, s, -jnp.inf), vn)
+
+    got = l > 0
+    o_ref[...] = jnp.where(got[:, None], o / jnp.where(got, l, 1.0)[:, None], 0.0).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(got, m + jnp.log(jnp.where(got, l, 1.0)), -jnp.inf)
+
+    # The write: slots start .. start + T - 1, those inside the cache, by the last split only.
+    slot = start + lax.broadcasted_iota(jnp.int32, (kn.shape[0],), 0)
+    write = (last & (slot < k_out.shape[0]) & (slot - start < tokens))[:, None]
+    masked_store(k_out.at[pl.ds(start, kn.shape[0]), :], kn, mask=write)
+    masked_store(v_out.at[pl.ds(start, kn.shape[0]), :], vn, mask=write)
+
+
+@functools.partial(jax.jit, static_argnames=("window", "block_s", "num_splits", "num_warps",
+                                             "num_stages", "interpret"))
+def cache_attention(q, k_new, v_new, positions, k_cache, v_cache, *, window=None, block_s=None,
+                    num_splits=None, num_warps=None, num_stages=2, interpret=False):
+    """`xla_attend` as one Pallas (Triton) kernel: q [B, T, H, D] at positions [B, T] =
+    start[b] + t (consecutive, as `forward` passes them), k_new / v_new [B, T, KVH, D], caches
+    [B, S, KVH, D]; window (static) the slots attended (default S). Returns (out [B, T, H * D] in
+    q's dtype, k_cache, v_cache with the new rows written; rows past S dropped).
+
+    Static: block_s (power of 2 >= 16), num_splits (split-k over the live prefix), Triton
+    num_warps / num_stages, interpret (the Pallas interpreter, e.g. on the CPU); None picks
+    `tree_attention`'s defaults."""
+    require_triton()
+    B, T, H, D = q.shape
+    S, KVH = k_cache.shape[1], k_cache.shape[2]
+    if (k_cache.shape != (B, S, KVH, D) or v_cache.shape != k_cache.shape or H % KVH
+            or k_new.shape != (B, T, KVH, D) or v_new.shape != k_new.shape
+            or positions.shape != (B, T)):
+        raise ValueError(f"cache_attention: inconsistent shapes: q {q.shape}, k_new {k_new.shape}, "
+                         f"v_new {v_new.shape}, positions {positions.shape}, caches "
+                         f"{k_cache.shape}, {v_cache.shape}")
+    if not serves(q, k_cache):
+        raise ValueError(f"cache_attention takes T x G <= {MAX_ROWS} query rows, a head dim that is "
+                         f"a power of 2 >= 16 and q of the caches' float dtype; got q {q.shape} "
+                         f"{q.dtype}, caches {k_cache.dtype} with {KVH} kv heads")
+    W = S if window is None else int(window)
+    if not 1 <= W <= S:
+        raise ValueError(f"window {W} must be in [1, {S}]")
+    G = H // KVH
+    Gp = next_pow2(G)
+    # query rows, padded so that the merge's [Gp]-row window of the last token stays inside
+    R = max(16, next_pow2((T - 1) * G + Gp))
+    Tp = max(16, next_pow2(T))
+    auto_block_s, auto_warps = default_tiling(R, D)
+    block_s = auto_block_s if block_s is None else block_s
+    num_warps = auto_warps if num_warps is None else num_warps
+    if not (is_pow2(block_s) and block_s >= 16):
+        raise ValueError(f"block_s must be a power of 2 >= 16 (Triton), got {block_s}")
+    if num_splits is None:
+        num_splits = default_num_splits(B, KVH, W, block_s)
+    s_blk = -(-S // block_s) * block_s
+    dt = k_cache.dtype
+
+    # One operand for the queries and the new rows, [B, KVH, R + 2 Tp, D]: rows 0..R-1 the queries
+    # (row t * G + g), then the new K rows, then the new V rows, each padded with zeros; XLA makes
+    # it in one fusion with the rotary embedding. start broadcast to [B, Tp] (no scalars in Triton
+    # blocks).
+    q_rows = q.astype(dt).reshape(B, T, KVH, G, D).transpose(0, 2, 1, 3, 4).reshape(B, KVH, T * G, D)
+    pad_t = ((0, 0), (0, 0), (0, Tp - T), (0, 0))
+    rows = jnp.concatenate([jnp.pad(q_rows, ((0, 0), (0, 0), (0, R - T * G), (0, 0))),
+                            jnp.pad(k_new.astype(dt).transpose(0, 2, 1, 3), pad_t),
+                            jnp.pad(v_new.astype(dt).transpose(0, 2, 1, 3), pad_t)], axis=2)
+    start = jnp.broadcast_to(positions[:, :1].astype(jnp.int32), (B, Tp))
+
+    kernel = functools.partial(_kernel, scale=float(D ** -0.5), block_s=block_s,
+                               num_splits=num_splits, window=W, tokens=T, group=G,
+                               precision=_HIGHEST if dt == jnp.float32 else None)
+    cache_spec = pl.BlockSpec((None, s_blk, None, D), lambda b, h, s: (b, 0, h, 0))
+    new_row = R // Tp  # the new K rows' block index in `rows` (R is a multiple of Tp)
+    o_split, lse_split, k_cache, v_cache = pl.pallas_call(
+        kernel,
+        grid=(B, KVH, num_splits),
+        in_specs=[
+            pl.BlockSpec((None, None, R, D), lambda b, h, s: (b, h, 0, 0)),
+            pl.BlockSpec((None, Tp), lambda b, h, s: (b, 0)),
+            pl.BlockSpec((None, None, Tp, D), lambda b, h, s: (b, h, new_row, 0)),
+            pl.BlockSpec((None, None, Tp, D), lambda b, h, s: (b, h, new_row + 1, 0)),
+            cache_spec, cache_spec,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, R, D), lambda b, h, s: (b, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, R), lambda b, h, s: (b, h, s, 0)),
+            cache_spec, cache_spec,
+        ],
+        out_shape=[
+            # normalised per split, so the cache dtype loses no range; the log-sum-exp in fp32
+            jax.ShapeDtypeStruct((B, KVH, num_splits, R, D), dt),
+            jax.ShapeDtypeStruct((B, KVH, num_splits, R), jnp.float32),
+            jax.ShapeDtypeStruct(k_cache.shape, dt),
+            jax.ShapeDtypeStruct(v_cache.shape, dt),
+        ],
+        input_output_aliases={4: 2, 5: 3},
+        compiler_params=triton_params(num_warps, num_stages),
+        interpret=interpret,
+        name="ssd_cache_attention",
+    )(rows, start, rows, rows, k_cache, v_cache)
+
+    out = pl.pallas_call(
+        functools.partial(_merge_kernel, num_splits=num_splits, tokens=T, group=G, group_pad=Gp),
+        grid=(B, KVH),
+        in_specs=[pl.BlockSpec((None, None, num_splits, R, D), lambda b, h: (b, h, 0, 0, 0)),
+                  pl.BlockSpec((None, None, num_splits, R), lambda b, h: (b, h, 0, 0))],
+        out_specs=pl.BlockSpec((None, T, H, D), lambda b, h: (b, 0, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, T, H, D), q.dtype),
+        compiler_params=triton_params(4, 1),
+        interpret=interpret,
+        name="ssd_cache_attention_merge",
+    )(o_split, lse_split)
+    return out.reshape(B, T, H * D), k_cache, v_cache
+
+
+def _merge_kernel(o_ref, lse_ref, out_ref, *, num_splits, tokens, group, group_pad):
+    """One program = one (sequence b, kv head h): the splits' partial outputs merged by
+    log-sum-exp and written in the layout the o projection reads.
+
+    o_ref: [NS, R, D] the splits' normalised outputs; lse_ref: [NS, R]; out_ref: [T, H, D], of
+    which this program writes heads h * G .. h * G + G - 1 of every token.
+    """
+    h = pl.program_id(1)
+    g = lax.broadcasted_iota(jnp.int32, (group_pad,), 0)
+    head_dim = o_ref.shape[-1]
+    mine = g < group
+
+    def token(t, _):
+        rows = pl.ds(t * group, group_pad)  # past this token's G rows: masked off
+
+        def split(s, carry):
+            acc, m, l = carry
+            lse = masked_load(lse_ref.at[s, rows], mask=mine, other=-jnp.inf)
+            o = masked_load(o_ref.at[s, rows, :], mask=mine[:, None], other=0).astype(jnp.float32)
+            m_new = jnp.maximum(m, lse)
+            m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha, w = jnp.exp(m - m_shift), jnp.exp(lse - m_shift)
+            return alpha[:, None] * acc + w[:, None] * o, m_new, alpha * l + w
+
+        acc, _, l = lax.fori_loop(0, num_splits, split, (
+            jnp.zeros((group_pad, head_dim), jnp.float32),
+            jnp.full((group_pad,), -jnp.inf, jnp.float32), jnp.zeros((group_pad,), jnp.float32)))
+        out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+        masked_store(out_ref.at[t, pl.ds(h * group, group_pad), :], out.astype(out_ref.dtype),
+                     mask=mine[:, None])
+        return 0
+
+    lax.fori_loop(0, tokens, token, 0)
+
+
+__all__ = ["MAX_ROWS", "cache_attention", "serves"]
