@@ -35,7 +35,8 @@ from jax.experimental import pallas as pl
 
 from ssd_jax.pallas_kernels._compat import (is_pow2, masked_load, masked_store, next_pow2,
                                             require_triton, triton_params)
-from ssd_jax.pallas_kernels.tree_attention import default_num_splits, default_tiling
+from ssd_jax.pallas_kernels.tree_attention import (write_split, online_step, default_num_splits,
+                                                   default_tiling, merge_splits, rows_for)
 
 _HIGHEST = lax.Precision.HIGHEST
 MAX_ROWS = 128  # query rows one program holds (registers); more (a prefill): the reference
@@ -46,7 +47,7 @@ def serves(q, k_cache) -> bool:
     D a power of 2 >= 16 (Triton), q and cache of one float dtype."""
     B, T, H, D = q.shape
     G = H // k_cache.shape[2]
-    return ((T - 1) * G + next_pow2(G) <= MAX_ROWS and is_pow2(D) and D >= 16 and q.dtype == k_cache.dtype
+    return (rows_for(T, G) <= MAX_ROWS and is_pow2(D) and D >= 16 and q.dtype == k_cache.dtype
             and q.dtype in (jnp.float32, jnp.bfloat16))
 
 
@@ -72,16 +73,6 @@ def _kernel(q_ref, start_ref, kn_ref, vn_ref, k_ref, v_ref, o_ref, lse_ref, k_ou
     count = jnp.clip(n_blocks - first, 0, per_split)
     col = lax.broadcasted_iota(jnp.int32, (block_s,), 0)
 
-    def update(carry, s, v):
-        o, m, l = carry
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet: exp() NaN-free
-        alpha = jnp.exp(m - m_shift)
-        p = jnp.exp(s - m_shift[:, None])
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32)
-        return alpha[:, None] * o + pv, m_new, alpha * l + jnp.sum(p, axis=1)
-
     def body(i, carry):
         cols = (first + i) * block_s + col
         in_live = (cols < live)[:, None]  # past it: stale slots (or past S), read as 0, masked
@@ -89,11 +80,11 @@ def _kernel(q_ref, start_ref, kn_ref, vn_ref, k_ref, v_ref, o_ref, lse_ref, k_ou
         v = masked_load(v_ref.at[pl.ds((first + i) * block_s, block_s), :], mask=in_live, other=0)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                             preferred_element_type=jnp.float32) * scale
-        return update(carry, jnp.where(cols[None, :] < live, s, -jnp.inf), v)
+        return online_step(carry, jnp.where(cols[None, :] < live, s, -jnp.inf), v, precision)
 
     carry = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
              jnp.zeros((rows,), jnp.float32))
-    o, m, l = lax.fori_loop(0, count, body, carry)
+    carry = lax.fori_loop(0, count, body, carry)
 
     # The new tokens, in the last split: query t sees new token u <= t at a slot < window.
     last = split == num_splits - 1
@@ -103,11 +94,8 @@ def _kernel(q_ref, start_ref, kn_ref, vn_ref, k_ref, v_ref, o_ref, lse_ref, k_ou
     seen = last & (u <= t) & (u < tokens) & (start + u < window)
     s = lax.dot_general(q, kn, (((1,), (1,)), ((), ())), precision=precision,
                         preferred_element_type=jnp.float32) * scale
-    o, m, l = update((o, m, l), jnp.where(seen, s, -jnp.inf), vn)
-
-    got = l > 0
-    o_ref[...] = jnp.where(got[:, None], o / jnp.where(got, l, 1.0)[:, None], 0.0).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(got, m + jnp.log(jnp.where(got, l, 1.0)), -jnp.inf)
+    write_split(o_ref, lse_ref, online_step(carry, jnp.where(seen, s, -jnp.inf), vn, precision),
+            jnp.ones((rows,), jnp.bool_))
 
     # The write: slots start .. start + T - 1, those inside the cache, by the last split only.
     slot = start + lax.broadcasted_iota(jnp.int32, (kn.shape[0],), 0)
@@ -145,9 +133,7 @@ def cache_attention(q, k_new, v_new, positions, k_cache, v_cache, *, window=None
     if not 1 <= W <= S:
         raise ValueError(f"window {W} must be in [1, {S}]")
     G = H // KVH
-    Gp = next_pow2(G)
-    # query rows, padded so that the merge's [Gp]-row window of the last token stays inside
-    R = max(16, next_pow2((T - 1) * G + Gp))
+    R = rows_for(T, G)
     Tp = max(16, next_pow2(T))
     auto_block_s, auto_warps = default_tiling(R, D)
     block_s = auto_block_s if block_s is None else block_s
@@ -203,53 +189,8 @@ def cache_attention(q, k_new, v_new, positions, k_cache, v_cache, *, window=None
         name="ssd_cache_attention",
     )(rows, start, rows, rows, k_cache, v_cache)
 
-    out = pl.pallas_call(
-        functools.partial(_merge_kernel, num_splits=num_splits, tokens=T, group=G, group_pad=Gp),
-        grid=(B, KVH),
-        in_specs=[pl.BlockSpec((None, None, num_splits, R, D), lambda b, h: (b, h, 0, 0, 0)),
-                  pl.BlockSpec((None, None, num_splits, R), lambda b, h: (b, h, 0, 0))],
-        out_specs=pl.BlockSpec((None, T, H, D), lambda b, h: (b, 0, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((B, T, H, D), q.dtype),
-        compiler_params=triton_params(4, 1),
-        interpret=interpret,
-        name="ssd_cache_attention_merge",
-    )(o_split, lse_split)
+    out = merge_splits(o_split, lse_split, T, H, q.dtype, interpret=interpret)
     return out.reshape(B, T, H * D), k_cache, v_cache
-
-
-def _merge_kernel(o_ref, lse_ref, out_ref, *, num_splits, tokens, group, group_pad):
-    """One program = one (sequence b, kv head h): the splits' partial outputs merged by
-    log-sum-exp and written in the layout the o projection reads.
-
-    o_ref: [NS, R, D] the splits' normalised outputs; lse_ref: [NS, R]; out_ref: [T, H, D], of
-    which this program writes heads h * G .. h * G + G - 1 of every token.
-    """
-    h = pl.program_id(1)
-    g = lax.broadcasted_iota(jnp.int32, (group_pad,), 0)
-    head_dim = o_ref.shape[-1]
-    mine = g < group
-
-    def token(t, _):
-        rows = pl.ds(t * group, group_pad)  # past this token's G rows: masked off
-
-        def split(s, carry):
-            acc, m, l = carry
-            lse = masked_load(lse_ref.at[s, rows], mask=mine, other=-jnp.inf)
-            o = masked_load(o_ref.at[s, rows, :], mask=mine[:, None], other=0).astype(jnp.float32)
-            m_new = jnp.maximum(m, lse)
-            m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha, w = jnp.exp(m - m_shift), jnp.exp(lse - m_shift)
-            return alpha[:, None] * acc + w[:, None] * o, m_new, alpha * l + w
-
-        acc, _, l = lax.fori_loop(0, num_splits, split, (
-            jnp.zeros((group_pad, head_dim), jnp.float32),
-            jnp.full((group_pad,), -jnp.inf, jnp.float32), jnp.zeros((group_pad,), jnp.float32)))
-        out = acc / jnp.where(l > 0, l, 1.0)[:, None]
-        masked_store(out_ref.at[t, pl.ds(h * group, group_pad), :], out.astype(out_ref.dtype),
-                     mask=mine[:, None])
-        return 0
-
-    lax.fori_loop(0, tokens, token, 0)
 
 
 __all__ = ["MAX_ROWS", "cache_attention", "serves"]

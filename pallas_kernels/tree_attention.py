@@ -11,8 +11,8 @@ Two implementations with the same signature and result:
 
   * `tree_attention_reference` - plain jnp, float32 softmax, dense over the whole cache. It pins the
     semantics (tests compare it with a per-branch numpy loop) and is the XLA baseline.
-  * `tree_attention` - a Pallas (Triton backend) kernel for the prefix, merged with the small dense
-    own-path part in XLA.
+  * `tree_attention` - a Pallas (Triton backend) kernel for the prefix and the own paths, and a
+    second small kernel that merges its splits.
 
 Kernel design. The prefix dominates the bytes (S x KVH x D per sequence against Kb x KVH x D per
 branch), and it is shared by every branch of a sequence. So one program handles one (sequence,
@@ -21,12 +21,15 @@ one block computation ("folding the tree into the GQA group"), walks its share o
 `block_s` blocks with an online softmax and writes a normalised partial output plus its log-sum-exp.
 Every prefix KV block is therefore read from HBM exactly once per sequence and kv head, and used for
 all MQ x G queries. Splits (split-k) cut the live prefix - not the cache capacity - into equal whole
-blocks, so short prefixes launch cheap empty programs and long ones spread over more SMs. XLA then
-merges the splits and the own-path logits by log-sum-exp; that part reads only Kb x KVH x D per
-branch and the small partial outputs.
+blocks, so short prefixes launch cheap empty programs and long ones spread over more SMs. The last
+split also walks the own paths (Kb x KVH x D per branch): entry e of every branch at once, each row
+keeping its own branch's score, its value row picked by an exact one-hot dot. `merge_splits` then
+combines the splits by log-sum-exp and writes the heads in the layout the o projection reads
+(`cache_attention` shares it). Compiled for an H100 (`ssd-jax inspect`), the XLA own path and
+merge it replaces were ~10 launches a layer and a layout copy of each branch buffer.
 
-Triton rules honoured here: tensors in the kernel have power-of-2 sizes (R = next power of 2 >= 16
-of MQ x G, e.g. 24 x 4 = 96 -> 128 and 24 x 7 = 168 -> 256; `block_s` a power of 2 >= 16; D a power
+Triton rules honoured here: tensors in the kernel have power-of-2 sizes (R = `rows_for(MQ, G)`,
+e.g. 24 x 4 = 96 -> 128 and 24 x 7 = 168 -> 256; `block_s` a power of 2 >= 16; D a power
 of 2), dots are at least 16 x 16 x 16, no scalar prefetch (lengths are data read inside the kernel),
 and partial blocks are handled by masked loads, never by out-of-bounds reads.
 """
@@ -39,7 +42,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ssd_jax.pallas_kernels._compat import is_pow2, masked_load, next_pow2, require_triton, triton_params
+from ssd_jax.pallas_kernels._compat import (is_pow2, masked_load, masked_store, next_pow2,
+                                            require_triton, triton_params)
 
 # Enough programs for ~2 waves on a 132-SM H200; the split count is derived from this.
 _TARGET_PROGRAMS = 264
@@ -174,19 +178,47 @@ def _merge_two(o_a, lse_a, o_b, lse_b):
 # --------------------------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------------------------
-def _prefix_kernel(q_ref, plen_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, block_s, num_splits,
-                   precision):
+def online_step(carry, s, v_rows, precision):
+    """One online-softmax step: carry (o [R, D], m [R], l [R]) float32 with logits s [R, N] over
+    values v_rows [N, D]."""
+    o, m, l = carry
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    # A row with nothing visible so far keeps m = -inf; shift by 0 there so exp() stays NaN-free.
+    m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp(m - m_shift)
+    p = jnp.exp(s - m_shift[:, None])
+    pv = lax.dot_general(p.astype(v_rows.dtype), v_rows, (((1,), (0,)), ((), ())),
+                         precision=precision, preferred_element_type=jnp.float32)
+    return alpha[:, None] * o + pv, m_new, alpha * l + jnp.sum(p, axis=1)
+
+
+def write_split(o_ref, lse_ref, carry, keep):
+    """Write a split's output normalised by its own sum (0 where the row saw nothing or `keep`
+    [R] is False) and its log-sum-exp (-inf there)."""
+    o, m, l = carry
+    seen = (l > 0) & keep
+    o_ref[...] = jnp.where(seen[:, None], o / jnp.where(seen, l, 1.0)[:, None], 0.0).astype(
+        o_ref.dtype)
+    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+
+
+def _tree_kernel(q_ref, rows_ref, k_ref, v_ref, bk_ref, bv_ref, o_ref, lse_ref, *, scale, block_s,
+                 num_splits, branches, group, precision):
     """One program = one (sequence b, kv head h, split).
 
     q_ref:    [R, D]      the MQ x G queries that use kv head h (branch-major, padded rows zero)
-    plen_ref: [R] int32   visible prefix length of each row (0 for padding / invalid branches)
+    rows_ref: [3, R] int32: each row's visible prefix length; 1 for a valid branch's row (0 for
+              an invalid branch and the padding); the own-path step (every entry the same)
     k_ref, v_ref: [S_blk, D]  the whole cache of (b, h); only blocks of the live prefix are read
+    bk_ref, bv_ref: [MQ, Kb, D] the branches' own-path K / V of kv head h
     o_ref:    [R, D]      this split's output, normalised by its own softmax sum (0 if empty)
     lse_ref:  [R] f32     this split's log-sum-exp (-inf if the row saw nothing here)
+
+    The last split also takes the own paths: entry e <= step of branch m, for the rows of m.
     """
     split = pl.program_id(2)
     q = q_ref[...]
-    plen = plen_ref[...]
+    plen = rows_ref[0, :]
     rows, head_dim = q.shape
     # Live prefix of this sequence: the longest branch's. Slots past it are never read (they may be
     # stale or uninitialised), which is also what makes the work follow the prefix, not S.
@@ -198,35 +230,108 @@ def _prefix_kernel(q_ref, plen_ref, k_ref, v_ref, o_ref, lse_ref, *, scale, bloc
     col = lax.broadcasted_iota(jnp.int32, (block_s,), 0)
 
     def body(i, carry):
-        o, m, l = carry
         start = (first + i) * block_s
         cols = start + col  # [block_s] cache slots of this block
         # Masked loads: the last block may run past the live prefix (<= S, clipped in the wrapper)
         # and past S; those slots read 0, so stale or padded values never meet p = 0 as NaN.
         in_live = (cols < live)[:, None]
         k = masked_load(k_ref.at[pl.ds(start, block_s), :], mask=in_live, other=0)
+        v = masked_load(v_ref.at[pl.ds(start, block_s), :], mask=in_live, other=0)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                             preferred_element_type=jnp.float32) * scale  # [R, block_s]
-        s = jnp.where(cols[None, :] < plen[:, None], s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        # A row with nothing visible so far keeps m = -inf; shift by 0 there so exp() stays NaN-free.
-        m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp(m - m_shift)
-        p = jnp.exp(s - m_shift[:, None])
-        l = alpha * l + jnp.sum(p, axis=1)
-        v = masked_load(v_ref.at[pl.ds(start, block_s), :], mask=in_live, other=0)
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32)  # [R, D]
-        return alpha[:, None] * o + pv, m_new, l
+        return online_step(carry, jnp.where(cols[None, :] < plen[:, None], s, -jnp.inf), v, precision)
 
-    o0 = jnp.zeros((rows, head_dim), jnp.float32)
-    m0 = jnp.full((rows,), -jnp.inf, jnp.float32)
-    l0 = jnp.zeros((rows,), jnp.float32)
-    o, m, l = lax.fori_loop(0, count, body, (o0, m0, l0))
-    seen = l > 0
-    o_ref[...] = jnp.where(seen[:, None], o / jnp.where(seen, l, 1.0)[:, None], 0.0).astype(
-        o_ref.dtype)
-    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+    carry = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
+             jnp.zeros((rows,), jnp.float32))
+    carry = lax.fori_loop(0, count, body, carry)
+
+    # Own paths. Entry e of every branch at once: K_e [MQp, D] scored by every row, each row keeping
+    # its own branch's column (a one-hot choice), V_e's row of that branch picked by a one-hot dot
+    # (exact). MQp >= 16 rows keep Triton's dots legal; rows past MQ read as 0.
+    mq_pad = max(16, next_pow2(branches))
+    mcol = lax.broadcasted_iota(jnp.int32, (rows, mq_pad), 1)
+    mine = mcol == lax.broadcasted_iota(jnp.int32, (rows, mq_pad), 0) // group  # [R, MQp]
+    in_mq = (lax.broadcasted_iota(jnp.int32, (mq_pad,), 0) < branches)[:, None]
+    last = split == num_splits - 1
+    steps = jnp.where(last, jnp.max(rows_ref[2, :]) + 1, 0)  # entries 0..step, last split only
+    zero = split * 0  # a traced start: the [MQp] window may run past MQ (masked), as any load
+
+    def own(e, carry):
+        ke = masked_load(bk_ref.at[pl.ds(zero, mq_pad), e, :], mask=in_mq, other=0)
+        ve = masked_load(bv_ref.at[pl.ds(zero, mq_pad), e, :], mask=in_mq, other=0)
+        s = lax.dot_general(q, ke, (((1,), (1,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32) * scale  # [R, MQp]
+        s = jnp.sum(jnp.where(mine, s, 0.0), axis=1, keepdims=True)  # [R, 1]: own branch's
+        o, m, l = carry
+        m_new = jnp.maximum(m, s[:, 0])
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s[:, 0] - m_new)
+        v_own = lax.dot_general(mine.astype(ve.dtype), ve, (((1,), (0,)), ((), ())),
+                                precision=precision, preferred_element_type=jnp.float32)
+        return alpha[:, None] * o + p[:, None] * v_own, m_new, alpha * l + p
+
+    carry = lax.fori_loop(0, steps, own, carry)
+    write_split(o_ref, lse_ref, carry, rows_ref[1, :] != 0)
+
+
+def merge_splits(o_split, lse_split, items: int, heads: int, out_dtype, *, interpret=False):
+    """The splits' partial outputs [B, KVH, NS, R, D] (each normalised by its own sum) and
+    log-sum-exps [B, KVH, NS, R] (rows r = i * G + g) merged by log-sum-exp in one launch, written
+    as [B, items, heads, D] in `out_dtype` (query i, head h * G + g: what the o projection
+    reads)."""
+    B, KVH, NS, R, D = o_split.shape
+    G = heads // KVH
+    return pl.pallas_call(
+        functools.partial(_merge_kernel, num_splits=NS, items=items, group=G,
+                          group_pad=next_pow2(G)),
+        grid=(B, KVH),
+        in_specs=[pl.BlockSpec((None, None, NS, R, D), lambda b, h: (b, h, 0, 0, 0)),
+                  pl.BlockSpec((None, None, NS, R), lambda b, h: (b, h, 0, 0))],
+        out_specs=pl.BlockSpec((None, items, heads, D), lambda b, h: (b, 0, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, items, heads, D), out_dtype),
+        compiler_params=triton_params(4, 1),
+        interpret=interpret,
+        name="ssd_attention_merge",
+    )(o_split, lse_split)
+
+
+def _merge_kernel(o_ref, lse_ref, out_ref, *, num_splits, items, group, group_pad):
+    """One program = one (sequence b, kv head h): for each query i, its G rows merged over the
+    splits and written to heads h * G .. h * G + G - 1.
+
+    o_ref: [NS, R, D]; lse_ref: [NS, R]; out_ref: [items, H, D].
+    """
+    h = pl.program_id(1)
+    head_dim = o_ref.shape[-1]
+    mine = lax.broadcasted_iota(jnp.int32, (group_pad,), 0) < group
+
+    def item(i, _):
+        rows = pl.ds(i * group, group_pad)  # past this query's G rows: masked off
+
+        def split(s, carry):
+            acc, m, l = carry
+            lse = masked_load(lse_ref.at[s, rows], mask=mine, other=-jnp.inf)
+            o = masked_load(o_ref.at[s, rows, :], mask=mine[:, None], other=0).astype(jnp.float32)
+            m_new = jnp.maximum(m, lse)
+            m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha, w = jnp.exp(m - m_shift), jnp.exp(lse - m_shift)
+            return alpha[:, None] * acc + w[:, None] * o, m_new, alpha * l + w
+
+        acc, _, l = lax.fori_loop(0, num_splits, split, (
+            jnp.zeros((group_pad, head_dim), jnp.float32),
+            jnp.full((group_pad,), -jnp.inf, jnp.float32), jnp.zeros((group_pad,), jnp.float32)))
+        out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+        masked_store(out_ref.at[i, pl.ds(h * group, group_pad), :], out.astype(out_ref.dtype),
+                     mask=mine[:, None])
+        return 0
+
+    lax.fori_loop(0, items, item, 0)
+
+
+def rows_for(items: int, group: int) -> int:
+    """Query rows R of one program: items x G padded to a power of 2 >= 16, and far enough that
+    the merge's [next_pow2(G)]-row window of the last item stays inside."""
+    return max(16, next_pow2((items - 1) * group + next_pow2(group)))
 
 
 def default_num_splits(batch: int, kv_heads: int, seq_len: int, block_s: int) -> int:
@@ -255,18 +360,19 @@ def tree_attention(q, k_cache, v_cache, prefix_len, branch_k, branch_v, step, br
                    interpret=False):
     """Pallas tree attention; same arguments and result as `tree_attention_reference`.
 
-    Static: shapes, scale, block_s (power of 2 >= 16), num_splits (split-k count over the live
-    prefix), Triton num_warps / num_stages, interpret (run the kernel in the Pallas interpreter,
-    e.g. on CPU). None picks `default_tiling` / `default_num_splits`. Data: prefix_len, step,
-    branch_valid.
+    Two launches: the attention (prefix split-k, own paths in the last split) and the merge of
+    the splits. Static: shapes, scale, block_s (power of 2 >= 16), num_splits (split-k count over
+    the live prefix), Triton num_warps / num_stages, interpret (run the kernels in the Pallas
+    interpreter, e.g. on CPU). None picks `default_tiling` / `default_num_splits`. Data:
+    prefix_len, step, branch_valid.
     """
     require_triton()
     B, MQ, H, D, S, KVH, G, Kb = _check_shapes(q, k_cache, v_cache, prefix_len, branch_k,
                                                branch_v, branch_valid)
-    # Rows: the MQ x G queries of one kv head, padded to a power of 2 >= 16 (Triton tensor and dot
-    # minimum). Padded rows get prefix length 0 and are sliced off.
+    # Rows: the MQ x G queries of one kv head, padded (Triton tensor and dot minimum; the merge's
+    # window). Padded rows get prefix length 0 and no validity.
     MG = MQ * G
-    R = max(16, next_pow2(MG))
+    R = rows_for(MQ, G)
     auto_block_s, auto_warps = default_tiling(R, D)
     block_s = auto_block_s if block_s is None else block_s
     num_warps = auto_warps if num_warps is None else num_warps
@@ -274,8 +380,8 @@ def tree_attention(q, k_cache, v_cache, prefix_len, branch_k, branch_v, step, br
         raise ValueError(f"block_s must be a power of 2 >= 16 (Triton), got {block_s}")
     if not (is_pow2(D) and D >= 16):
         raise ValueError(f"head dim must be a power of 2 >= 16 (Triton), got {D}")
-    if k_cache.dtype != v_cache.dtype:
-        raise ValueError("k_cache and v_cache must share a dtype")
+    if k_cache.dtype != v_cache.dtype or branch_k.dtype != k_cache.dtype:
+        raise ValueError("k_cache, v_cache and the branch KV must share a dtype")
     scale = float(D ** -0.5 if scale is None else scale)
     if num_splits is None:
         num_splits = default_num_splits(B, KVH, S, block_s)
@@ -287,19 +393,23 @@ def tree_attention(q, k_cache, v_cache, prefix_len, branch_k, branch_v, step, br
     # [B, KVH, R, D], row = m * G + g (branch-major, so row // G is the branch)
     q_rows = jnp.pad(q_rows.reshape(B, KVH, MG, D), ((0, 0), (0, 0), (0, R - MG), (0, 0)))
     plen = jnp.where(valid, jnp.clip(prefix_len.astype(jnp.int32), 0, S), 0)
-    plen_rows = jnp.pad(jnp.repeat(plen, G, axis=1), ((0, 0), (0, R - MG)))  # [B, R], same rows
+    per_row = lambda x: jnp.pad(jnp.repeat(x, G, axis=1), ((0, 0), (0, R - MG)))  # noqa: E731
+    row_info = jnp.stack([per_row(plen), per_row(valid.astype(jnp.int32)),
+                          jnp.broadcast_to(jnp.asarray(step, jnp.int32), (B, R))], axis=1)
 
     precision = _HIGHEST if k_cache.dtype == jnp.float32 else None
-    kernel = functools.partial(_prefix_kernel, scale=scale, block_s=block_s,
-                               num_splits=num_splits, precision=precision)
+    kernel = functools.partial(_tree_kernel, scale=scale, block_s=block_s,
+                               num_splits=num_splits, branches=MQ, group=G, precision=precision)
+    branch_spec = pl.BlockSpec((None, MQ, Kb, None, D), lambda b, h, s: (b, 0, 0, h, 0))
     o_split, lse_split = pl.pallas_call(
         kernel,
         grid=(B, KVH, num_splits),
         in_specs=[
             pl.BlockSpec((None, None, R, D), lambda b, h, s: (b, h, 0, 0)),
-            pl.BlockSpec((None, R), lambda b, h, s: (b, 0)),
+            pl.BlockSpec((None, 3, R), lambda b, h, s: (b, 0, 0)),
             pl.BlockSpec((None, s_blk, None, D), lambda b, h, s: (b, 0, h, 0)),
             pl.BlockSpec((None, s_blk, None, D), lambda b, h, s: (b, 0, h, 0)),
+            branch_spec, branch_spec,
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, R, D), lambda b, h, s: (b, h, s, 0, 0)),
@@ -313,26 +423,9 @@ def tree_attention(q, k_cache, v_cache, prefix_len, branch_k, branch_v, step, br
         ],
         compiler_params=triton_params(num_warps, num_stages),
         interpret=interpret,
-        name="ssd_tree_attention_prefix",
-    )(q_rows, plen_rows, k_cache, v_cache)
-
-    # Merge the splits by log-sum-exp: [B, KVH, NS, R, *] -> [B, KVH, R, *].
-    lse_max = jnp.max(lse_split, axis=2)
-    lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
-    w = jnp.exp(lse_split - lse_max[:, :, None])  # 0 for empty splits
-    w_sum = jnp.sum(w, axis=2)
-    o_pre = (jnp.sum(w[..., None] * o_split.astype(jnp.float32), axis=2)
-             / jnp.where(w_sum > 0, w_sum, 1.0)[..., None])
-    lse_pre = jnp.where(w_sum > 0, lse_max + jnp.log(jnp.where(w_sum > 0, w_sum, 1.0)), -jnp.inf)
-    # Back to branch layout [B, MQ, KVH, G, *].
-    o_pre = o_pre[:, :, :MG].reshape(B, KVH, MQ, G, D).transpose(0, 2, 1, 3, 4)
-    lse_pre = lse_pre[:, :, :MG].reshape(B, KVH, MQ, G).transpose(0, 2, 1, 3)
-
-    o_own, lse_own = _own_path(q_c.astype(jnp.float32).reshape(B, MQ, KVH, G, D), branch_k,
-                               branch_v, step, scale)
-    out = _merge_two(o_pre, lse_pre, o_own, lse_own)
-    out = jnp.where(valid[:, :, None, None, None], out, 0.0)
-    return out.reshape(B, MQ, H, D).astype(q.dtype)
+        name="ssd_tree_attention",
+    )(q_rows, row_info, k_cache, v_cache, branch_k, branch_v)
+    return merge_splits(o_split, lse_split, MQ, H, q.dtype, interpret=interpret)
 
 
 def prefix_bytes(batch: int, live_prefix: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
@@ -341,4 +434,4 @@ def prefix_bytes(batch: int, live_prefix: int, kv_heads: int, head_dim: int, ite
 
 
 __all__ = ["tree_attention", "tree_attention_reference", "tree_attention_xla",
-           "default_num_splits", "default_tiling", "prefix_bytes"]
+           "default_num_splits", "default_tiling", "merge_splits", "prefix_bytes", "rows_for"]

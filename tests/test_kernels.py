@@ -419,7 +419,8 @@ def test_tree_kernel_lowers_for_cuda(shape, dtype):
     args = (_sds((B, MQ, H, D), dtype), _sds((B, S, KVH, D), dtype), _sds((B, S, KVH, D), dtype),
             _sds((B, MQ), jnp.int32), _sds((B, MQ, Kb, KVH, D), dtype),
             _sds((B, MQ, Kb, KVH, D), dtype), _sds((), jnp.int32), _sds((B, MQ), jnp.bool_))
-    _check_triton_lowering(tree_attention, *args, ieee_dots=dtype == jnp.float32)
+    # the attention and the merge of its splits
+    _check_triton_lowering(tree_attention, *args, ieee_dots=dtype == jnp.float32, kernels=2)
 
 
 # (B, T, H, KVH, D, S): the default pair's target decode and K+1 verify (G = 6), its draft's
