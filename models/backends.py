@@ -5,7 +5,8 @@ Backends:
 
 - `xla`: the reference ops of models/ops.py, on every platform, differentiable.
 - `pallas`: the Pallas kernels (`ssd_jax.pallas_kernels`) over the XLA ops: `attend` (a few new
-  tokens' cache write and attention in one launch; a prefill block takes the XLA op), the tree
+  tokens' cache write and attention in one launch; a prefill block takes the XLA op), `add_norm`
+  for a single row (XLA already fuses several into one kernel), the tree's branch write and
   attention and the outcome-conditioned gather; the default on a GPU. On the CPU they run in the
   Pallas interpreter (for tests). A kernel that fails to compile is replaced by its XLA
   reference, with one warning (`without_kernels`).
@@ -28,7 +29,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from ssd_jax.models.ops import XLA, Ops, xla_attend, xla_cache_gather, xla_tree_attention
+from ssd_jax.models.ops import (XLA, Ops, xla_add_norm, xla_attend, xla_cache_gather,
+                                xla_tree_attention)
 
 ENTRY_POINT_GROUP = "ssd_jax.backends"
 _RUNTIME: dict[str, Callable[[], Ops]] = {}
@@ -69,14 +71,14 @@ def _warn_once(msg: str) -> None:
 
 
 # ------------------------------------------------------------------ the pallas table
-def _tree_attention_gpu(*args):
+def _tree_attention_gpu(*args, window=None):
     from ssd_jax.pallas_kernels.tree_attention import tree_attention
-    return tree_attention(*args)
+    return tree_attention(*args, window=window)
 
 
-def _tree_attention_interpret(*args):
+def _tree_attention_interpret(*args, window=None):
     from ssd_jax.pallas_kernels.tree_attention import tree_attention
-    return tree_attention(*args, interpret=True)
+    return tree_attention(*args, window=window, interpret=True)
 
 
 def _cache_gather_gpu(*args):
@@ -99,6 +101,23 @@ def _attend(q, k_new, v_new, positions, k_cache, v_cache, *, window=None, interp
                            interpret=interpret)
 
 
+def _add_norm(x, delta, w, *, eps, interpret=False):
+    """The add and the norm in one kernel for a single row (XLA fuses several rows into one
+    kernel already), else the XLA reference."""
+    from ssd_jax.pallas_kernels.add_norm import add_norm, serves
+    if not serves(x) or x.dtype != delta.dtype:
+        return xla_add_norm(x, delta, w, eps=eps)
+    return add_norm(x, delta, w, eps=eps, interpret=interpret)
+
+
+def _add_norm_gpu(x, delta, w, *, eps):
+    return _add_norm(x, delta, w, eps=eps)
+
+
+def _add_norm_interpret(x, delta, w, *, eps):
+    return _add_norm(x, delta, w, eps=eps, interpret=True)
+
+
 def _attend_gpu(*args, window=None):
     return _attend(*args, window=window)
 
@@ -112,6 +131,7 @@ def pallas_ops(platform: str) -> Ops:
     interpret = platform == "cpu"
     return Ops(name="pallas",
                attend=_attend_interpret if interpret else _attend_gpu,
+               add_norm=_add_norm_interpret if interpret else _add_norm_gpu,
                tree_attention=_tree_attention_interpret if interpret else _tree_attention_gpu,
                cache_gather=_cache_gather_interpret if interpret else _cache_gather_gpu,
                fast_dtypes=("bfloat16", "float32"),
@@ -121,8 +141,8 @@ def pallas_ops(platform: str) -> Ops:
                custom_calls=() if interpret else ("__gpu$xla.gpu.triton",))
 
 
-_KERNEL_OPS = {"attend": xla_attend, "tree_attention": xla_tree_attention,
-               "cache_gather": xla_cache_gather}
+_KERNEL_OPS = {"attend": xla_attend, "add_norm": xla_add_norm,
+               "tree_attention": xla_tree_attention, "cache_gather": xla_cache_gather}
 
 
 def without_kernels(ops: Ops, names=tuple(_KERNEL_OPS), reason: str = "") -> Ops:
@@ -141,7 +161,8 @@ def _probe_args():
     """Tiny arguments for each kernel op: a compile of these shows whether it lowers here."""
     B, MQ, H, KVH, D, S, K, V = 1, 2, 4, 2, 64, 32, 3, 256
     f = jnp.float32
-    tree = (jax.ShapeDtypeStruct((B, MQ, H, D), f), jax.ShapeDtypeStruct((B, S, KVH, D), f),
+    tree = (jax.ShapeDtypeStruct((B, MQ, H, D), f), jax.ShapeDtypeStruct((B, MQ, KVH, D), f),
+            jax.ShapeDtypeStruct((B, MQ, KVH, D), f), jax.ShapeDtypeStruct((B, S, KVH, D), f),
             jax.ShapeDtypeStruct((B, S, KVH, D), f), jax.ShapeDtypeStruct((B, MQ), jnp.int32),
             jax.ShapeDtypeStruct((B, MQ, K, KVH, D), f), jax.ShapeDtypeStruct((B, MQ, K, KVH, D), f),
             jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((B, MQ), jnp.bool_))
@@ -152,7 +173,10 @@ def _probe_args():
     attend = (jax.ShapeDtypeStruct((B, T, H, D), f), jax.ShapeDtypeStruct((B, T, KVH, D), f),
               jax.ShapeDtypeStruct((B, T, KVH, D), f), jax.ShapeDtypeStruct((B, T), jnp.int32),
               jax.ShapeDtypeStruct((B, S, KVH, D), f), jax.ShapeDtypeStruct((B, S, KVH, D), f))
-    return {"attend": attend, "tree_attention": tree, "cache_gather": gather}
+    E = 96
+    norm = (jax.ShapeDtypeStruct((B, 1, E), f), jax.ShapeDtypeStruct((B, 1, E), f),
+            jax.ShapeDtypeStruct((E,), f))
+    return {"attend": attend, "add_norm": norm, "tree_attention": tree, "cache_gather": gather}
 
 
 def probe(ops: Ops, device=None) -> Ops:
@@ -168,7 +192,8 @@ def probe(ops: Ops, device=None) -> Ops:
         if where is not None:
             args = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where) for a in args)
         try:
-            jax.jit(fn).trace(*args).lower().compile()
+            kw = {"eps": 1e-6} if name == "add_norm" else {}
+            jax.jit(functools.partial(fn, **kw)).trace(*args).lower().compile()
         except Exception as e:  # noqa: BLE001 - any lowering or compile failure means: fall back
             failed.append(name)
             why.append(f"{type(e).__name__}: {e}")

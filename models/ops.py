@@ -1,8 +1,8 @@
 """The backend table: the named ops the forward calls, and the plain-XLA reference of each.
 
 `forward` and `tree_step` (models/transformer.py) never call a kernel by name; they call
-`ops.dense`, `ops.attend`, `ops.swiglu` and `ops.tree_attention` of the `Ops` they are given, and
-the speculation cache's lookup calls `ops.cache_gather`. An `Ops` is a frozen dataclass of
+`ops.dense`, `ops.attend`, `ops.swiglu`, `ops.add_norm` and `ops.tree_attention` of the `Ops` they
+are given, and the speculation cache's lookup calls `ops.cache_gather`. An `Ops` is a frozen dataclass of
 functions, so it is hashable and goes to `jax.jit` as a static argument: choosing a backend is
 choosing a table, once per mesh (`ssd_jax.models.backends.select`), never a flag inside the model.
 
@@ -19,8 +19,13 @@ Op signatures (shapes per sequence batch B, new tokens T, heads H, kv heads KVH,
   [B, S, KVH, D], *, window) -> (out [B, T, H*D], k_cache, v_cache)`: write the new rows at their
   positions (dropped past the cache), then attend over slots s <= position and s < window.
 - `swiglu(gate_up [..., 2I]) -> [..., I]`: silu(gate) * up, gate columns first.
-- `tree_attention(q [B, MQ, H, D], k_cache, v_cache [B, W, KVH, D], prefix_len [B, MQ],
-  branch_k, branch_v [B, MQ, K, KVH, D], step, valid [B, MQ]) -> [B, MQ, H, D]`.
+- `add_norm(x [..., E], delta [..., E], w [E], *, eps) -> (x + delta, rms_norm(x + delta, w))`:
+  the residual add and the RMSNorm after it (the next block's input).
+- `tree_attention(q [B, MQ, H, D], k_new, v_new [B, MQ, KVH, D], k_cache, v_cache [B, S, KVH, D],
+  prefix_len [B, MQ], branch_k, branch_v [B, MQ, K, KVH, D], step, valid [B, MQ], *, window)
+  -> (out [B, MQ, H, D], branch_k, branch_v)`: write the new rows at entry `step` of the branch
+  buffers, then attend each branch's query over cache slots < prefix_len (and < window) and its
+  own entries 0..step.
 - `cache_gather(keys [B, MQ, 2], valid [B, MQ], tokens [B, MQ, K], rows [B, MQ, K, V],
   outcome [B, 2]) -> (hit [B], index [B], tokens [B, K], rows [B, K, V])`.
 - `prepare(params) -> params`: layer-local, and leaving what it already laid out as it is: the
@@ -99,6 +104,21 @@ def xla_attend(q, k_new, v_new, positions, k_cache, v_cache, *, window: int | No
     return cache_attention(q, k_cache[:, :W], v_cache[:, :W], positions), k_cache, v_cache
 
 
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """x [..., E] normalised by its root mean square (in fp32), cast back, scaled by w [E]."""
+    # As HF: normalise in fp32, cast back, then scale (the order matters in bf16).
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return w * xf.astype(x.dtype)
+
+
+def xla_add_norm(x: jax.Array, delta: jax.Array, w: jax.Array, *, eps: float):
+    """(y, rms_norm(y, w, eps)) with y = x + delta [..., E]: a residual add and the norm of the
+    next block's input."""
+    y = x + delta
+    return y, rms_norm(y, w, eps)
+
+
 def xla_swiglu(gate_up: jax.Array) -> jax.Array:
     """gate_up [..., 2I] -> silu(gate_up[..., :I]) * gate_up[..., I:], [..., I]."""
     if gate_up.ndim < 1 or gate_up.shape[-1] % 2:
@@ -108,10 +128,17 @@ def xla_swiglu(gate_up: jax.Array) -> jax.Array:
     return jax.nn.silu(gate_up[..., :I]) * gate_up[..., I:]
 
 
-def xla_tree_attention(*args):
-    """The plain-jnp tree attention (`ssd_jax.pallas_kernels.tree_attention_reference`)."""
-    from ssd_jax.pallas_kernels.tree_attention import tree_attention_reference
-    return tree_attention_reference(*args)
+def xla_tree_attention(q, k_new, v_new, k_cache, v_cache, prefix_len, branch_k, branch_v, step,
+                       valid, *, window: int | None = None):
+    """The branch write (`ssd_jax.pallas_kernels.tree_attention.write_branch`), then the plain-jnp
+    tree attention (`tree_attention_reference`) over the first `window` slots (default all).
+    Returns (out [B, MQ, H, D], branch_k, branch_v)."""
+    from ssd_jax.pallas_kernels.tree_attention import tree_attention_reference, write_branch
+    W = k_cache.shape[1] if window is None else window
+    branch_k, branch_v = write_branch(branch_k, branch_v, k_new, v_new, step)
+    out = tree_attention_reference(q, k_cache[:, :W], v_cache[:, :W], prefix_len, branch_k,
+                                   branch_v, step, valid)
+    return out, branch_k, branch_v
 
 
 def xla_cache_gather(*args):
@@ -137,6 +164,7 @@ class Ops:
     dense: Callable = xla_dense
     attend: Callable = xla_attend
     swiglu: Callable = xla_swiglu
+    add_norm: Callable = xla_add_norm
     tree_attention: Callable = xla_tree_attention
     cache_gather: Callable = xla_cache_gather
     prepare: Callable = identity
@@ -152,5 +180,5 @@ class Ops:
 
 XLA = Ops()
 
-__all__ = ["XLA", "Ops", "cache_attention", "identity", "write_kv", "xla_attend",
-           "xla_cache_gather", "xla_dense", "xla_swiglu", "xla_tree_attention"]
+__all__ = ["XLA", "Ops", "cache_attention", "identity", "rms_norm", "write_kv", "xla_add_norm",
+           "xla_attend", "xla_cache_gather", "xla_dense", "xla_swiglu", "xla_tree_attention"]

@@ -6,7 +6,8 @@
   position `n+j+1+d`, seeing cache slots `0..n+j` and its own path, whose KV lives in a per-branch
   buffer so branches never write the shared cache.
 
-Every matmul, KV write + attention, SwiGLU and tree attention is a named op of `ops`
+Every matmul, KV write + attention, SwiGLU, residual add + norm and tree attention (with its
+branch write) is a named op of `ops`
 (`ssd_jax.models.ops.Ops`, default the plain-XLA reference): a backend swaps the table, never this
 file. Layers are a Python loop over per-layer caches: a `lax.scan` with the cache as scanned state
 copies the whole cache every step on XLA CPU. `window` (static) bounds attention to the first
@@ -20,16 +21,8 @@ from flax import struct
 
 from ssd_jax.models.config import ModelConfig
 from ssd_jax.models.kv_cache import CacheOverflowError, KVCache, check_room
-from ssd_jax.models.ops import XLA, Ops
+from ssd_jax.models.ops import XLA, Ops, rms_norm
 from ssd_jax.models.params import LayerParams, Params
-
-
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """x [..., E] normalised by its root mean square (in fp32), cast back, scaled by w [E]."""
-    # As HF: normalise in fp32, cast back, then scale (the order matters in bf16).
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return w * xf.astype(x.dtype)
 
 
 def embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -58,16 +51,15 @@ def apply_rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Arra
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def _qkv(lp: LayerParams, cfg: ModelConfig, ops: Ops, x: jax.Array, positions: jax.Array,
+def _qkv(lp: LayerParams, cfg: ModelConfig, ops: Ops, h: jax.Array, positions: jax.Array,
          g: int):
-    """x [B, T, E] -> q [B, T, H, D], k, v [B, T, KVH, D] (normed, rotated). g: how many
-    tensor-parallel groups the fused columns are laid out in (`Params.tp_groups`)."""
+    """h [B, T, E] (the normed residual) -> q [B, T, H, D], k, v [B, T, KVH, D] (rotated). g: how
+    many tensor-parallel groups the fused columns are laid out in (`Params.tp_groups`)."""
     H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
     qkv = ops.dense(h, lp.wqkv)
     if lp.bqkv is not None:
         qkv = qkv + lp.bqkv
-    lead = x.shape[:-1]
+    lead = h.shape[:-1]
     if g == 1:
         q = qkv[..., : H * D].reshape(*lead, H, D)
         k = qkv[..., H * D: (H + KVH) * D].reshape(*lead, KVH, D)
@@ -84,8 +76,8 @@ def _qkv(lp: LayerParams, cfg: ModelConfig, ops: Ops, x: jax.Array, positions: j
     return apply_rope(q, positions, cfg), apply_rope(k, positions, cfg), v
 
 
-def _mlp(lp: LayerParams, cfg: ModelConfig, ops: Ops, x: jax.Array, g: int) -> jax.Array:
-    h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
+def _mlp(lp: LayerParams, cfg: ModelConfig, ops: Ops, h: jax.Array, g: int) -> jax.Array:
+    """h [..., E] (the normed residual) -> the MLP's output [..., E]."""
     gu = ops.dense(h, lp.w_gate_up)
     if g == 1:
         return ops.dense(ops.swiglu(gu), lp.w_down)
@@ -97,7 +89,7 @@ def _mlp(lp: LayerParams, cfg: ModelConfig, ops: Ops, x: jax.Array, g: int) -> j
 
 
 def _logits(params: Params, cfg: ModelConfig, ops: Ops, x: jax.Array) -> jax.Array:
-    x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    """x [..., E] (normed by the final norm) -> fp32 logits [..., V]."""
     if params.lm_head is None:  # tied: the embedding [V, E] read transposed
         out = ops.dense(x, params.embed, transpose_w=True, preferred_element_type=jnp.float32)
     else:
@@ -107,6 +99,11 @@ def _logits(params: Params, cfg: ModelConfig, ops: Ops, x: jax.Array) -> jax.Arr
     if n < cfg.vocab_size:  # a head cut to ids [0, n) (models/draft_head.py): the rest never win
         out = jnp.concatenate([out, jnp.full((*out.shape[:-1], cfg.vocab_size - n), -jnp.inf)], -1)
     return out
+
+
+def _next_norm(params: Params, i: int) -> jax.Array:
+    """The norm weight of what follows layer i: layer i+1's attention norm, or the final norm."""
+    return params.layers[i + 1].attn_norm if i + 1 < len(params.layers) else params.final_norm
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache,
@@ -144,18 +141,23 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache,
     W = cache.max_len if window is None else min(int(window), cache.max_len)
     positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     x = embed(params.embed, tokens)
+    h = rms_norm(x, params.layers[0].attn_norm, cfg.rms_norm_eps)
     new_k, new_v = [], []
     g = params.tp_groups
-    for lp, kc, vc in zip(params.layers, cache.k, cache.v):
-        q, k, v = _qkv(lp, cfg, ops, x, positions, g)
+    for i, (lp, kc, vc) in enumerate(zip(params.layers, cache.k, cache.v)):
+        q, k, v = _qkv(lp, cfg, ops, h, positions, g)
         att, kc, vc = ops.attend(q, k, v, positions, kc, vc, window=W)
-        x = x + ops.dense(att, lp.wo)
-        x = x + _mlp(lp, cfg, ops, x, g)
+        x, h = ops.add_norm(x, ops.dense(att, lp.wo), lp.mlp_norm, eps=cfg.rms_norm_eps)
+        x, h = ops.add_norm(x, _mlp(lp, cfg, ops, h, g), _next_norm(params, i),
+                            eps=cfg.rms_norm_eps)
         new_k.append(kc)
         new_v.append(vc)
-    if last_only:
+    if last_only and T == 1:
+        h = h[:, 0]
+    elif last_only:  # the final norm of the rows kept only, as a prefill needs
         x = jnp.take_along_axis(x, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
-    logits = _logits(params, cfg, ops, x)
+        h = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+    logits = _logits(params, cfg, ops, h)
     return logits, KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + num_new)
 
 
@@ -182,8 +184,8 @@ def tree_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: ja
     tokens, positions, prefix_len [B, MQ]; cache: the draft's `KVCache` [B, S, KVH, D] per layer,
     read, never written; branch: `BranchKV` [B, MQ, K, KVH, D] per layer; step: int32 scalar
     (own-path slot written and the last one visible); valid [B, MQ]. Returns logits [B, MQ, V]
-    fp32 and the branch KV with slot `step` filled. The attention is `ops.tree_attention` (the
-    plain-jnp reference, or the Pallas kernel of the `pallas` backend).
+    fp32 and the branch KV with slot `step` filled. The write and the attention are
+    `ops.tree_attention` (the plain-jnp reference, or the Pallas kernel of the `pallas` backend).
 
     A step outside [0, K) (its write would be clamped onto the last slot) or a valid branch's
     prefix_len past the cache's S raises `CacheOverflowError`: at once for host values, under
@@ -199,15 +201,17 @@ def tree_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: ja
     check_room(jnp.where(valid, prefix_len, 0), 0, cache.max_len, "tree_step (prefix_len)")
     W = cache.max_len if window is None else min(int(window), cache.max_len)
     x = embed(params.embed, tokens)  # [B, MQ, E]
+    h = rms_norm(x, params.layers[0].attn_norm, cfg.rms_norm_eps)
     new_k, new_v = [], []
     g = params.tp_groups
-    for lp, kc, vc, bk, bv in zip(params.layers, cache.k, cache.v, branch.k, branch.v):
-        q, k, v = _qkv(lp, cfg, ops, x, positions, g)
-        bk = jax.lax.dynamic_update_slice_in_dim(bk, k[:, :, None].astype(bk.dtype), step, axis=2)
-        bv = jax.lax.dynamic_update_slice_in_dim(bv, v[:, :, None].astype(bv.dtype), step, axis=2)
-        att = ops.tree_attention(q, kc[:, :W], vc[:, :W], prefix_len, bk, bv, step, valid)
-        x = x + ops.dense(att.reshape(B, MQ, -1), lp.wo)
-        x = x + _mlp(lp, cfg, ops, x, g)
+    for i, (lp, kc, vc, bk, bv) in enumerate(zip(params.layers, cache.k, cache.v, branch.k,
+                                                 branch.v)):
+        q, k, v = _qkv(lp, cfg, ops, h, positions, g)
+        att, bk, bv = ops.tree_attention(q, k, v, kc, vc, prefix_len, bk, bv, step, valid, window=W)
+        x, h = ops.add_norm(x, ops.dense(att.reshape(B, MQ, -1), lp.wo), lp.mlp_norm,
+                            eps=cfg.rms_norm_eps)
+        x, h = ops.add_norm(x, _mlp(lp, cfg, ops, h, g), _next_norm(params, i),
+                            eps=cfg.rms_norm_eps)
         new_k.append(bk)
         new_v.append(bv)
-    return _logits(params, cfg, ops, x), BranchKV(k=tuple(new_k), v=tuple(new_v))
+    return _logits(params, cfg, ops, h), BranchKV(k=tuple(new_k), v=tuple(new_v))

@@ -66,6 +66,14 @@ def tree_inputs(cfg, dtype, seed=0):
                 branch_v=nrm(keys[4], (B, MQ, K, KVH, D)), branch_valid=jnp.asarray(valid))
 
 
+def tree_kernel(q, k_cache, v_cache, prefix_len, branch_k, branch_v, step, valid, **kw):
+    """The kernel with the reference's arguments: it writes entry `step` of the branch buffers
+    with the rows already there, and its attention output is compared and timed."""
+    take = lambda buf: jax.lax.dynamic_index_in_dim(buf, step, axis=2, keepdims=False)  # noqa: E731
+    return tree_attention(q, take(branch_k), take(branch_v), k_cache, v_cache, prefix_len,
+                          branch_k, branch_v, step, valid, **kw)[0]
+
+
 def tree_args(t, step, prefix_len=None, valid=None, q=None):
     return (t["q"] if q is None else q, t["k_cache"], t["v_cache"],
             t["prefix_len"] if prefix_len is None else prefix_len, t["branch_k"], t["branch_v"],
@@ -159,7 +167,7 @@ def check_tree(cfg, interpret, kernel_kw, report):
         plen[0, 0], plen[0, 1], plen[0, 2] = 0, min(64, cfg["S"]), min(128, cfg["S"])
         for step in range(cfg["K"]):
             args = tree_args(t, step, prefix_len=jnp.asarray(plen), valid=jnp.asarray(valid))
-            out = tree_attention(*args, interpret=interpret, **kernel_kw)
+            out = tree_kernel(*args, interpret=interpret, **kernel_kw)
             ref = tree_attention_reference(*args)
             err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
             bad = bool(jnp.isnan(out).any()) or err > tol
@@ -298,7 +306,7 @@ def main(argv=None) -> int:
                        for bs in (32, 64, 128) for ns in (1, 2, 4, 8) for nw in (4, 8)])
     best_tree = math.inf
     for kw in tree_cfgs:
-        fn = lambda *a, kw=kw: tree_attention(*a, interpret=interpret, **kw)  # noqa: E731
+        fn = lambda *a, kw=kw: tree_kernel(*a, interpret=interpret, **kw)  # noqa: E731
         try:
             s = time_loop(tree_body(fn, K), init_t, t, iters, reps, unroll)
         except Exception as e:  # a config Triton cannot compile (e.g. out of registers/smem)

@@ -202,19 +202,23 @@ def write_split(o_ref, lse_ref, carry, keep):
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
-def _tree_kernel(q_ref, rows_ref, k_ref, v_ref, bk_ref, bv_ref, o_ref, lse_ref, *, scale, block_s,
-                 num_splits, branches, group, precision):
+def _tree_kernel(q_ref, rows_ref, kn_ref, vn_ref, k_ref, v_ref, bk_ref, bv_ref, o_ref, lse_ref,
+                 bk_out, bv_out, *, scale, block_s, num_splits, branches, group, precision):
     """One program = one (sequence b, kv head h, split).
 
     q_ref:    [R, D]      the MQ x G queries that use kv head h (branch-major, padded rows zero)
     rows_ref: [3, R] int32: each row's visible prefix length; 1 for a valid branch's row (0 for
               an invalid branch and the padding); the own-path step (every entry the same)
+    kn_ref, vn_ref: [MQp, D] the branches' new K / V rows for kv head h (rows past MQ zero)
     k_ref, v_ref: [S_blk, D]  the whole cache of (b, h); only blocks of the live prefix are read
-    bk_ref, bv_ref: [MQ, Kb, D] the branches' own-path K / V of kv head h
+    bk_ref, bv_ref: [MQ, Kb, D] the branches' own-path K / V of kv head h; entries < step read
     o_ref:    [R, D]      this split's output, normalised by its own softmax sum (0 if empty)
     lse_ref:  [R] f32     this split's log-sum-exp (-inf if the row saw nothing here)
+    bk_out, bv_out: the same branch buffers (aliased): the last split writes entry `step`
 
-    The last split also takes the own paths: entry e <= step of branch m, for the rows of m.
+    The last split also takes the own paths: entries e < step of branch m from its buffer and
+    entry `step` from the new rows, for the rows of m; then it writes the new rows. It reads no
+    entry it writes, so no program waits on another's store.
     """
     split = pl.program_id(2)
     q = q_ref[...]
@@ -239,7 +243,8 @@ def _tree_kernel(q_ref, rows_ref, k_ref, v_ref, bk_ref, bv_ref, o_ref, lse_ref, 
         v = masked_load(v_ref.at[pl.ds(start, block_s), :], mask=in_live, other=0)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                             preferred_element_type=jnp.float32) * scale  # [R, block_s]
-        return online_step(carry, jnp.where(cols[None, :] < plen[:, None], s, -jnp.inf), v, precision)
+        return online_step(carry, jnp.where(cols[None, :] < plen[:, None], s, -jnp.inf), v,
+                           precision)
 
     carry = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
              jnp.zeros((rows,), jnp.float32))
@@ -248,30 +253,39 @@ def _tree_kernel(q_ref, rows_ref, k_ref, v_ref, bk_ref, bv_ref, o_ref, lse_ref, 
     # Own paths. Entry e of every branch at once: K_e [MQp, D] scored by every row, each row keeping
     # its own branch's column (a one-hot choice), V_e's row of that branch picked by a one-hot dot
     # (exact). MQp >= 16 rows keep Triton's dots legal; rows past MQ read as 0.
-    mq_pad = max(16, next_pow2(branches))
+    mq_pad = kn_ref.shape[0]
     mcol = lax.broadcasted_iota(jnp.int32, (rows, mq_pad), 1)
     mine = mcol == lax.broadcasted_iota(jnp.int32, (rows, mq_pad), 0) // group  # [R, MQp]
     in_mq = (lax.broadcasted_iota(jnp.int32, (mq_pad,), 0) < branches)[:, None]
     last = split == num_splits - 1
-    steps = jnp.where(last, jnp.max(rows_ref[2, :]) + 1, 0)  # entries 0..step, last split only
+    step = jnp.max(rows_ref[2, :])
     zero = split * 0  # a traced start: the [MQp] window may run past MQ (masked), as any load
 
-    def own(e, carry):
-        ke = masked_load(bk_ref.at[pl.ds(zero, mq_pad), e, :], mask=in_mq, other=0)
-        ve = masked_load(bv_ref.at[pl.ds(zero, mq_pad), e, :], mask=in_mq, other=0)
+    def own(ke, ve, carry):
         s = lax.dot_general(q, ke, (((1,), (1,)), ((), ())), precision=precision,
                             preferred_element_type=jnp.float32) * scale  # [R, MQp]
-        s = jnp.sum(jnp.where(mine, s, 0.0), axis=1, keepdims=True)  # [R, 1]: own branch's
+        s = jnp.sum(jnp.where(mine, s, 0.0), axis=1)  # [R]: each row's own branch
         o, m, l = carry
-        m_new = jnp.maximum(m, s[:, 0])
+        m_new = jnp.maximum(m, s)
         alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s[:, 0] - m_new)
+        p = jnp.exp(s - m_new)
         v_own = lax.dot_general(mine.astype(ve.dtype), ve, (((1,), (0,)), ((), ())),
                                 precision=precision, preferred_element_type=jnp.float32)
         return alpha[:, None] * o + p[:, None] * v_own, m_new, alpha * l + p
 
-    carry = lax.fori_loop(0, steps, own, carry)
+    def entry(e, carry):
+        ke = masked_load(bk_ref.at[pl.ds(zero, mq_pad), e, :], mask=in_mq, other=0)
+        ve = masked_load(bv_ref.at[pl.ds(zero, mq_pad), e, :], mask=in_mq, other=0)
+        return own(ke, ve, carry)
+
+    kn, vn = kn_ref[...], vn_ref[...]
+    with_own = own(kn, vn, lax.fori_loop(0, jnp.where(last, step, 0), entry, carry))
+    carry = tuple(jnp.where(last, a, b) for a, b in zip(with_own, carry))
     write_split(o_ref, lse_ref, carry, rows_ref[1, :] != 0)
+
+    write = last & in_mq
+    masked_store(bk_out.at[pl.ds(zero, mq_pad), step, :], kn, mask=write)
+    masked_store(bv_out.at[pl.ds(zero, mq_pad), step, :], vn, mask=write)
 
 
 def merge_splits(o_split, lse_split, items: int, heads: int, out_dtype, *, interpret=False):
@@ -353,26 +367,36 @@ def default_tiling(rows: int, head_dim: int) -> tuple[int, int]:
     return block_s, num_warps
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_s", "num_splits", "num_warps",
-                                             "num_stages", "interpret"))
-def tree_attention(q, k_cache, v_cache, prefix_len, branch_k, branch_v, step, branch_valid, *,
-                   scale=None, block_s=None, num_splits=None, num_warps=None, num_stages=2,
-                   interpret=False):
-    """Pallas tree attention; same arguments and result as `tree_attention_reference`.
+@functools.partial(jax.jit, static_argnames=("window", "scale", "block_s", "num_splits",
+                                             "num_warps", "num_stages", "interpret"))
+def tree_attention(q, k_new, v_new, k_cache, v_cache, prefix_len, branch_k, branch_v, step,
+                   branch_valid, *, window=None, scale=None, block_s=None, num_splits=None,
+                   num_warps=None, num_stages=2, interpret=False):
+    """A tree step's branch write and attention: the new rows k_new / v_new [B, MQ, KVH, D]
+    written at entry `step` of the branch buffers, then `tree_attention_reference` over the
+    first `window` cache slots (default all). Returns (out [B, MQ, H, D], branch_k, branch_v);
+    the buffers are aliased to the outputs (in place where the caller donates them).
 
-    Two launches: the attention (prefix split-k, own paths in the last split) and the merge of
-    the splits. Static: shapes, scale, block_s (power of 2 >= 16), num_splits (split-k count over
-    the live prefix), Triton num_warps / num_stages, interpret (run the kernels in the Pallas
-    interpreter, e.g. on CPU). None picks `default_tiling` / `default_num_splits`. Data:
-    prefix_len, step, branch_valid.
+    Two launches: the attention (prefix split-k, own paths and the write in the last split) and
+    the merge of the splits. Static: window, scale, block_s (power of 2 >= 16), num_splits
+    (split-k count over the live prefix), Triton num_warps / num_stages, interpret (run the
+    kernels in the Pallas interpreter, e.g. on CPU). None picks `default_tiling` /
+    `default_num_splits`. Data: prefix_len, step, branch_valid.
     """
     require_triton()
     B, MQ, H, D, S, KVH, G, Kb = _check_shapes(q, k_cache, v_cache, prefix_len, branch_k,
                                                branch_v, branch_valid)
+    if k_new.shape != (B, MQ, KVH, D) or v_new.shape != k_new.shape:
+        raise ValueError(f"k_new / v_new must be [B, MQ, KVH, D] = {[B, MQ, KVH, D]}; got "
+                         f"{k_new.shape}, {v_new.shape}")
+    W = S if window is None else int(window)
+    if not 1 <= W <= S:
+        raise ValueError(f"window {W} must be in [1, {S}]")
     # Rows: the MQ x G queries of one kv head, padded (Triton tensor and dot minimum; the merge's
     # window). Padded rows get prefix length 0 and no validity.
     MG = MQ * G
     R = rows_for(MQ, G)
+    MQp = max(16, next_pow2(MQ))
     auto_block_s, auto_warps = default_tiling(R, D)
     block_s = auto_block_s if block_s is None else block_s
     num_warps = auto_warps if num_warps is None else num_warps
@@ -380,52 +404,72 @@ def tree_attention(q, k_cache, v_cache, prefix_len, branch_k, branch_v, step, br
         raise ValueError(f"block_s must be a power of 2 >= 16 (Triton), got {block_s}")
     if not (is_pow2(D) and D >= 16):
         raise ValueError(f"head dim must be a power of 2 >= 16 (Triton), got {D}")
-    if k_cache.dtype != v_cache.dtype or branch_k.dtype != k_cache.dtype:
+    dt = k_cache.dtype
+    if v_cache.dtype != dt or branch_k.dtype != dt or branch_v.dtype != dt:
         raise ValueError("k_cache, v_cache and the branch KV must share a dtype")
     scale = float(D ** -0.5 if scale is None else scale)
     if num_splits is None:
-        num_splits = default_num_splits(B, KVH, S, block_s)
+        num_splits = default_num_splits(B, KVH, W, block_s)
     s_blk = -(-S // block_s) * block_s  # cache block: S rounded up to whole blocks (masked loads)
 
     valid = branch_valid.astype(bool)
     q_c = jnp.where(valid[:, :, None, None], q, 0)  # invalid branches: no garbage into the dots
-    q_rows = q_c.astype(k_cache.dtype).reshape(B, MQ, KVH, G, D).transpose(0, 2, 1, 3, 4)
-    # [B, KVH, R, D], row = m * G + g (branch-major, so row // G is the branch)
-    q_rows = jnp.pad(q_rows.reshape(B, KVH, MG, D), ((0, 0), (0, 0), (0, R - MG), (0, 0)))
-    plen = jnp.where(valid, jnp.clip(prefix_len.astype(jnp.int32), 0, S), 0)
+    q_rows = q_c.astype(dt).reshape(B, MQ, KVH, G, D).transpose(0, 2, 1, 3, 4).reshape(B, KVH, MG, D)
+    # One operand for the queries and the new rows, [B, KVH, R + 2 MQp, D]: the queries (row
+    # m * G + g, branch-major, so row // G is the branch), then the new K rows, then the new V
+    # rows, each padded with zeros (XLA makes it in one fusion with the rotary embedding).
+    pad_m = ((0, 0), (0, 0), (0, MQp - MQ), (0, 0))
+    rows = jnp.concatenate([jnp.pad(q_rows, ((0, 0), (0, 0), (0, R - MG), (0, 0))),
+                            jnp.pad(k_new.astype(dt).transpose(0, 2, 1, 3), pad_m),
+                            jnp.pad(v_new.astype(dt).transpose(0, 2, 1, 3), pad_m)], axis=2)
+    plen = jnp.where(valid, jnp.clip(prefix_len.astype(jnp.int32), 0, W), 0)
     per_row = lambda x: jnp.pad(jnp.repeat(x, G, axis=1), ((0, 0), (0, R - MG)))  # noqa: E731
     row_info = jnp.stack([per_row(plen), per_row(valid.astype(jnp.int32)),
                           jnp.broadcast_to(jnp.asarray(step, jnp.int32), (B, R))], axis=1)
 
-    precision = _HIGHEST if k_cache.dtype == jnp.float32 else None
+    precision = _HIGHEST if dt == jnp.float32 else None
     kernel = functools.partial(_tree_kernel, scale=scale, block_s=block_s,
                                num_splits=num_splits, branches=MQ, group=G, precision=precision)
+    cache_spec = pl.BlockSpec((None, s_blk, None, D), lambda b, h, s: (b, 0, h, 0))
     branch_spec = pl.BlockSpec((None, MQ, Kb, None, D), lambda b, h, s: (b, 0, 0, h, 0))
-    o_split, lse_split = pl.pallas_call(
+    new_row = R // MQp  # the new K rows' block index in `rows` (R is a multiple of MQp)
+    o_split, lse_split, branch_k, branch_v = pl.pallas_call(
         kernel,
         grid=(B, KVH, num_splits),
         in_specs=[
             pl.BlockSpec((None, None, R, D), lambda b, h, s: (b, h, 0, 0)),
             pl.BlockSpec((None, 3, R), lambda b, h, s: (b, 0, 0)),
-            pl.BlockSpec((None, s_blk, None, D), lambda b, h, s: (b, 0, h, 0)),
-            pl.BlockSpec((None, s_blk, None, D), lambda b, h, s: (b, 0, h, 0)),
-            branch_spec, branch_spec,
+            pl.BlockSpec((None, None, MQp, D), lambda b, h, s: (b, h, new_row, 0)),
+            pl.BlockSpec((None, None, MQp, D), lambda b, h, s: (b, h, new_row + 1, 0)),
+            cache_spec, cache_spec, branch_spec, branch_spec,
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, R, D), lambda b, h, s: (b, h, s, 0, 0)),
             pl.BlockSpec((None, None, None, R), lambda b, h, s: (b, h, s, 0)),
+            branch_spec, branch_spec,
         ],
         out_shape=[
             # Partial outputs are normalised per split, so storing them in the cache dtype loses
             # no range; the log-sum-exp stays float32.
-            jax.ShapeDtypeStruct((B, KVH, num_splits, R, D), k_cache.dtype),
+            jax.ShapeDtypeStruct((B, KVH, num_splits, R, D), dt),
             jax.ShapeDtypeStruct((B, KVH, num_splits, R), jnp.float32),
+            jax.ShapeDtypeStruct(branch_k.shape, dt),
+            jax.ShapeDtypeStruct(branch_v.shape, dt),
         ],
+        input_output_aliases={6: 2, 7: 3},
         compiler_params=triton_params(num_warps, num_stages),
         interpret=interpret,
         name="ssd_tree_attention",
-    )(q_rows, row_info, k_cache, v_cache, branch_k, branch_v)
-    return merge_splits(o_split, lse_split, MQ, H, q.dtype, interpret=interpret)
+    )(rows, row_info, rows, rows, k_cache, v_cache, branch_k, branch_v)
+    return merge_splits(o_split, lse_split, MQ, H, q.dtype, interpret=interpret), branch_k, branch_v
+
+
+def write_branch(branch_k, branch_v, k_new, v_new, step):
+    """The new rows [B, MQ, KVH, D] at entry `step` of the branch buffers [B, MQ, Kb, KVH, D]:
+    the reference of the kernel's write."""
+    put = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+        buf, new[:, :, None].astype(buf.dtype), step, axis=2)
+    return put(branch_k, k_new), put(branch_v, v_new)
 
 
 def prefix_bytes(batch: int, live_prefix: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
@@ -434,4 +478,5 @@ def prefix_bytes(batch: int, live_prefix: int, kv_heads: int, head_dim: int, ite
 
 
 __all__ = ["tree_attention", "tree_attention_reference", "tree_attention_xla",
-           "default_num_splits", "default_tiling", "merge_splits", "prefix_bytes", "rows_for"]
+           "default_num_splits", "default_tiling", "merge_splits", "prefix_bytes", "rows_for",
+           "write_branch"]

@@ -85,10 +85,10 @@ def test_a_kernel_that_fails_to_compile_falls_back_once(monkeypatch):
 def test_the_engine_falls_back_when_a_kernel_fails_at_its_shapes(pair, monkeypatch):
     """A tree-attention "kernel" that passes the probe (2 branches) but cannot lower the engine's
     wider tree: the draft worker warns, uses the XLA op, and the tokens equal the xla engine's."""
-    def picky(q, *rest):
+    def picky(q, *rest, **kw):
         if q.shape[1] > 2:
             raise NotImplementedError(f"{q.shape[1]} branches")
-        return xla_tree_attention(q, *rest)
+        return xla_tree_attention(q, *rest, **kw)
 
     monkeypatch.setattr(backends, "_WARNED", set())
     ops = dataclasses.replace(XLA, name="picky", tree_attention=picky)

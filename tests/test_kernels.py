@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ssd_jax.models.ops import xla_attend
+from ssd_jax.models.ops import xla_add_norm, xla_attend
+from ssd_jax.pallas_kernels import add_norm as norm_kernel
 from ssd_jax.pallas_kernels.cache_attention import MAX_ROWS, cache_attention, serves
 from ssd_jax.pallas_kernels.cache_gather import cache_gather, cache_gather_reference
 from ssd_jax.pallas_kernels.tree_attention import (tree_attention, tree_attention_reference,
@@ -60,6 +61,13 @@ def _tree_problem(rng, *, B, fanout, KVH, G, D, S, Kb, block_s, dtype=np.float32
 
 
 def _call(fn, a, step, **kw):
+    """fn's attention output. The kernel also writes entry `step` of the branch buffers: it is
+    given the rows already there (the write is checked on its own below)."""
+    if fn is tree_attention:
+        new = [a[name][:, :, step] for name in ("branch_k", "branch_v")]
+        out, bk, bv = fn(a["q"], *new, a["k_cache"], a["v_cache"], a["prefix_len"], a["branch_k"],
+                         a["branch_v"], jnp.int32(step), a["branch_valid"], **kw)
+        return out
     return fn(a["q"], a["k_cache"], a["v_cache"], a["prefix_len"], a["branch_k"], a["branch_v"],
               jnp.int32(step), a["branch_valid"], **kw)
 
@@ -223,6 +231,32 @@ def test_tree_kernel_masked_rows_are_exact_zeros_and_garbage_is_never_read():
     assert float(jnp.max(jnp.abs(out - _call(tree_attention_reference, own_only, 2)))) <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_tree_kernel_writes_the_new_rows_and_attends_to_them(dtype):
+    """The op `ssd_jax.models.ops.xla_tree_attention` (write, then the reference) against the
+    kernel: the buffers bit for bit (entry `step` of every branch, valid or not, the rest
+    untouched) and the output, at every step, over a window short of the cache."""
+    from ssd_jax.models.ops import xla_tree_attention
+
+    rng = np.random.default_rng(21)
+    a = _tree_problem(rng, B=2, fanout=[3, 1, 2], KVH=2, G=3, D=32, S=60, Kb=4, block_s=16,
+                      dtype=dtype, force_prefix=(0, 33))
+    bk, bv = a["branch_k"], a["branch_v"]
+    tol = 2e-6 if dtype == jnp.float32 else 3e-2
+    for step in range(4):
+        kn, vn = (jnp.asarray(rng.standard_normal(bk.shape[:2] + bk.shape[3:]), dtype)
+                  for _ in range(2))
+        args = (a["q"], kn, vn, a["k_cache"], a["v_cache"], a["prefix_len"], bk, bv,
+                jnp.int32(step), a["branch_valid"])
+        out, k2, v2 = tree_attention(*args, window=40, block_s=16, interpret=True)
+        ref, rk, rv = xla_tree_attention(*args, window=40)
+        np.testing.assert_array_equal(np.asarray(k2, np.float32), np.asarray(rk, np.float32))
+        np.testing.assert_array_equal(np.asarray(v2, np.float32), np.asarray(rv, np.float32))
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                                   atol=tol, rtol=tol)
+        bk, bv = k2, v2  # the next step sees this one's rows
+
+
 # ----------------------------------------------------------------------------------------------
 # Cache gather
 # ----------------------------------------------------------------------------------------------
@@ -350,6 +384,32 @@ def test_cache_attention_refuses_what_it_does_not_serve():
 
 
 # ----------------------------------------------------------------------------------------------
+# The residual add and RMSNorm of one row: kernel vs xla_add_norm
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("E", [1536, 896, 100, 64])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_add_norm_kernel_matches_xla_add_norm(E, dtype):
+    rng = np.random.default_rng(E)
+    x, delta = (jnp.asarray(rng.standard_normal((1, 1, E)) * 3, dtype) for _ in range(2))
+    w = jnp.asarray(rng.standard_normal(E), dtype)
+    y, h = norm_kernel.add_norm(x, delta, w, eps=1e-6, interpret=True)
+    ry, rh = xla_add_norm(x, delta, w, eps=1e-6)
+    assert y.dtype == ry.dtype and h.dtype == rh.dtype and h.shape == x.shape
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(ry, np.float32))
+    # the sum of squares in another order: in bf16 the normed value and its product with w are
+    # each rounded, so two bf16 ulps (2 x 2^-7 relative at most)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == jnp.float32 else dict(atol=1e-2, rtol=2 ** -6)
+    np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(rh, np.float32), **tol)
+
+
+def test_add_norm_kernel_takes_one_row_only():
+    x = jnp.zeros((2, 1, 64))
+    assert not norm_kernel.serves(x) and norm_kernel.serves(x[:1])
+    with pytest.raises(ValueError, match="one row"):
+        norm_kernel.add_norm(x, x, jnp.ones(64), eps=1e-6, interpret=True)
+
+
+# ----------------------------------------------------------------------------------------------
 # Cross-lowering to CUDA (Triton) on the CPU, at the engine's shapes
 # ----------------------------------------------------------------------------------------------
 def _custom_calls(op, acc):
@@ -416,7 +476,8 @@ ENGINE_TREE_SHAPES = [(1, 24, 14, 2, 64, 1024, 7), (2, 24, 14, 2, 64, 1024, 7),
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 def test_tree_kernel_lowers_for_cuda(shape, dtype):
     B, MQ, H, KVH, D, S, Kb = shape
-    args = (_sds((B, MQ, H, D), dtype), _sds((B, S, KVH, D), dtype), _sds((B, S, KVH, D), dtype),
+    args = (_sds((B, MQ, H, D), dtype), _sds((B, MQ, KVH, D), dtype), _sds((B, MQ, KVH, D), dtype),
+            _sds((B, S, KVH, D), dtype), _sds((B, S, KVH, D), dtype),
             _sds((B, MQ), jnp.int32), _sds((B, MQ, Kb, KVH, D), dtype),
             _sds((B, MQ, Kb, KVH, D), dtype), _sds((), jnp.int32), _sds((B, MQ), jnp.bool_))
     # the attention and the merge of its splits
@@ -437,6 +498,13 @@ def test_cache_attention_lowers_for_cuda(shape, dtype):
             _sds((B, T), jnp.int32), _sds((B, S, KVH, D), dtype), _sds((B, S, KVH, D), dtype))
     # the attention and the merge of its splits
     _check_triton_lowering(cache_attention, *args, ieee_dots=dtype == jnp.float32, kernels=2)
+
+
+@pytest.mark.parametrize("E", [1536, 896])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_add_norm_kernel_lowers_for_cuda(E, dtype):
+    args = (_sds((1, 1, E), dtype), _sds((1, 1, E), dtype), _sds((E,), dtype))
+    _check_triton_lowering(lambda x, d, w: norm_kernel.add_norm(x, d, w, eps=1e-6), *args)
 
 
 @pytest.mark.parametrize("B", [1, 2, 4, 16])
