@@ -16,5 +16,5 @@ from ssd_jax.pallas_kernels.cache_gather import cache_gather, cache_gather_refer
 from ssd_jax.pallas_kernels.tree_attention import (tree_attention, tree_attention_reference,
                                            tree_attention_xla)
 
-__all__ = ["add_norm", "cache_attention", "cache_gather", "cache_gather_reference", "tree_attention", "tree_attention_reference",
-           "tree_attention_xla"]
+__all__ = ["add_norm", "cache_attention", "cache_gather", "cache_gather_reference",
+           "tree_attention", "tree_attention_reference", "tree_attention_xla"]
