@@ -65,7 +65,7 @@ def pytest_collection_modifyitems(config, items):
 
 # marker -> (the modules its tests import, the extra that installs them)
 NEEDS = {"oracle": (("torch", "transformers"), "oracle"),
-         "gpu_aot": (("jax_plugins.xla_cuda12",), "inspect")}
+         "gpu_aot": (("jax_plugins.xla_cuda12", "libtpu"), "inspect")}
 
 
 def _missing(marker: str) -> str | None:

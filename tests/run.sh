@@ -36,8 +36,9 @@ main_pass() {
   ssd-jax fetch qwen2.5-coder-1.5b qwen2.5-coder-0.5b smollm2-135m humaneval sharegpt mt-bench asdiv
   python -m pytest -n 2 -m "not real_weights and not oracle and not gpu_aot"
   python -m pytest -n 2 -m "real_weights and not alone and not oracle"
-  # then JAX's CUDA plugin (the `inspect` extra, ~200 MB) and what compiles for an H100 without
-  # one; installed last so that the suite above runs as a CPU user's install does
+  # then JAX's CUDA plugin and libtpu (the `inspect` extra, ~850 MB) and what compiles for an
+  # H100 or a TPU v5e without one; installed last so that the suite above runs as a CPU user's
+  # install does
   python -m pip install -q -e ".[inspect]"
   python -m pytest -m gpu_aot
   deactivate

@@ -172,6 +172,40 @@ def test_the_default_pairs_decode_compiles_for_an_h100_without_one(tmp_path, cap
     assert any(k.startswith("fusion") for k in dec["kernel_ops"])
 
 
+# The bounds of issue #54 on the default pair's steps as the engine compiles them for an H100
+# (the pallas table): at most 12 launches a layer, no KV cache moved whole, the bytes XLA's cost
+# analysis counts within 1.25x of the weights plus the KV window. Where the program is not there
+# yet the bound is the figure reached, so that a regression anywhere fails: verify at b = 16
+# launches 12 a layer plus the split-k reductions XLA's GEMM heuristics add without a device to
+# tune on, and the wide steps (80 and 144 query rows at b = 16, a tree of 9 branches at b = 1)
+# also move their activations and fp32 logits, which the must-read does not count.
+AOT_STEPS = ("decode", "verify", "draft", "tree")
+AOT_BOUNDS = {("verify", 16): dict(per_layer=12.5, bytes=1.4), ("tree", 1): dict(bytes=1.4),
+              ("tree", 16): dict(bytes=1.9)}
+
+
+@pytest.mark.gpu_aot
+def test_every_default_step_on_an_h100_launches_few_kernels_and_moves_no_cache():
+    reports = ins.inspect_pair(ins.default_pair(), "h100", steps=AOT_STEPS, batches=(1, 16))
+    assert len(reports) == len(AOT_STEPS) * 2
+    for r in reports:
+        bound = {"per_layer": 12.0, "bytes": 1.25, **AOT_BOUNDS.get((r.step, r.batch), {})}
+        assert r.per_layer <= bound["per_layer"], r.line()
+        assert r.cache_copies == 0, r.line()
+        assert r.bytes_ratio is not None and r.bytes_ratio <= bound["bytes"], r.line()
+        # the Pallas kernels are what the engine runs there: the attention and its merge at least
+        assert r.kernel_ops.get("custom-call", 0) >= 2 * r.layers, r.line()
+
+
+@pytest.mark.gpu_aot
+def test_every_step_compiles_for_a_tpu_v5e_without_one():
+    """The TPU's default path (the XLA ops: no Triton kernel on it) for every step, b = 1 and 16."""
+    assert ins.default_ops("tpu-v5e").name == "xla"
+    reports = ins.inspect_pair(ins.default_pair(), "tpu-v5e", batches=(1, 16))
+    assert [(r.step, r.batch) for r in reports] == [(s, b) for b in (1, 16) for s in ins.STEPS]
+    assert all(r.kernels > r.layers for r in reports)
+
+
 def test_the_librarys_compile_options_leave_a_cpu_program_as_it_was():
     """`aot.COMPILER_OPTIONS` only turns off an XLA:GPU pass: the CPU compiles the decode step to
     the same program with them as without (metadata aside)."""
