@@ -126,16 +126,23 @@ def test_a_cache_moved_whole_is_counted_and_an_update_in_place_is_not():
     assert ins.analyse(in_place, **kw)["cache_copies"] == 0
 
 
+# Forwards of the model one iteration of a step runs (CFG as target and draft, K = 3): a chunk
+# verifies once and drafts K steps (SD) or a glue forward and K tree steps (SSD).
+PASSES = {"sd_chunk": 1 + 3, "ssd_chunk": 1 + 1 + 3}
+
+
 @pytest.mark.parametrize("step", ins.STEPS)
 def test_every_step_compiles_and_reports_on_the_local_backend(step):
     rep = ins.inspect_step(step, CFG, ins.Shapes(batch=2, max_len=32, k=3, prompt=8,
                                                  fanout=(2, 1, 1, 1)), "local")
-    assert rep.step == step and rep.batch == 2 and rep.layers == 2
-    assert rep.kernels > 0 and rep.per_layer == rep.kernels / 2
+    passes = PASSES.get(step, 1)
+    assert rep.step == step and rep.batch == 2 and rep.layers == 2 * passes
+    assert rep.kernels > 0 and rep.per_layer == rep.kernels / rep.layers
     assert rep.bytes_accessed is not None and rep.bytes_ratio > 0
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
         jax.eval_shape(lambda k: init_params(CFG, k), jax.random.key(0))))
-    assert rep.must_read == weights + 2 * 2 * 2 * 32 * 2 * 8 * 4  # K and V, layers, B, S, KVH, D
+    kv = 2 * 2 * 2 * 32 * 2 * 8 * 4  # K and V, layers, B, S, KVH, D, fp32
+    assert rep.must_read == passes * (weights + kv)
     assert rep.memory["arguments"] >= weights and rep.compile_s > 0
 
 

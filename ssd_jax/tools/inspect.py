@@ -6,20 +6,25 @@ Nothing runs. For each step of a pair at a batch size it reports, from the optim
 
 - `kernels`: the operations a call launches (fusions, library calls, copies, sorts, ...; not
   parameters, tuples, bitcasts or constants), in the entry computation and in every loop body or
-  branch it runs (a loop body counted once), and `per_layer`, that over the model's layers;
+  branch it runs (a loop body counted once), and `per_layer`, that over the decoder layers it
+  runs (a chunk: those of one iteration);
 - `cache_copies`: copies or transposes the size of one layer's KV cache (a cache moved whole
   instead of updated in place);
 - `large_temporaries`: other results the size of a layer's smallest weight or more that are not
   outputs (a weight-sized intermediate, e.g. a vector-matrix product done as multiply + reduce);
 - `bytes_accessed` (XLA's cost analysis of the optimized module) against `must_read`, the weights
-  plus the KV cache window the step reads: `bytes_ratio` 1.0 is every byte read once;
+  plus the KV cache window the step reads (a chunk: once a forward of one iteration):
+  `bytes_ratio` 1.0 is every byte read once;
 - `memory` (`memory_analysis()`: arguments, outputs, temporaries) and `compile_s`.
 
 Each step is compiled as the engine compiles its steps (`ssd_jax.algorithm.aot.step_jit`: with the
 library's XLA options). Steps, each a pure function over abstract arrays (`jax.eval_shape` of `init_params` / `init_cache`,
 so a 1.5B model takes no memory): `decode` (one token, greedy), `verify` (K+1 tokens at once),
-`prefill` (a prompt block, last logits), `draft` (the draft's one-token step) and `tree` (SSD's
-branch step, `tree_step`, over sum(fan-out) branches).
+`prefill` (a prompt block, last logits), `draft` (the draft's one-token step), `tree` (SSD's
+branch step, `tree_step`, over sum(fan-out) branches), and the engine's loops as it dispatches
+them (`CHUNKS`: AR's decode chunk, SD's and SSD's round chunks with their sampling, commit and
+resolve work; greedy). The model ops are the table the engine picks on the target
+(`default_ops`).
 
 A GPU target needs the CUDA plugin (`pip install "ssd_jax[inspect]"`: the plugin and its PJRT
 runtime, no CUDA libraries) and, on a machine without a GPU, JAX's platforms left to "cpu" (set
@@ -29,13 +34,14 @@ target needs `libtpu`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import time
 from pathlib import Path
 from typing import Callable
 
 TARGETS = ("h100", "h200", "tpu-v5e", "local")
-STEPS = ("decode", "verify", "prefill", "draft", "tree")
+STEPS = ("decode", "verify", "prefill", "draft", "tree", "ar_chunk", "sd_chunk", "ssd_chunk")
 _TARGET_CONFIGS = Path(__file__).parent / "targets"
 
 # HLO instructions that launch nothing: values, views and containers (a loop's or branch's body
@@ -176,9 +182,11 @@ class ProgramReport:
                 f"temp {self.memory.get('temp', 0) / 2**20:8.1f} MiB  compile {self.compile_s:5.1f} s")
 
 
-def analyse(text: str, *, layers: int, cache_elems: int, small_weight_bytes: int) -> dict:
+def analyse(text: str, *, layers: int, cache_elems, small_weight_bytes: int) -> dict:
     """Counts of module docstring from optimized HLO `text`: kernels (and by opcode, a fusion as
-    its kind), cache-sized copies / transposes, large non-output temporaries."""
+    its kind), cache-sized copies / transposes (cache_elems: a layer's K or V cache in elements, or
+    a tuple of such sizes), large non-output temporaries."""
+    sizes = set(cache_elems) if isinstance(cache_elems, (tuple, list, set)) else {cache_elems}
     comps, entry = parse_hlo(text)
     fused_roots = {name: next((i.op for i in ins if i.root), None) for name, ins in comps.items()}
     outputs = set()
@@ -200,7 +208,7 @@ def analyse(text: str, *, layers: int, cache_elems: int, small_weight_bytes: int
                 root_op = fused_roots.get(called[0]) if called else None
             ops[kind] = ops.get(kind, 0) + 1
             elems = [n for _, n in arrays(ins.shape)]
-            cache_sized = cache_elems in elems
+            cache_sized = bool(sizes.intersection(elems))
             if cache_sized and (ins.op in ("copy", "transpose") or root_op in ("copy", "transpose")):
                 copies += 1
             elif (not cache_sized and c == entry and ins.name not in outputs
@@ -314,7 +322,7 @@ def _step(name: str, cfg, sh: Shapes, ops=None) -> tuple[Callable, tuple, int, i
     B, S = sh.batch, sh.max_len
     params = jax.eval_shape(lambda k: init_params(cfg, k), jax.random.key(0))
     cache = jax.eval_shape(lambda: init_cache(cfg, B, S))
-    kv = 2 * cfg.num_layers * B * S * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+    kv = _kv_bytes(cfg, sh)
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     if name in ("decode", "draft"):
         def fn(p, tok, c):
@@ -342,11 +350,80 @@ def _step(name: str, cfg, sh: Shapes, ops=None) -> tuple[Callable, tuple, int, i
     raise ValueError(f"step must be one of {', '.join(STEPS)}, got {name!r}")
 
 
+# The engine's loops, one dispatch each (`ssd_jax.algorithm.round_steps`): AR's `decode_chunk`
+# (AR_CHUNK decode steps), SD's `sd_chunk` and SSD's `ssd_chunk` (SD_CHUNK rounds), greedy, the
+# draft on the target's device. A loop body is counted once: a chunk's kernels are one
+# iteration's, its `layers` the decoder layers that iteration runs (the target's verify, and the
+# draft's K steps for SD, its glue forward and K tree steps for SSD).
+CHUNKS = ("ar_chunk", "sd_chunk", "ssd_chunk")
+
+
+def chunk_layers(name: str, pair: dict, k: int) -> int:
+    """Decoder layers one iteration of chunk `name` runs (see CHUNKS)."""
+    t, d = pair["target"].num_layers, pair["draft"].num_layers
+    return {"ar_chunk": t, "sd_chunk": t + k * d, "ssd_chunk": t + (k + 1) * d}[name]
+
+
+def _chunk(name: str, pair: dict, sh: Shapes, ops):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ssd_jax.algorithm import round_steps as rs
+    from ssd_jax.algorithm.decode_state import initial_state
+    from ssd_jax.algorithm.sampling import SamplingParams
+    from ssd_jax.algorithm.verify import rejection_sample
+    from ssd_jax.models.kv_cache import init_cache
+    from ssd_jax.models.params import init_params
+
+    B, S, K = sh.batch, sh.max_len, sh.k
+    tcfg, dcfg = pair["target"], pair["draft"]
+    shape = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)  # noqa: E731
+    host = lambda t: jax.tree.map(shape, t)  # noqa: E731
+    state = host(initial_state([[1] * sh.prompt] * B, S - sh.prompt - K - 2, [0], K))
+    greedy = host(SamplingParams.per_request(SamplingParams(temperature=0.0), B))
+    seed, rids = shape(np.int32(0)), shape(np.zeros(B, np.int32))
+    tparams = jax.eval_shape(lambda k: init_params(tcfg, k), jax.random.key(0))
+    tcache = jax.eval_shape(lambda: init_cache(tcfg, B, S))
+    kv = functools.partial(_kv_bytes, shapes=sh)
+    if name == "ar_chunk":
+        def fn(p, c, st, seed, rids, smp):
+            return rs.decode_chunk(p, tcfg, c, st, seed, rids, smp, vocab_size=tcfg.vocab_size,
+                                   ops=ops)
+        return fn, (tparams, tcache, state, seed, rids, greedy), (1, 2), kv(tcfg)
+    dparams = jax.eval_shape(lambda k: init_params(dcfg, k), jax.random.key(0))
+    dcache = jax.eval_shape(lambda: init_cache(dcfg, B, S))
+    V = dcfg.vocab_size
+    spec = jax.ShapeDtypeStruct((B, K), jnp.int32)
+    rows = jax.ShapeDtypeStruct((B, K, V), jnp.float32)
+    common = dict(vocab_size=tcfg.vocab_size, draft_vocab_size=V, row_vocab=V, k=K,
+                  verifier=rejection_sample, tops=ops, dops=ops)
+    if name == "sd_chunk":
+        def fn(tp, tc, dp, dc, st, spec, rows, seed, dseed, rids, smp, dsmp):
+            return rs.sd_chunk(tp, tcfg, tc, dp, dcfg, dc, st, spec, rows, seed, dseed, rids, smp,
+                               dsmp, **common)
+        args = (tparams, tcache, dparams, dcache, state, spec, rows, seed, seed, rids, greedy,
+                greedy)
+        return fn, args, (1, 3), kv(tcfg) + kv(dcfg)
+    fanout = sh.fanout[:K + 1] + (0,) * max(0, K + 1 - len(sh.fanout))
+    counters = host(rs.LookupCounters.zeros(K, B))
+    from_backup = jax.ShapeDtypeStruct((B,), jnp.bool_)
+
+    def fn(tp, tc, dp, dc, st, spec, rows, fb, counters, seed, dseed, rids, smp, dsmp, c):
+        return rs.ssd_chunk(tp, tcfg, tc, dp, dcfg, dc, st, spec, rows, fb, counters, None, seed,
+                            dseed, rids, smp, dsmp, c, None, backup="random",
+                            fanout_hit=fanout, fanout_backup=fanout, **common)
+    args = (tparams, tcache, dparams, dcache, state, spec, rows, from_backup, counters, seed, seed,
+            rids, greedy, greedy, shape(np.float32(1.0)))
+    return fn, args, (1, 3), kv(tcfg) + kv(dcfg)
+
+
 def inspect_step(name: str, cfg, shapes: Shapes = Shapes(), target: str = "local",
-                 device=None, ops=None) -> ProgramReport:
+                 device=None, ops=None, pair: dict | None = None) -> ProgramReport:
     """Compile step `name` (STEPS) of the model `cfg` (a `ModelConfig`; its dtype is the weights')
     at `shapes` for `target` (TARGETS) with the backend table `ops` (default: what the engine
-    picks there, `default_ops`) and report what the program launches and moves."""
+    picks there, `default_ops`) and report what the program launches and moves. A chunk (CHUNKS)
+    runs the pair {"target": cfg, "draft": ...} `pair` (default: cfg as both)."""
     import jax
     from jax.sharding import SingleDeviceSharding
 
@@ -355,35 +432,66 @@ def inspect_step(name: str, cfg, shapes: Shapes = Shapes(), target: str = "local
     device = device or target_device(target)
     ops = default_ops(target) if ops is None else ops
     sharding = SingleDeviceSharding(device)
-    fn, args, donate, kv = _step(name, cfg, shapes, ops)
+    pair = pair or {"target": cfg, "draft": cfg}
+    must = None
+    if name in CHUNKS:
+        fn, args, donate, kv = _chunk(name, pair, shapes, ops)
+        params = (args[0], args[2]) if name != "ar_chunk" else args[0]
+        layers = chunk_layers(name, pair, shapes.k)
+        models = (pair["target"], pair["draft"]) if name != "ar_chunk" else (cfg,)
+        if name != "ar_chunk":  # an iteration reads the draft's weights and KV once a forward
+            per = [sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(p)) + _kv_bytes(m, shapes)
+                   for p, m in zip(params, models)]
+            passes = (layers - models[0].num_layers) // models[1].num_layers
+            must = per[0] + passes * per[1]
+    else:
+        fn, args, donate, kv = _step(name, cfg, shapes, ops)
+        params, layers, models = args[0], cfg.num_layers, (cfg,)
     placed = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
     t = time.perf_counter()
     # Pallas's Triton lowering reads the GPU it lowers for from the default device
     with jax.default_device(device):
         lowered = step_jit(fn, donate_argnums=donate).trace(*placed).lower()
     compiled = lowered.compile()
-    return report(name, compiled, cfg, shapes, args[0], kv, time.perf_counter() - t)
+    return report(name, compiled, cfg, shapes, params, kv, time.perf_counter() - t, layers=layers,
+                  cache_elems=tuple(shapes.batch * shapes.max_len * m.num_kv_heads * m.head_dim
+                                    for m in models), must_read=must)
+
+
+def _kv_bytes(cfg, shapes: Shapes) -> int:
+    """Bytes of the K and V caches of `cfg` at `shapes`."""
+    import jax.numpy as jnp
+    return (2 * cfg.num_layers * shapes.batch * shapes.max_len * cfg.num_kv_heads * cfg.head_dim
+            * jnp.dtype(cfg.dtype).itemsize)
 
 
 def report(name: str, compiled, cfg, shapes: Shapes, params, kv_bytes: int,
-           compile_s: float = 0.0) -> ProgramReport:
+           compile_s: float = 0.0, *, layers: int | None = None, cache_elems=None,
+           must_read: int | None = None) -> ProgramReport:
     """The ProgramReport of a `compiled` step of the model `cfg` at `shapes` whose weights are
-    `params` (arrays or shapes) and which reads `kv_bytes` of KV cache: also for a step compiled
-    elsewhere (the engine's own, `steps.decode.jit.trace(...).lower().compile()`)."""
+    `params` (arrays or shapes; a tuple of two models' for a chunk) and which reads `kv_bytes` of
+    KV cache: also for a step compiled elsewhere (the engine's own,
+    `steps.decode.jit.trace(...).lower().compile()`). layers: the decoder layers it runs (default
+    cfg's); cache_elems: a layer's cache size(s) in elements (default cfg's at `shapes`);
+    must_read: the bytes it must move (default the weights plus `kv_bytes`)."""
     import jax
 
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-    small = min(x.size * x.dtype.itemsize for x in jax.tree.leaves(params.layers[0]) if x.ndim == 2)
-    cache_elems = shapes.batch * shapes.max_len * cfg.num_kv_heads * cfg.head_dim
-    counts = analyse(compiled.as_text(), layers=cfg.num_layers, cache_elems=cache_elems,
+    models = params if isinstance(params, tuple) else (params,)
+    small = min(x.size * x.dtype.itemsize for p in models for x in jax.tree.leaves(p.layers[0])
+                if x.ndim == 2)
+    if cache_elems is None:
+        cache_elems = shapes.batch * shapes.max_len * cfg.num_kv_heads * cfg.head_dim
+    layers = cfg.num_layers if layers is None else layers
+    counts = analyse(compiled.as_text(), layers=layers, cache_elems=cache_elems,
                      small_weight_bytes=small)
     accessed = _bytes_accessed(compiled)
     m = compiled.memory_analysis()
     memory = {} if m is None else dict(arguments=m.argument_size_in_bytes,
                                        outputs=m.output_size_in_bytes, alias=m.alias_size_in_bytes,
                                        temp=m.temp_size_in_bytes)
-    must = weights + kv_bytes
-    return ProgramReport(step=name, batch=shapes.batch, layers=cfg.num_layers, **counts,
+    must = weights + kv_bytes if must_read is None else must_read
+    return ProgramReport(step=name, batch=shapes.batch, layers=layers, **counts,
                          bytes_accessed=accessed, must_read=must,
                          bytes_ratio=None if accessed is None else accessed / must,
                          memory=memory, compile_s=compile_s)
@@ -420,9 +528,9 @@ def inspect_pair(pair: dict, target: str = "local", steps=STEPS, batches=(1, 16)
     reports = []
     for b in batches:
         for name in steps:
-            cfg = pair["target"] if name in TARGET_STEPS else pair["draft"]
+            cfg = pair["draft"] if name in DRAFT_STEPS else pair["target"]
             r = inspect_step(name, cfg, dataclasses.replace(shapes, batch=int(b)), target, device,
-                             ops)
+                             ops, pair)
             reports.append(r)
             if on_report is not None:
                 on_report(r)
