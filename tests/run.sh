@@ -40,7 +40,7 @@ main_pass() {
   # H100 or a TPU v5e without one; installed last so that the suite above runs as a CPU user's
   # install does
   python -m pip install -q -e ".[inspect]"
-  python -m pytest -m gpu_aot
+  python -m pytest -n 2 -m gpu_aot
   deactivate
 }
 

@@ -215,6 +215,18 @@ def _register_outputs() -> None:
 # CPU and TPU programs compile as without the option. Every jitted step that runs a model takes it.
 COMPILER_OPTIONS = {"xla_disable_hlo_passes": "dot-strength-reduction"}
 
+# On a GPU, XLA records a program's kernels into CUDA graphs (command buffers) and launches each
+# graph at once; by default it records fusions, cuBLAS / cuBLASLt calls, custom calls (the Pallas
+# kernels), cuDNN calls and dynamic-slice fusions, but runs a while loop from the host, reading its
+# predicate back every iteration. The engine's chunks (`round_steps.AR_CHUNK` decode steps,
+# `SD_CHUNK` rounds) are while loops, so the library adds the WHILE and CONDITIONAL commands
+# (CUDA graph conditional nodes), which put a whole chunk in one graph. SSD_JAX_COMMAND_BUFFERS=0
+# in the environment before ssd_jax is imported leaves XLA's defaults. CPU and TPU ignore the flag.
+GPU_COMMAND_BUFFERS = ("FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,"
+                       "CONDITIONAL")
+if os.environ.get("SSD_JAX_COMMAND_BUFFERS", "1") != "0":
+    COMPILER_OPTIONS["xla_gpu_enable_command_buffer"] = GPU_COMMAND_BUFFERS
+
 
 class _Step:
     """`fun` jitted twice: with `COMPILER_OPTIONS` for a call from Python, without for a call
@@ -376,5 +388,5 @@ def stored_jit(fun: Callable | None = None, *, static_argnames: Sequence[str] = 
     return StoredJit(fun, static_argnames, donate_argnames)
 
 
-__all__ = ["COMPILER_OPTIONS", "StoredJit", "describe", "library_fingerprint", "set_store",
+__all__ = ["COMPILER_OPTIONS", "GPU_COMMAND_BUFFERS", "StoredJit", "describe", "library_fingerprint", "set_store",
            "step_jit", "store_dir", "stored_jit"]
