@@ -8,15 +8,27 @@ Steps, in order (each one's stdout goes to `<out>/logs.txt`, its figures into
 `<out>/gpu_session.json`, rewritten after every step; `--only a,b` runs some, and the session
 stops starting steps at `--budget-s`). The whole list takes ~15 minutes on an H200, more than a
 lease's run: the first lease (2026-12-04, benchmarks/README.md "On one H200") ran the first five
-of the old order; the next should run `--only engine_check_bf16,step,step_graphs,pair_b16`
-(~8 minutes: the open questions), and a second run, if the lease allows one, `--only
-engine_check,chunk_memory,kernels_paper,host_overhead,projection`.
+of the old order. The next should answer whether the rebuilt GPU path (Pallas attention with the
+cache write, add + norm, the tree kernel with its branch write: ~11 launches a layer instead of
+20-32, benchmarks/README.md "The Pallas path for an H100") pays on the clock, against the commit
+before it on the same warm machine: here, `git worktree add .before 290656c` and
+`echo /.before/ >> .git/info/exclude`; then one `run` carrying `.before`:
+
+    pip install -q --no-deps -e . && python benchmarks/gpu_session.py --out $OUT/after \
+        --only step,pair_b16,pair_b1_warm --budget-s 330 && cd .before && \
+        pip install -q --no-deps -e . && python benchmarks/gpu_session.py --out $OUT/before \
+        --only step,pair_b16 --budget-s 200
+
+(~9 minutes; `pair_b1_warm` needs `pair_b1_cold` before it in the same run to be warm, else it
+is a second cold row). A second run, if the lease allows one: `--only
+engine_check_bf16,step_graphs,kernels_pair,chunk_memory` on this commit.
 
 1. `env`: the device and jax's version (and nvidia-smi's line, in the JSON).
 2. `engine_check`: benchmarks/gpu_engine_check.py: AR, SD, SSD on the xla and pallas backends
    emit plain decoding's tokens, no kernel falls back; chunked rounds beside round by round.
    `engine_check_bf16`: the same runs in bf16, timed (is the pallas backend slower there too?).
-3. `step`: one bare jitted decode step of each of the pair's shapes (see `step`): its time with
+3. `step`: one bare jitted decode step of each of the pair's shapes with the engine's ops and
+   the XLA ones side by side (see `step`): its time with
    the host fetching each token, inside one device loop, against its weights' bytes at HBM
    bandwidth, and the fusions and custom calls it compiles to; `step_graphs` again with XLA's
    command buffers (CUDA graphs) over every thunk kind (smoke: the flags are GPU-only, so the
@@ -47,6 +59,7 @@ engine's best case at K 4); tokens/s here is the engine's speed at that acceptan
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -202,6 +215,9 @@ def step(argv) -> int:
     ap = argparse.ArgumentParser(prog="gpu_session.py step")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--iters", type=int, default=64)
+    ap.add_argument("--backends", default="auto,xla",
+                    help="the op tables timed side by side (default auto,xla: on a GPU the "
+                         "Pallas kernels the engine runs, and the XLA reference ops)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--json", required=True)
     args = ap.parse_args(argv)
@@ -213,6 +229,7 @@ def step(argv) -> int:
     from jax import lax
 
     from ssd_jax.algorithm.aot import step_jit
+    from ssd_jax.models.backends import select
     from ssd_jax.models.kv_cache import init_cache
     from ssd_jax.models.params import init_params, param_bytes
     from ssd_jax.models.transformer import forward
@@ -220,12 +237,15 @@ def step(argv) -> int:
     context, window = (16, 64) if args.smoke else (512, 1024)
     res = dict(device=str(jax.devices()[0]), jax=jax.__version__, context=context, window=window,
                iters=args.iters, hbm_bytes_per_s=4.8e12, runs=[])
-    for name, cfg in _pair_configs(args.smoke, window).items():
+    for (name, cfg), backend in itertools.product(_pair_configs(args.smoke, window).items(),
+                                                  args.backends.split(",")):
+        ops = select(backend)
         params = init_params(cfg, jax.random.key(0))
         wbytes = param_bytes(params)
+        params = ops.prepare(params)
 
-        def decode(p, tok, cache):
-            logits, cache = forward(p, cfg, tok, cache, last_only=True, window=window)
+        def decode(p, tok, cache, cfg=cfg, ops=ops):
+            logits, cache = forward(p, cfg, tok, cache, last_only=True, window=window, ops=ops)
             return jnp.argmax(logits, -1).astype(jnp.int32)[:, None], cache
 
         def device_loop(p, tok, cache):
@@ -265,7 +285,8 @@ def step(argv) -> int:
                 t0 = time.perf_counter()
                 jax.block_until_ready(loop_c(params, tok, c))
                 best = min(best, time.perf_counter() - t0)
-            row = dict(model=name, batch=b, weight_bytes=wbytes, host_loop_ms=host_ms,
+            row = dict(model=name, backend=ops.name, batch=b, weight_bytes=wbytes,
+                       host_loop_ms=host_ms,
                        device_loop_ms=best / args.iters * 1e3,
                        roofline_ms=wbytes / res["hbm_bytes_per_s"] * 1e3, **kernels)
             res["runs"].append(row)
@@ -292,10 +313,10 @@ def _steps(out: Path, smoke: bool, cache: Path):
         ("engine_check_bf16", [py, str(ROOT / "benchmarks" / "gpu_engine_check.py"), *s,
                                "--dtype", "bfloat16", "--json", str(out / "engine_check_bf16.json")],
          150, "engine_check_bf16.json"),
-        ("step", [py, here, "step", *s, "--json", str(out / "step.json")], 150, "step.json"),
+        ("step", [py, here, "step", *s, "--json", str(out / "step.json")], 240, "step.json"),
         # the same steps with XLA's command buffers (CUDA graphs) over every kind of thunk,
         # loops and conditionals included: if `step` is launch-bound, this is the first lever
-        ("step_graphs", [py, here, "step", *s, "--json", str(out / "step_graphs.json")], 150,
+        ("step_graphs", [py, here, "step", *s, "--json", str(out / "step_graphs.json")], 240,
          "step_graphs.json", {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,"
                               "CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL "
                               "--xla_gpu_graph_min_graph_size=1"}),
