@@ -2,9 +2,10 @@
 
 `forward` and `tree_step` (models/transformer.py) never call a kernel by name; they call
 `ops.dense`, `ops.attend`, `ops.swiglu`, `ops.add_norm` and `ops.tree_attention` of the `Ops` they
-are given, and the speculation cache's lookup calls `ops.cache_gather`. An `Ops` is a frozen dataclass of
-functions, so it is hashable and goes to `jax.jit` as a static argument: choosing a backend is
-choosing a table, once per mesh (`ssd_jax.models.backends.select`), never a flag inside the model.
+are given, and the speculation cache's lookup calls `ops.cache_gather`. An `Ops` is a frozen
+dataclass of functions, so it is hashable and goes to `jax.jit` as a static argument: choosing a
+backend is choosing a table, once per mesh (`ssd_jax.models.backends.select`), never a flag
+inside the model.
 
 `XLA` below is the reference table: plain `jnp` on every platform, differentiable, and what the
 other backends are tested against. A backend replaces some entries and supplies `prepare`, its

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from ssd_jax.models.ops import xla_add_norm, xla_attend
-from ssd_jax.pallas_kernels import add_norm as norm_kernel
-from ssd_jax.pallas_kernels.cache_attention import MAX_ROWS, cache_attention, serves
+from ssd_jax.pallas_kernels.add_norm import add_norm
+from ssd_jax.pallas_kernels.add_norm import serves as norm_serves
+from ssd_jax.pallas_kernels.cache_attention import cache_attention, serves
 from ssd_jax.pallas_kernels.cache_gather import cache_gather, cache_gather_reference
 from ssd_jax.pallas_kernels.tree_attention import (tree_attention, tree_attention_reference,
                                            tree_attention_xla)
@@ -392,7 +393,7 @@ def test_add_norm_kernel_matches_xla_add_norm(E, dtype):
     rng = np.random.default_rng(E)
     x, delta = (jnp.asarray(rng.standard_normal((1, 1, E)) * 3, dtype) for _ in range(2))
     w = jnp.asarray(rng.standard_normal(E), dtype)
-    y, h = norm_kernel.add_norm(x, delta, w, eps=1e-6, interpret=True)
+    y, h = add_norm(x, delta, w, eps=1e-6, interpret=True)
     ry, rh = xla_add_norm(x, delta, w, eps=1e-6)
     assert y.dtype == ry.dtype and h.dtype == rh.dtype and h.shape == x.shape
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(ry, np.float32))
@@ -404,9 +405,9 @@ def test_add_norm_kernel_matches_xla_add_norm(E, dtype):
 
 def test_add_norm_kernel_takes_one_row_only():
     x = jnp.zeros((2, 1, 64))
-    assert not norm_kernel.serves(x) and norm_kernel.serves(x[:1])
+    assert not norm_serves(x) and norm_serves(x[:1])
     with pytest.raises(ValueError, match="one row"):
-        norm_kernel.add_norm(x, x, jnp.ones(64), eps=1e-6, interpret=True)
+        add_norm(x, x, jnp.ones(64), eps=1e-6, interpret=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -504,7 +505,7 @@ def test_cache_attention_lowers_for_cuda(shape, dtype):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 def test_add_norm_kernel_lowers_for_cuda(E, dtype):
     args = (_sds((1, 1, E), dtype), _sds((1, 1, E), dtype), _sds((E,), dtype))
-    _check_triton_lowering(lambda x, d, w: norm_kernel.add_norm(x, d, w, eps=1e-6), *args)
+    _check_triton_lowering(lambda x, d, w: add_norm(x, d, w, eps=1e-6), *args)
 
 
 @pytest.mark.parametrize("B", [1, 2, 4, 16])
