@@ -66,6 +66,10 @@ def propose(logits: jax.Array, sampling: SamplingParams, keys: jax.Array, *,
     V (the rest get probability 0); `saguaro_top_n`, Saguaro's top-n (`saguaro_scale`; 0 = off);
     `row_dtype`, the speculation cache's row dtype, to which q' is rounded before the draw.
     """
+    if sampling.greedy and isinstance(saguaro_top_n, (int, np.integer)) and saguaro_top_n <= 0:
+        # q' is q, the one-hot row at the greedy token: no second pass over V for its argmax
+        tok = smp.greedy_token(logits, vocab_size)
+        return tok, jax.nn.one_hot(tok, logits.shape[-1], dtype=row_dtype)
     q = probs_from_logits(logits, sampling, vocab_size)
     q = saguaro_scale(q, logits, saguaro_top_n, saguaro_c)
     rows = q.astype(row_dtype)

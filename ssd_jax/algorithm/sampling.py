@@ -295,6 +295,19 @@ def run_if(pred, fn, x):
     return jax.lax.cond(pred, fn, lambda v: v, x)
 
 
+def _masked(logits, vocab_size: int | None):
+    """logits `[..., V]` in float32 with the padded rows (`>= vocab_size`) at -inf."""
+    logits = jnp.asarray(logits, jnp.float32)
+    valid = _valid_rows(logits.shape[-1], vocab_size)
+    return logits if valid is None else jnp.where(valid, logits, -jnp.inf)
+
+
+def greedy_token(logits, vocab_size: int | None = None):
+    """logits `[..., V]` -> int32 `[...]`: the first maximum of the masked logits, like jnp.argmax
+    in plain decoding: the token of temperature 0 (`probs_from_logits`' one-hot)."""
+    return argmax(_masked(logits, vocab_size))
+
+
 def probs_from_logits(logits, params: SamplingParams, vocab_size: int | None = None):
     """The distribution the user asked for.
 
@@ -320,12 +333,8 @@ def probs_from_logits(logits, params: SamplingParams, vocab_size: int | None = N
     by counting passes (`small_topk.kth_largest_per_row`), top-p by a sort (the one path that is
     slow on XLA:CPU, as before).
     """
-    logits = jnp.asarray(logits, jnp.float32)
+    logits = _masked(logits, vocab_size)
     V = logits.shape[-1]
-    valid = _valid_rows(V, vocab_size)
-    if valid is not None:
-        logits = jnp.where(valid, logits, -jnp.inf)
-    # Greedy fallback token: first maximum of the masked logits, like jnp.argmax in plain decoding.
     argmax_onehot = jax.nn.one_hot(argmax(logits), V, dtype=jnp.float32)
     if params.greedy:
         return argmax_onehot
@@ -418,9 +427,11 @@ def sample(logits, params: SamplingParams, keys, vocab_size: int | None = None):
       (tokens `[...]` int32, probs `[..., V]` float32 — the rows the tokens were drawn from, which a
       proposer must carry to the verifier as q').
     """
-    probs = probs_from_logits(logits, params, vocab_size)
     if params.greedy:
-        # One-hot rows: the race would pick the same token; skip the random draws.
-        _as_keys(keys, probs.shape[:-1])
-        return argmax(probs), probs
+        # One-hot rows: the race would pick the same token; skip the random draws, and the argmax
+        # of the one-hot row (its own argmax is the token: one pass over V fewer)
+        tok = greedy_token(logits, vocab_size)
+        _as_keys(keys, tok.shape)
+        return tok, jax.nn.one_hot(tok, jnp.shape(logits)[-1], dtype=jnp.float32)
+    probs = probs_from_logits(logits, params, vocab_size)
     return sample_from_probs(probs, keys), probs

@@ -121,16 +121,24 @@ def argmax(x: jax.Array) -> jax.Array:
     """x `[..., V]` (float, int or bool) -> int32 `[...]`: `jnp.argmax(x, axis=-1)` exactly: the first
     maximum, any NaN counting as the largest value (the first NaN wins), -0.0 equal to 0.0.
 
-    Plain max reductions, which XLA vectorises: the max of each block of 128 entries, the first
-    block holding the row max, then the first entry of that block equal to it. NaN is tracked
-    apart (XLA:CPU's vectorised max does not reliably propagate it): a row with one looks for its
-    first NaN instead.
+    Lowered for the CPU, `argmax_blocks` (plain max reductions XLA:CPU vectorises); elsewhere
+    `jnp.argmax`, which XLA:GPU makes two kernels where the blocks' passes are seven
+    (`ssd-jax inspect`). The choice is the lowering platform's (`lax.platform_dependent`).
     """
     x = jnp.asarray(x)
     if x.ndim == 0 or x.shape[-1] == 0:
         raise ValueError(f"argmax needs a non-empty last axis, got shape {x.shape}")
     if x.dtype == jnp.bool_:
         x = x.astype(jnp.int32)
+    return jax.lax.platform_dependent(
+        x, cpu=argmax_blocks, default=lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32))
+
+
+def argmax_blocks(x: jax.Array) -> jax.Array:
+    """`argmax` for XLA:CPU, x `[..., V]` (float or int, V >= 1): the max of each block of 128
+    entries, the first block holding the row max, then the first entry of that block equal to
+    it. NaN is tracked apart (XLA:CPU's vectorised max does not reliably propagate it): a row with
+    one looks for its first NaN instead."""
     V, lead = x.shape[-1], x.shape[:-1]
     # A row no longer than a block is one block of its own length: padding a short row up to
     # _BLOCK would multiply the work (32x at V = 4).
