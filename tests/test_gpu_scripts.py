@@ -91,8 +91,9 @@ def test_gpu_session_smoke_writes_one_json_with_each_step(tmp_path):
     steps = json.loads((out / "gpu_session.json").read_text())["steps"]
     assert list(steps) == ["env", "step", "pair_b1_cold", "pair_b1_warm", "chunk_memory"]
     assert all(s["status"] == "ok" for s in steps.values())
-    assert [(r["model"], r["batch"]) for r in steps["step"]["result"]["runs"]] == [
-        (m, b) for m in ("target", "draft") for b in (1, 16)]
+    # each model with the engine's ops here (the cpu backend) and the XLA ones, side by side
+    assert [(r["model"], r["backend"], r["batch"]) for r in steps["step"]["result"]["runs"]] == [
+        (m, o, b) for m in ("target", "draft") for o in ("cpu", "xla") for b in (1, 16)]
     for r in steps["step"]["result"]["runs"]:
         assert r["host_loop_ms"] > 0 and r["device_loop_ms"] > 0 and r["fusions"] > 0
     cold, warm = steps["pair_b1_cold"]["result"], steps["pair_b1_warm"]["result"]

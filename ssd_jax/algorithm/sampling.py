@@ -335,6 +335,7 @@ def probs_from_logits(logits, params: SamplingParams, vocab_size: int | None = N
     """
     logits = _masked(logits, vocab_size)
     V = logits.shape[-1]
+    valid = _valid_rows(V, vocab_size)
     argmax_onehot = jax.nn.one_hot(argmax(logits), V, dtype=jnp.float32)
     if params.greedy:
         return argmax_onehot
