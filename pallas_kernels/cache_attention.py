@@ -33,10 +33,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ssd_jax.pallas_kernels._compat import (is_pow2, masked_load, masked_store, next_pow2,
-                                            require_triton, triton_params)
-from ssd_jax.pallas_kernels.tree_attention import (write_split, online_step, default_num_splits,
-                                                   default_tiling, merge_splits, rows_for)
+from ssd_jax.pallas_kernels._compat import (is_pow2, masked_store, next_pow2, require_triton,
+                                            triton_params)
+from ssd_jax.pallas_kernels.tree_attention import (merge_splits, online_step, pack_rows,
+                                                   rows_for, split_outputs, tiling, walk_prefix,
+                                                   write_split)
 
 _HIGHEST = lax.Precision.HIGHEST
 MAX_ROWS = 128  # query rows one program holds (registers); more (a prefill): the reference
@@ -64,27 +65,11 @@ def _kernel(q_ref, start_ref, kn_ref, vn_ref, k_ref, v_ref, o_ref, lse_ref, k_ou
     """
     split = pl.program_id(2)
     q = q_ref[...]
-    rows, head_dim = q.shape
+    rows = q.shape[0]
     start = jnp.max(start_ref[...])
     live = jnp.minimum(start, window)  # prefix slots every query sees
-    n_blocks = (live + block_s - 1) // block_s
-    per_split = (n_blocks + num_splits - 1) // num_splits
-    first = split * per_split
-    count = jnp.clip(n_blocks - first, 0, per_split)
-    col = lax.broadcasted_iota(jnp.int32, (block_s,), 0)
-
-    def body(i, carry):
-        cols = (first + i) * block_s + col
-        in_live = (cols < live)[:, None]  # past it: stale slots (or past S), read as 0, masked
-        k = masked_load(k_ref.at[pl.ds((first + i) * block_s, block_s), :], mask=in_live, other=0)
-        v = masked_load(v_ref.at[pl.ds((first + i) * block_s, block_s), :], mask=in_live, other=0)
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                            preferred_element_type=jnp.float32) * scale
-        return online_step(carry, jnp.where(cols[None, :] < live, s, -jnp.inf), v, precision)
-
-    carry = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
-             jnp.zeros((rows,), jnp.float32))
-    carry = lax.fori_loop(0, count, body, carry)
+    carry = walk_prefix(q, k_ref, v_ref, live, live, split=split, num_splits=num_splits,
+                        block_s=block_s, scale=scale, precision=precision)
 
     # The new tokens, in the last split: query t sees new token u <= t at a slot < window.
     last = split == num_splits - 1
@@ -135,32 +120,18 @@ def cache_attention(q, k_new, v_new, positions, k_cache, v_cache, *, window=None
     G = H // KVH
     R = rows_for(T, G)
     Tp = max(16, next_pow2(T))
-    auto_block_s, auto_warps = default_tiling(R, D)
-    block_s = auto_block_s if block_s is None else block_s
-    num_warps = auto_warps if num_warps is None else num_warps
-    if not (is_pow2(block_s) and block_s >= 16):
-        raise ValueError(f"block_s must be a power of 2 >= 16 (Triton), got {block_s}")
-    if num_splits is None:
-        num_splits = default_num_splits(B, KVH, W, block_s)
-    s_blk = -(-S // block_s) * block_s
+    block_s, num_warps, num_splits, s_blk = tiling(R, D, B, KVH, W, S, block_s, num_warps,
+                                                   num_splits)
     dt = k_cache.dtype
-
-    # One operand for the queries and the new rows, [B, KVH, R + 2 Tp, D]: rows 0..R-1 the queries
-    # (row t * G + g), then the new K rows, then the new V rows, each padded with zeros; XLA makes
-    # it in one fusion with the rotary embedding. start broadcast to [B, Tp] (no scalars in Triton
-    # blocks).
-    q_rows = q.astype(dt).reshape(B, T, KVH, G, D).transpose(0, 2, 1, 3, 4).reshape(B, KVH, T * G, D)
-    pad_t = ((0, 0), (0, 0), (0, Tp - T), (0, 0))
-    rows = jnp.concatenate([jnp.pad(q_rows, ((0, 0), (0, 0), (0, R - T * G), (0, 0))),
-                            jnp.pad(k_new.astype(dt).transpose(0, 2, 1, 3), pad_t),
-                            jnp.pad(v_new.astype(dt).transpose(0, 2, 1, 3), pad_t)], axis=2)
+    rows, new_row = pack_rows(q, k_new, v_new, R, Tp, dt)  # rows t * G + g
+    # start broadcast to [B, Tp]: no scalars in Triton blocks
     start = jnp.broadcast_to(positions[:, :1].astype(jnp.int32), (B, Tp))
 
     kernel = functools.partial(_kernel, scale=float(D ** -0.5), block_s=block_s,
                                num_splits=num_splits, window=W, tokens=T, group=G,
                                precision=_HIGHEST if dt == jnp.float32 else None)
     cache_spec = pl.BlockSpec((None, s_blk, None, D), lambda b, h, s: (b, 0, h, 0))
-    new_row = R // Tp  # the new K rows' block index in `rows` (R is a multiple of Tp)
+    part_specs, part_shapes = split_outputs(B, KVH, num_splits, R, D, dt)
     o_split, lse_split, k_cache, v_cache = pl.pallas_call(
         kernel,
         grid=(B, KVH, num_splits),
@@ -171,18 +142,9 @@ def cache_attention(q, k_new, v_new, positions, k_cache, v_cache, *, window=None
             pl.BlockSpec((None, None, Tp, D), lambda b, h, s: (b, h, new_row + 1, 0)),
             cache_spec, cache_spec,
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, R, D), lambda b, h, s: (b, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, R), lambda b, h, s: (b, h, s, 0)),
-            cache_spec, cache_spec,
-        ],
-        out_shape=[
-            # normalised per split, so the cache dtype loses no range; the log-sum-exp in fp32
-            jax.ShapeDtypeStruct((B, KVH, num_splits, R, D), dt),
-            jax.ShapeDtypeStruct((B, KVH, num_splits, R), jnp.float32),
-            jax.ShapeDtypeStruct(k_cache.shape, dt),
-            jax.ShapeDtypeStruct(v_cache.shape, dt),
-        ],
+        out_specs=[*part_specs, cache_spec, cache_spec],
+        out_shape=[*part_shapes, jax.ShapeDtypeStruct(k_cache.shape, dt),
+                   jax.ShapeDtypeStruct(v_cache.shape, dt)],
         input_output_aliases={4: 2, 5: 3},
         compiler_params=triton_params(num_warps, num_stages),
         interpret=interpret,

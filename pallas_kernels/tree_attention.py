@@ -202,6 +202,78 @@ def write_split(o_ref, lse_ref, carry, keep):
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
+def walk_prefix(q, k_ref, v_ref, live, limit, *, split, num_splits, block_s, scale, precision):
+    """This split's share of the live prefix (cache slots < `live`, cut into whole `block_s`
+    blocks, equal shares per split): the online-softmax carry of q [R, D] over it, each row
+    seeing the slots < its `limit` ([R, 1], or a scalar for all rows). Slots past `live` are
+    never read (stale or uninitialised): the masked loads give 0, so they never meet p = 0 as
+    NaN, and the work follows the prefix, not S."""
+    rows, head_dim = q.shape
+    n_blocks = (live + block_s - 1) // block_s
+    per_split = (n_blocks + num_splits - 1) // num_splits
+    first = split * per_split
+    count = jnp.clip(n_blocks - first, 0, per_split)
+    col = lax.broadcasted_iota(jnp.int32, (block_s,), 0)
+
+    def body(i, carry):
+        start = (first + i) * block_s
+        cols = start + col  # [block_s] cache slots of this block
+        in_live = (cols < live)[:, None]
+        k = masked_load(k_ref.at[pl.ds(start, block_s), :], mask=in_live, other=0)
+        v = masked_load(v_ref.at[pl.ds(start, block_s), :], mask=in_live, other=0)
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32) * scale  # [R, block_s]
+        return online_step(carry, jnp.where(cols[None, :] < limit, s, -jnp.inf), v, precision)
+
+    carry = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
+             jnp.zeros((rows,), jnp.float32))
+    return lax.fori_loop(0, count, body, carry)
+
+
+def tiling(rows: int, head_dim: int, batch: int, kv_heads: int, window: int, cache_len: int,
+           block_s=None, num_warps=None, num_splits=None):
+    """(block_s, num_warps, num_splits, the cache block: S rounded up to whole blocks) for a
+    split-k kernel over `rows` query rows a kv head: the given values, or `default_tiling` /
+    `default_num_splits` for None; block_s must be a power of 2 >= 16 (Triton)."""
+    auto_block_s, auto_warps = default_tiling(rows, head_dim)
+    block_s = auto_block_s if block_s is None else block_s
+    num_warps = auto_warps if num_warps is None else num_warps
+    if not (is_pow2(block_s) and block_s >= 16):
+        raise ValueError(f"block_s must be a power of 2 >= 16 (Triton), got {block_s}")
+    if num_splits is None:
+        num_splits = default_num_splits(batch, kv_heads, window, block_s)
+    return block_s, num_warps, num_splits, -(-cache_len // block_s) * block_s
+
+
+def pack_rows(q, k_new, v_new, rows: int, new_rows: int, dtype):
+    """One operand for the queries and the new K / V rows, [B, KVH, rows + 2 new_rows, D], in
+    `dtype`: rows 0..rows-1 the queries of kv head h (row i * G + g for q [B, N, H, D]), then the
+    new K rows (k_new [B, N, KVH, D]), then the new V rows, each padded with zeros. XLA makes it
+    in one fusion with the rotary embedding; the kernel reads the three parts as blocks of one
+    array. Returns (the operand, the new K rows' block index: rows is a multiple of new_rows)."""
+    B, N, H, D = q.shape
+    KVH = k_new.shape[2]
+    G = H // KVH
+    q_rows = q.astype(dtype).reshape(B, N, KVH, G, D).transpose(0, 2, 1, 3, 4).reshape(
+        B, KVH, N * G, D)
+    pad_n = ((0, 0), (0, 0), (0, new_rows - N), (0, 0))
+    packed = jnp.concatenate([jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - N * G), (0, 0))),
+                              jnp.pad(k_new.astype(dtype).transpose(0, 2, 1, 3), pad_n),
+                              jnp.pad(v_new.astype(dtype).transpose(0, 2, 1, 3), pad_n)], axis=2)
+    return packed, rows // new_rows
+
+
+def split_outputs(batch: int, kv_heads: int, num_splits: int, rows: int, head_dim: int, dtype):
+    """(out_specs, out_shapes) of a split-k kernel's partial results on grid (B, KVH, split): each
+    split's output [R, D] normalised by its own sum (so `dtype`, the cache's, loses no range) and
+    its log-sum-exp [R] in fp32, for `merge_splits`."""
+    specs = [pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
+             pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0))]
+    shapes = [jax.ShapeDtypeStruct((batch, kv_heads, num_splits, rows, head_dim), dtype),
+              jax.ShapeDtypeStruct((batch, kv_heads, num_splits, rows), jnp.float32)]
+    return specs, shapes
+
+
 def _tree_kernel(q_ref, rows_ref, kn_ref, vn_ref, k_ref, v_ref, bk_ref, bv_ref, o_ref, lse_ref,
                  bk_out, bv_out, *, scale, block_s, num_splits, branches, group, precision):
     """One program = one (sequence b, kv head h, split).
@@ -223,32 +295,10 @@ def _tree_kernel(q_ref, rows_ref, kn_ref, vn_ref, k_ref, v_ref, bk_ref, bv_ref, 
     split = pl.program_id(2)
     q = q_ref[...]
     plen = rows_ref[0, :]
-    rows, head_dim = q.shape
-    # Live prefix of this sequence: the longest branch's. Slots past it are never read (they may be
-    # stale or uninitialised), which is also what makes the work follow the prefix, not S.
-    live = jnp.max(plen)
-    n_blocks = (live + block_s - 1) // block_s
-    per_split = (n_blocks + num_splits - 1) // num_splits
-    first = split * per_split
-    count = jnp.clip(n_blocks - first, 0, per_split)
-    col = lax.broadcasted_iota(jnp.int32, (block_s,), 0)
-
-    def body(i, carry):
-        start = (first + i) * block_s
-        cols = start + col  # [block_s] cache slots of this block
-        # Masked loads: the last block may run past the live prefix (<= S, clipped in the wrapper)
-        # and past S; those slots read 0, so stale or padded values never meet p = 0 as NaN.
-        in_live = (cols < live)[:, None]
-        k = masked_load(k_ref.at[pl.ds(start, block_s), :], mask=in_live, other=0)
-        v = masked_load(v_ref.at[pl.ds(start, block_s), :], mask=in_live, other=0)
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                            preferred_element_type=jnp.float32) * scale  # [R, block_s]
-        return online_step(carry, jnp.where(cols[None, :] < plen[:, None], s, -jnp.inf), v,
-                           precision)
-
-    carry = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
-             jnp.zeros((rows,), jnp.float32))
-    carry = lax.fori_loop(0, count, body, carry)
+    rows = q.shape[0]
+    # the live prefix of this sequence: the longest branch's
+    carry = walk_prefix(q, k_ref, v_ref, jnp.max(plen), plen[:, None], split=split,
+                        num_splits=num_splits, block_s=block_s, scale=scale, precision=precision)
 
     # Own paths. Entry e of every branch at once: K_e [MQp, D] scored by every row, each row keeping
     # its own branch's column (a one-hot choice), V_e's row of that branch picked by a one-hot dot
@@ -397,31 +447,19 @@ def tree_attention(q, k_new, v_new, k_cache, v_cache, prefix_len, branch_k, bran
     MG = MQ * G
     R = rows_for(MQ, G)
     MQp = max(16, next_pow2(MQ))
-    auto_block_s, auto_warps = default_tiling(R, D)
-    block_s = auto_block_s if block_s is None else block_s
-    num_warps = auto_warps if num_warps is None else num_warps
-    if not (is_pow2(block_s) and block_s >= 16):
-        raise ValueError(f"block_s must be a power of 2 >= 16 (Triton), got {block_s}")
+    block_s, num_warps, num_splits, s_blk = tiling(R, D, B, KVH, W, S, block_s, num_warps,
+                                                   num_splits)
     if not (is_pow2(D) and D >= 16):
         raise ValueError(f"head dim must be a power of 2 >= 16 (Triton), got {D}")
     dt = k_cache.dtype
     if v_cache.dtype != dt or branch_k.dtype != dt or branch_v.dtype != dt:
         raise ValueError("k_cache, v_cache and the branch KV must share a dtype")
     scale = float(D ** -0.5 if scale is None else scale)
-    if num_splits is None:
-        num_splits = default_num_splits(B, KVH, W, block_s)
-    s_blk = -(-S // block_s) * block_s  # cache block: S rounded up to whole blocks (masked loads)
 
     valid = branch_valid.astype(bool)
     q_c = jnp.where(valid[:, :, None, None], q, 0)  # invalid branches: no garbage into the dots
-    q_rows = q_c.astype(dt).reshape(B, MQ, KVH, G, D).transpose(0, 2, 1, 3, 4).reshape(B, KVH, MG, D)
-    # One operand for the queries and the new rows, [B, KVH, R + 2 MQp, D]: the queries (row
-    # m * G + g, branch-major, so row // G is the branch), then the new K rows, then the new V
-    # rows, each padded with zeros (XLA makes it in one fusion with the rotary embedding).
-    pad_m = ((0, 0), (0, 0), (0, MQp - MQ), (0, 0))
-    rows = jnp.concatenate([jnp.pad(q_rows, ((0, 0), (0, 0), (0, R - MG), (0, 0))),
-                            jnp.pad(k_new.astype(dt).transpose(0, 2, 1, 3), pad_m),
-                            jnp.pad(v_new.astype(dt).transpose(0, 2, 1, 3), pad_m)], axis=2)
+    # rows m * G + g: branch-major, so row // G is the branch
+    rows, new_row = pack_rows(q_c, k_new, v_new, R, MQp, dt)
     plen = jnp.where(valid, jnp.clip(prefix_len.astype(jnp.int32), 0, W), 0)
     per_row = lambda x: jnp.pad(jnp.repeat(x, G, axis=1), ((0, 0), (0, R - MG)))  # noqa: E731
     row_info = jnp.stack([per_row(plen), per_row(valid.astype(jnp.int32)),
@@ -432,7 +470,7 @@ def tree_attention(q, k_new, v_new, k_cache, v_cache, prefix_len, branch_k, bran
                                num_splits=num_splits, branches=MQ, group=G, precision=precision)
     cache_spec = pl.BlockSpec((None, s_blk, None, D), lambda b, h, s: (b, 0, h, 0))
     branch_spec = pl.BlockSpec((None, MQ, Kb, None, D), lambda b, h, s: (b, 0, 0, h, 0))
-    new_row = R // MQp  # the new K rows' block index in `rows` (R is a multiple of MQp)
+    part_specs, part_shapes = split_outputs(B, KVH, num_splits, R, D, dt)
     o_split, lse_split, branch_k, branch_v = pl.pallas_call(
         kernel,
         grid=(B, KVH, num_splits),
@@ -443,19 +481,9 @@ def tree_attention(q, k_new, v_new, k_cache, v_cache, prefix_len, branch_k, bran
             pl.BlockSpec((None, None, MQp, D), lambda b, h, s: (b, h, new_row + 1, 0)),
             cache_spec, cache_spec, branch_spec, branch_spec,
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, R, D), lambda b, h, s: (b, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, R), lambda b, h, s: (b, h, s, 0)),
-            branch_spec, branch_spec,
-        ],
-        out_shape=[
-            # Partial outputs are normalised per split, so storing them in the cache dtype loses
-            # no range; the log-sum-exp stays float32.
-            jax.ShapeDtypeStruct((B, KVH, num_splits, R, D), dt),
-            jax.ShapeDtypeStruct((B, KVH, num_splits, R), jnp.float32),
-            jax.ShapeDtypeStruct(branch_k.shape, dt),
-            jax.ShapeDtypeStruct(branch_v.shape, dt),
-        ],
+        out_specs=[*part_specs, branch_spec, branch_spec],
+        out_shape=[*part_shapes, jax.ShapeDtypeStruct(branch_k.shape, dt),
+                   jax.ShapeDtypeStruct(branch_v.shape, dt)],
         input_output_aliases={6: 2, 7: 3},
         compiler_params=triton_params(num_warps, num_stages),
         interpret=interpret,
@@ -478,5 +506,5 @@ def prefix_bytes(batch: int, live_prefix: int, kv_heads: int, head_dim: int, ite
 
 
 __all__ = ["tree_attention", "tree_attention_reference", "tree_attention_xla",
-           "default_num_splits", "default_tiling", "merge_splits", "prefix_bytes", "rows_for",
-           "write_branch"]
+           "default_num_splits", "default_tiling", "merge_splits", "pack_rows", "prefix_bytes",
+           "rows_for", "split_outputs", "tiling", "walk_prefix", "write_branch"]
