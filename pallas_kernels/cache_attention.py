@@ -35,9 +35,8 @@ from jax.experimental import pallas as pl
 
 from ssd_jax.pallas_kernels._compat import (is_pow2, masked_store, next_pow2, require_triton,
                                             triton_params)
-from ssd_jax.pallas_kernels.tree_attention import (merge_splits, online_step, pack_rows,
-                                                   rows_for, split_outputs, tiling, walk_prefix,
-                                                   write_split)
+from ssd_jax.pallas_kernels.splitk import (merge_splits, online_step, pack_rows, rows_for,
+                                           split_outputs, tiling, walk_prefix, write_split)
 
 _HIGHEST = lax.Precision.HIGHEST
 MAX_ROWS = 128  # query rows one program holds (registers); more (a prefill): the reference
