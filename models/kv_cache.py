@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +66,7 @@ class CacheOverflowError(ValueError):
     the call, the rows, their lengths and the capacity."""
 
 
-def _host(x) -> np.ndarray | None:
+def host_value(x) -> np.ndarray | None:
     """x as a numpy array when its value is known without tracing, else None."""
     if isinstance(x, jax.core.Tracer):
         return None
@@ -80,7 +81,7 @@ def check_room(lengths, count, capacity: int, what: str = "forward") -> None:
     `[B]` or a scalar: how many slots it writes; capacity: S, static. Host values are checked
     now; traced ones by a `checkify.debug_check` (a no-op unless checkified, e.g. by
     `checked`)."""
-    lh, ch = _host(lengths), _host(count)
+    lh, ch = host_value(lengths), host_value(count)
     if lh is not None and ch is not None:
         lh, ch = np.broadcast_arrays(np.atleast_1d(lh).astype(np.int64),
                                      np.atleast_1d(ch).astype(np.int64))
@@ -180,11 +181,19 @@ def checked(fn):
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None, sharding=None) -> KVCache:
     """An empty cache: zeros `[B, S, KVH, D]` per layer (B = batch, S = max_len) in `dtype` (default
-    cfg.dtype), lengths `[B]` = 0, every array placed with `sharding` when given."""
-    if int(batch) < 1 or int(max_len) < 1:
-        raise ValueError(f"init_cache needs batch >= 1 and max_len >= 1, got batch={batch}, "
-                         f"max_len={max_len}")
+    cfg.dtype), lengths `[B]` = 0, every array placed with `sharding` when given. batch or
+    max_len not an integer >= 1, or a dtype that is not floating point: a `ValueError` naming it."""
+    for name, v in (("batch", batch), ("max_len", max_len)):
+        try:
+            ok = not isinstance(v, bool) and operator.index(v) >= 1
+        except TypeError:  # a float, a traced value: never truncated into a size
+            ok = False
+        if not ok:
+            raise ValueError(f"init_cache: {name} must be an integer >= 1, got {v!r}")
+    batch, max_len = operator.index(batch), operator.index(max_len)
     dtype = jnp.dtype(dtype or cfg.dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"init_cache: dtype must be floating point, got {dtype}")
     shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
 
     def zeros():

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from ssd_jax.models import arguments as args
 from ssd_jax.models.config import ModelConfig
 from ssd_jax.models.kv_cache import CacheOverflowError, KVCache, check_room
 from ssd_jax.models.ops import XLA, Ops, rms_norm
@@ -119,12 +120,19 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache,
     [B, T, V] fp32 (or [B, V] at each row's last real token with `last_only`) and the cache with
     lengths += num_new. Pure: jit it with `static_argnames=("cfg", "window", "last_only", "ops")`.
 
+    tokens must be integer ids in [0, cfg.vocab_size) (their values checked where known, as an
+    eager call's are) and num_new integers in [0, T]: else a `ValueError` naming the argument.
     Writing real tokens past slot S-1 raises `CacheOverflowError` (`ssd_jax.models.kv_cache`):
     at trace time when T > S with every token real, at once for host lengths (an eager call),
     and under `kv_cache.checked` for traced ones (free otherwise). Padding past num_new may run
     past the end: it is dropped, as documented above.
     """
-    B, T = tokens.shape
+    fn = "forward"
+    B, T = args.shape(fn, "tokens", tokens, 2, "[B, T]")
+    args.integer(fn, "tokens", tokens)
+    if T < 1:
+        raise ValueError(f"{fn}: tokens must be [B, T] with T >= 1, got {[B, T]}")
+    args.in_range(fn, "tokens", tokens, 0, cfg.vocab_size)
     if cache.lengths.shape != (B,):
         raise ValueError(f"forward: tokens are [B={B}, T={T}] but the cache holds "
                          f"{cache.lengths.shape} lengths, one per sequence expected")
@@ -137,6 +145,8 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache,
     else:
         if jnp.shape(num_new) != (B,):
             raise ValueError(f"forward: num_new must be [B={B}], got shape {jnp.shape(num_new)}")
+        args.integer(fn, "num_new", num_new)
+        args.in_range(fn, "num_new", num_new, 0, T + 1)
         check_room(cache.lengths, num_new, cache.max_len, "forward")
     W = cache.max_len if window is None else min(int(window), cache.max_len)
     positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
@@ -187,11 +197,24 @@ def tree_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: ja
     fp32 and the branch KV with slot `step` filled. The write and the attention are
     `ops.tree_attention` (the plain-jnp reference, or the Pallas kernel of the `pallas` backend).
 
+    tokens, positions, prefix_len and step must be integers, valid bool, tokens in
+    [0, cfg.vocab_size) where known: else a `ValueError` naming the argument.
     A step outside [0, K) (its write would be clamped onto the last slot) or a valid branch's
     prefix_len past the cache's S raises `CacheOverflowError`: at once for host values, under
     `kv_cache.checked` for traced ones (free otherwise).
     """
-    B, MQ = tokens.shape
+    fn = "tree_step"
+    B, MQ = args.shape(fn, "tokens", tokens, 2, "[B, MQ]")
+    args.integer(fn, "tokens", tokens)
+    args.integer(fn, "positions", positions)
+    args.integer(fn, "prefix_len", prefix_len)
+    args.integer(fn, "step", step)
+    if jnp.ndim(step) != 0:
+        raise ValueError(f"{fn}: step must be a scalar, got shape {jnp.shape(step)}")
+    if jnp.shape(valid) != (B, MQ) or jnp.result_type(valid) != jnp.bool_:
+        raise ValueError(f"{fn}: valid must be bool [B, MQ] = {[B, MQ]}, got "
+                         f"{jnp.result_type(valid)} {list(jnp.shape(valid))}")
+    args.in_range(fn, "tokens", tokens, 0, cfg.vocab_size)
     depth = branch.k[0].shape[2]
     if branch.k[0].shape[:2] != (B, MQ) or positions.shape != (B, MQ) or prefix_len.shape != (B, MQ):
         raise ValueError(f"tree_step: tokens [B, MQ] = {[B, MQ]}, positions {list(positions.shape)}, "

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ssd_jax.algorithm import sampling as smp
+from ssd_jax.models import arguments as args
 from ssd_jax.algorithm.sampling import SamplingParams, probs_from_logits, sample_from_probs
 from ssd_jax.algorithm.small_topk import argmax, kth_largest, kth_largest_per_row
 
@@ -65,7 +66,13 @@ def propose(logits: jax.Array, sampling: SamplingParams, keys: jax.Array, *,
     (traced) array, scalar or one per leading row (1.0 = off). Static: `vocab_size`, real rows of
     V (the rest get probability 0); `saguaro_top_n`, Saguaro's top-n (`saguaro_scale`; 0 = off);
     `row_dtype`, the speculation cache's row dtype, to which q' is rounded before the draw.
+
+    A `ValueError` naming the argument, before anything is traced: logits that are not floating
+    point or have no rows, a vocab_size outside [1, V], a negative saguaro_top_n, a row_dtype
+    that is not floating point, keys not one per row of logits (sampled draws), and, where its
+    value is known, saguaro_c outside (0, 1]. Empty leading axes (no rows) give empty results.
     """
+    _check_propose(logits, sampling, keys, vocab_size, saguaro_top_n, saguaro_c, row_dtype)
     if sampling.greedy and isinstance(saguaro_top_n, (int, np.integer)) and saguaro_top_n <= 0:
         # q' is q, the one-hot row at the greedy token: no second pass over V for its argmax
         tok = smp.greedy_token(logits, vocab_size)
@@ -76,6 +83,25 @@ def propose(logits: jax.Array, sampling: SamplingParams, keys: jax.Array, *,
     if sampling.greedy:
         return argmax(rows), rows
     return sample_from_probs(rows.astype(jnp.float32), keys), rows
+
+
+def _check_propose(logits, sampling, keys, vocab_size, saguaro_top_n, saguaro_c, row_dtype):
+    fn = "saguaro_propose"
+    args.floating(fn, "logits", logits)
+    if jnp.ndim(logits) < 1 or jnp.shape(logits)[-1] < 1:
+        raise ValueError(f"{fn}: logits must be [..., V] with V >= 1, got shape {jnp.shape(logits)}")
+    V = jnp.shape(logits)[-1]
+    if vocab_size is not None and not 1 <= int(vocab_size) <= V:
+        raise ValueError(f"{fn}: vocab_size must be in [1, {V}] (the logits' rows), got {vocab_size}")
+    if isinstance(saguaro_top_n, (int, np.integer)) and saguaro_top_n < 0:
+        raise ValueError(f"{fn}: saguaro_top_n must be >= 0 (0: off), got {saguaro_top_n}")
+    if not jnp.issubdtype(jnp.dtype(row_dtype), jnp.floating):
+        raise ValueError(f"{fn}: row_dtype must be floating point, got {jnp.dtype(row_dtype)}")
+    c = args.host_value(saguaro_c)
+    if c is not None and (not np.all(np.isfinite(c)) or np.any(c <= 0) or np.any(c > 1)):
+        raise ValueError(f"{fn}: saguaro_c must be in (0, 1] (1: off), got {c}")
+    if not sampling.greedy:  # a sampled draw takes one key a row of logits
+        args.keys(fn, "keys", keys, tuple(jnp.shape(logits)[:-1]))
 
 
 def normalise_rows(rows: jax.Array) -> jax.Array:

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from ssd_jax.models import arguments as args
 from ssd_jax.models.ops import XLA, Ops
 
 
@@ -58,7 +59,20 @@ def lookup(cache: SpeculationCache, num_accepted: jax.Array, bonus: jax.Array, *
 
     The gather is `ops.cache_gather` (`ssd_jax.models.ops.Ops`): the plain-jnp reference, or the
     Pallas kernel of the `pallas` backend; both give the same result.
+
+    A `ValueError` naming the argument, before anything is traced: num_accepted or bonus not
+    integer `[B]` of the cache's B, and, where their values are known, num_accepted outside
+    [0, K] or bonus outside [0, V). An outcome no branch assumed is a miss, not an error.
     """
+    fn = "lookup"
+    B, MQ, K = args.shape(fn, "cache.tokens", cache.tokens, 3, "[B, MQ, K]")
+    V = jnp.shape(cache.rows)[-1]
+    args.same(fn, "cache.rows", jnp.shape(cache.rows), (B, MQ, K, V), "[B, MQ, K, V]")
+    args.same(fn, "cache.keys", jnp.shape(cache.keys), (B, MQ, 2), "[B, MQ, 2]")
+    for name, x, hi in (("num_accepted", num_accepted, K + 1), ("bonus", bonus, V)):
+        args.integer(fn, name, x)
+        args.same(fn, name, jnp.shape(x), (B,), "[B] (the cache's batch)")
+        args.in_range(fn, name, x, 0, hi)
     outcome = jnp.stack([num_accepted, bonus], axis=-1).astype(jnp.int32)
     hit, _, tokens, rows = ops.cache_gather(cache.keys, cache.valid, cache.tokens, cache.rows, outcome)
     return hit, tokens, rows

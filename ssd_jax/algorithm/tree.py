@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ssd_jax.models import arguments as args
 from ssd_jax.models.config import ModelConfig
 from ssd_jax.models.kv_cache import KVCache
 from ssd_jax.models.ops import XLA, Ops
@@ -50,6 +51,41 @@ def fork(glue_logits: jax.Array, spec: jax.Array, fanout: tuple[int, ...],
 
 
 TREE_LOOPS = ("unroll", "scan")
+
+
+def _check_tree_args(cfg, bonus, spec, n, active, from_backup, request_ids, vocab_size,
+                     fanout_hit, fanout_backup, saguaro_top_n, row_dtype, tree_loop):
+    fn = "draft_tree"
+    if tree_loop not in TREE_LOOPS:
+        raise ValueError(f"{fn}: tree_loop must be one of {TREE_LOOPS}, got {tree_loop!r}")
+    B, K = args.shape(fn, "spec", spec, 2, "[B, K]")
+    if K < 1:
+        raise ValueError(f"{fn}: spec must be [B, K] with K >= 1 drafted tokens, got {[B, K]}")
+    args.integer(fn, "spec", spec)
+    for name, x, kind in (("bonus", bonus, "int"), ("n", n, "int"), ("request_ids", request_ids, "int"),
+                          ("active", active, "bool"), ("from_backup", from_backup, "bool")):
+        args.same(fn, name, jnp.shape(x), (B,), "[B] (spec's batch)")
+        if kind == "int":
+            args.integer(fn, name, x)
+        elif jnp.result_type(x) != jnp.bool_:
+            raise ValueError(f"{fn}: {name} must be bool [B], got dtype {jnp.result_type(x)}")
+    for name, f in (("fanout_hit", fanout_hit), ("fanout_backup", fanout_backup)):
+        if len(f) != K + 1 or any(int(x) != x or x < 0 for x in f):
+            raise ValueError(f"{fn}: {name} must be F_0..F_K, K+1 = {K + 1} non-negative "
+                             f"integers, got {tuple(f)}")
+    if sum(fanout_hit) != sum(fanout_backup) or sum(fanout_hit) == 0:
+        raise ValueError(f"{fn}: fanout_hit {tuple(fanout_hit)} and fanout_backup "
+                         f"{tuple(fanout_backup)} must have one positive sum (the branches MQ)")
+    if len(saguaro_top_n) not in (0, K):
+        raise ValueError(f"{fn}: saguaro_top_n must have K = {K} entries or none, got "
+                         f"{tuple(saguaro_top_n)}")
+    rows = getattr(cfg, "vocab_size", None)
+    if not 1 <= int(vocab_size) <= (rows or int(vocab_size)):
+        raise ValueError(f"{fn}: vocab_size must be in [1, {rows}] (the draft's rows), got "
+                         f"{vocab_size}")
+    if not jnp.issubdtype(jnp.dtype(row_dtype), jnp.floating):
+        raise ValueError(f"{fn}: row_dtype must be floating point, got {row_dtype!r}")
+    return B, K
 
 
 def _decode_unrolled(step, K: int, tok, branch, saguaro_top_n):
@@ -112,10 +148,16 @@ def draft_tree(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Arra
     and `tree_loop`: "unroll" (the default) traces the K branch steps one after another, "scan"
     one step inside `lax.scan`: the same numbers bit for bit, a few times fewer ops to trace,
     compile and load, but on XLA:CPU a slower step (benchmarks/README.md, "The tree as a scan").
+
+    A `ValueError` naming the argument, before anything is traced: spec not integer `[B, K]`
+    with K >= 1; bonus, n, request_ids (integers), active or from_backup (bools) not `[B]`; a
+    fan-out without K+1 non-negative entries, the two fan-outs' sums unequal or zero; a
+    saguaro_top_n of neither 0 nor K entries; vocab_size outside [1, the draft's rows]; an unknown
+    tree_loop. These are checked as it traces; the ids' values are not read (the engine dispatches
+    it while the target verifies: reading them would wait for the device).
     """
-    if tree_loop not in TREE_LOOPS:
-        raise ValueError(f"tree_loop must be one of {TREE_LOOPS}, got {tree_loop!r}")
-    B, K = spec.shape
+    B, K = _check_tree_args(cfg, bonus, spec, n, active, from_backup, request_ids, vocab_size,
+                            fanout_hit, fanout_backup, saguaro_top_n, row_dtype, tree_loop)
     cache = with_lengths(cache, n)
     glue, cache = forward(params, cfg, jnp.concatenate([bonus[:, None], spec], 1), cache, ops=ops)
     j_hit, c_hit = fork(glue, spec, fanout_hit, vocab_size)

@@ -16,6 +16,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from ssd_jax.models import arguments as args
 from ssd_jax.algorithm.sampling import _as_keys, sample_from_probs
 
 __all__ = ["VerifyResult", "rejection_sample"]
@@ -37,13 +38,16 @@ class VerifyResult:
 
 
 def _check_shapes(target_probs, proposal_probs, draft_tokens):
-    if target_probs.ndim != 3 or proposal_probs.ndim != 3 or draft_tokens.ndim != 2:
-        raise ValueError("expected target_probs [B, K+1, V], proposal_probs [B, K, V], draft_tokens "
-                         f"[B, K]; got {target_probs.shape}, {proposal_probs.shape}, {draft_tokens.shape}")
-    B, K1, V = target_probs.shape
-    if proposal_probs.shape != (B, K1 - 1, V) or draft_tokens.shape != (B, K1 - 1):
-        raise ValueError("expected target_probs [B, K+1, V], proposal_probs [B, K, V], draft_tokens "
-                         f"[B, K]; got {target_probs.shape}, {proposal_probs.shape}, {draft_tokens.shape}")
+    fn = "rejection_sample"
+    B, K1, V = args.shape(fn, "target_probs", target_probs, 3, "[B, K+1, V]")
+    args.shape(fn, "proposal_probs", proposal_probs, 3, "[B, K, V]")
+    args.shape(fn, "draft_tokens", draft_tokens, 2, "[B, K]")
+    if K1 < 1 or V < 1:
+        raise ValueError(f"{fn}: target_probs [B, K+1, V] needs K+1 >= 1 rows of V >= 1 entries, "
+                         f"got {list(jnp.shape(target_probs))}")
+    args.same(fn, "proposal_probs", jnp.shape(proposal_probs), (B, K1 - 1, V),
+              "[B, K, V] (target_probs' B and V, one row fewer)")
+    args.same(fn, "draft_tokens", jnp.shape(draft_tokens), (B, K1 - 1), "[B, K]")
     return B, K1 - 1, V
 
 
@@ -102,8 +106,10 @@ def _assemble(draft_tokens, num_accepted, bonus):
 
 
 def _proposal_with_zero_row(proposal_probs):
-    """`[B, K, V]` -> `[B, K+1, V]` with q' := 0 at K+1, so the all-accepted bonus row is p_{K+1}."""
-    return jnp.concatenate([proposal_probs, jnp.zeros_like(proposal_probs[:, :1])], axis=1)
+    """`[B, K, V]` -> `[B, K+1, V]` with q' := 0 at K+1, so the all-accepted bonus row is p_{K+1}
+    (K = 0 included: the bonus is then a plain draw from p_1)."""
+    B, _, V = proposal_probs.shape
+    return jnp.concatenate([proposal_probs, jnp.zeros((B, 1, V), proposal_probs.dtype)], axis=1)
 
 
 def rejection_sample(target_probs, proposal_probs, draft_tokens, accept_keys, residual_keys) -> VerifyResult:
@@ -121,8 +127,26 @@ def rejection_sample(target_probs, proposal_probs, draft_tokens, accept_keys, re
 
     Edge cases (see the helpers): q'(s) == 0 accepts iff p(s) > 0; an all-zero residual falls back to
     p; one-hot proposals accept with probability p(s) and their residual is p without s; with a one-hot
-    p (temperature 0) this is exactly argmax matching plus the argmax as bonus.
+    p (temperature 0) this is exactly argmax matching plus the argmax as bonus. K = 0 is plain
+    sampling: num_accepted 0 and the bonus drawn from p_1 with residual_keys[:, 0]. B = 0 gives
+    empty results.
+
+    A `ValueError` naming the argument, before anything is traced: shapes that do not agree,
+    probability rows or tokens of the wrong dtype, keys not [B, K] / [B, K+1] (typed, or raw
+    uint32 with a last axis of 2), and, where the values are known (an eager
+    call), rows that are not probabilities summing to 1 or draft tokens outside [0, V).
     """
+    fn = "rejection_sample"
+    args.floating(fn, "target_probs", target_probs)
+    args.floating(fn, "proposal_probs", proposal_probs)
+    args.integer(fn, "draft_tokens", draft_tokens)
+    _check_shapes(target_probs, proposal_probs, draft_tokens)
+    args.probability_rows(fn, "target_probs", target_probs)
+    args.probability_rows(fn, "proposal_probs", proposal_probs)
+    args.in_range(fn, "draft_tokens", draft_tokens, 0, jnp.shape(target_probs)[-1])
+    B, K = jnp.shape(draft_tokens)
+    args.keys(fn, "accept_keys", accept_keys, (B, K))
+    args.keys(fn, "residual_keys", residual_keys, (B, K + 1))
     target_probs = jnp.asarray(target_probs, jnp.float32)
     proposal_probs = jnp.asarray(proposal_probs, jnp.float32)
     draft_tokens = jnp.asarray(draft_tokens, jnp.int32)

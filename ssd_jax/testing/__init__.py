@@ -47,10 +47,12 @@ cells and catches a given TV less often.
 
 Layout: reference.py (the target's row distribution in float64), windows.py (the exact window
 distribution, window counts), stats.py (the test, its
-calibration and power), planted.py (the planted bugs); everything public is re-exported here.
+calibration and power), planted.py (the planted bugs), padded.py (a model with more embedding rows
+than ids, as released models have: `pad_vocabulary`); everything public is re-exported here.
 """
 from __future__ import annotations
 
+from ssd_jax.testing.padded import id_tokenizer, pad_vocabulary, padded_mass
 from ssd_jax.testing.planted import (
     ALL_PLANTED_BUGS,
     PLANTED_BUG_VERIFIERS,
@@ -85,4 +87,7 @@ __all__ = [
     "ALL_PLANTED_BUGS",
     "correct_proposal_rows",
     "wrong_proposal_rows",
+    "id_tokenizer",
+    "pad_vocabulary",
+    "padded_mass",
 ]
