@@ -1,7 +1,9 @@
 """Shared pieces of the engine's statistical exactness tests (tests/test_engine_*.py).
 
-A tiny target / draft pair over vocabulary V = 4, the exact window distribution enumerated from
-the target's forward, and `sample_windows`: N independent requests (distinct request ids, so
+A tiny target / draft pair over vocabulary V = 4 ids in ROWS = 6 embedding rows (shaped like a
+released model, whose rows outnumber its tokenizer's ids: the two padded rows' logits would win
+most steps if a path let them, `ssd_jax.testing.pad_vocabulary`), the exact window distribution
+enumerated from the target's forward, and `sample_windows`: N independent requests (distinct request ids, so
 independent keys) through a real `Engine`, their generated tokens `skip .. skip + window - 1`
 [N, window]. `verdict` tests them with the calibrated chi-square of `ssd_jax.testing`, cells of
 probability below POOL pooled (`min_expected`; why: tests/test_engine_exactness.py's docstring).
@@ -40,9 +42,10 @@ from ssd_jax.models.quant import quantize_model
 from ssd_jax.models.transformer import forward
 from ssd_jax.runtime.engine import Engine
 from ssd_jax.testing import (detection_power_by_alternative, distribution_test,
-                             enumerate_window_distribution, window_counts)
+                             enumerate_window_distribution, pad_vocabulary, window_counts)
 
-V = 4
+V = 4     # the tokenizer's ids: every generated token, every window cell
+ROWS = 6  # the models' embedding rows: ids 0..3 and two padded rows
 K = 2
 WINDOW = K + 2
 N = 100_000
@@ -50,22 +53,27 @@ CHUNK = 2_500  # rows per generate call: 2,500 took ~15% less CPU a case than 25
 PROMPT = [1, 3, 0]
 MAX_LEN = 16  # one cache length for every window here (prompt 3 + up to 9 tokens + K + 2), one compile
 POOL = 0.01   # cells of exact probability below 1% are pooled into groups of >= 1%
+# the unpadded shape the weights are drawn in (the ids' weights are those of the pair before it
+# was padded: the cases' distributions, and so their n and power, did not move)
 CFG = tiny_config("qwen2", vocab_size=V, hidden_size=32, intermediate_size=64, num_heads=2,
                   num_kv_heads=1, head_dim=16, num_layers=2)
 T07 = SamplingParams(temperature=0.7)
 T10 = SamplingParams(temperature=1.0)
 
 
-def make_pair() -> tuple[Model, Model]:
+def make_pair(rows: int = ROWS) -> tuple[Model, Model]:
     """(target, draft): a random tiny transformer and, as its draft, its first layer perturbed (a
-    layer-skip draft). One layer halves the draft's work, most of an SSD case's time; every accept
+    layer-skip draft), each padded to `rows` embedding rows (V ids: `rows=V` leaves them
+    unpadded). One layer halves the draft's work, most of an SSD case's time; every accept
     length, hits and misses still occur in each case's window (benchmarks/README.md "A one-layer
     draft for the statistical pair")."""
     target = Model(CFG, random_params(CFG, 3, scale=2.0))
     perturbed = perturb(target.params, jax.random.key(5), 0.6)
     draft = Model(dataclasses.replace(CFG, num_layers=1),
                   dataclasses.replace(perturbed, layers=perturbed.layers[:1]))
-    return target, draft
+    if rows == V:
+        return target, draft
+    return pad_vocabulary(target, rows), pad_vocabulary(draft, rows)
 
 
 def min_expected(n: int) -> float:
@@ -84,7 +92,7 @@ def target_model(kind: str = "f32") -> Model:
         return make_pair()[0]
     if kind == "bf16":
         cfg = dataclasses.replace(CFG, dtype="bfloat16")
-        return Model(cfg, random_params(cfg, 3, scale=2.0))
+        return pad_vocabulary(Model(cfg, random_params(cfg, 3, scale=2.0)), ROWS)
     if kind == "int8":
         return quantize_model(make_pair()[0], "int8")
     raise ValueError(f"target {kind!r}: one of {TARGETS}")
@@ -92,8 +100,8 @@ def target_model(kind: str = "f32") -> Model:
 
 @functools.lru_cache(maxsize=None)
 def target_logits_fn(target: str = "f32"):
-    """`target_model(target)`'s full cache-free forward, tokens [N, T] -> logits [N, T, V], one
-    jitted function for every case (the enumeration calls it on one shape per prompt and window
+    """`target_model(target)`'s full cache-free forward, tokens [N, T] -> logits [N, T, ROWS] (the
+    enumeration gives the padded rows probability 0, as the engine's mask does), one jitted function for every case (the enumeration calls it on one shape per prompt and window
     length, so the cases of one process that share those compile it once)."""
     tm = target_model(target)
 
@@ -175,6 +183,7 @@ class StatCase:
     power_tv: float = 0.01
     why: str = ""
     target: str = "f32"  # `target_model`'s kind: the model run, and enumerated
+    rows: int = ROWS     # the pair's embedding rows (V = 4 of them ids): padded, as released models
 
     @property
     def tokens(self) -> str:
@@ -317,12 +326,17 @@ def case_exact(name: str) -> np.ndarray:
 
 def check_windows(toks, case: str, *, false_alarm: float = 1e-3):
     """The DistributionTestResult of windows `toks` [n, window] of registered case `case` against
-    its exact distribution, pooled at POOL; n and window must be the case's own."""
+    its exact distribution, pooled at POOL; n and window must be the case's own. Prints the
+    verdict: chi-square, its threshold, and the case's power."""
     c = STAT_CASES[case]
     toks = np.asarray(toks)
     assert toks.shape == (c.n, c.window), f"case {case}: ran {toks.shape}, registered {(c.n, c.window)}"
-    return distribution_test(window_counts(toks, V if c.eos is None else V + 1), case_exact(case),
-                             false_alarm=false_alarm, min_expected=min_expected(c.n))
+    res = distribution_test(window_counts(toks, V if c.eos is None else V + 1), case_exact(case),
+                            false_alarm=false_alarm, min_expected=min_expected(c.n))
+    # the margin, printed whether it passes or not (pytest shows it beside a failure, -rA always)
+    print(f"{case}: {res}; power at TV 0.01 {documented_table()[1].get(case, '?')} (the least "
+          f"over the alternatives, docs/ALGORITHM.md §3), >= 0.95 enforced at TV {c.power_tv:g}")
+    return res
 
 
 def verdict(pair, mode, case: str, *, false_alarm: float = 1e-3, **kw):
@@ -331,6 +345,8 @@ def verdict(pair, mode, case: str, *, false_alarm: float = 1e-3, **kw):
     generate's other keywords) against its exact distribution."""
     c = STAT_CASES[case]
     assert c.eos is None, f"{case}: an EOS case pads its windows itself, then calls check_windows"
+    if pair is not None:
+        assert pair[0].cfg.vocab_size == c.rows, f"{case}: registered on a pair of {c.rows} rows"
     toks, metrics = sample_windows(pair, mode, c.sampling, n=c.n, window=c.window,
                                    prompt=list(c.prompt), skip=c.skip, **kw)
     return check_windows(toks, case, false_alarm=false_alarm), metrics
@@ -340,15 +356,17 @@ def planted_verdict(pair, mode, sampling, *, n: int, skip: int = 0, **kw):
     """A planted bug's run, which must fail (a bug is not a path: not registered): n requests,
     tokens skip + 1 .. skip + WINDOW against the exact distribution."""
     toks, metrics = sample_windows(pair, mode, sampling, n=n, skip=skip, **kw)
-    return distribution_test(window_counts(toks, V), exact(sampling, WINDOW, tuple(PROMPT), skip),
-                             min_expected=min_expected(n)), metrics
+    res = distribution_test(window_counts(toks, V), exact(sampling, WINDOW, tuple(PROMPT), skip),
+                            min_expected=min_expected(n))
+    print(f"planted bug, {mode} at n={n}: {res}")
+    return res, metrics
 
 
 # ---------------------------------------------------------------------------------------------
 # The coverage table (docs/ALGORITHM.md §3)
 # ---------------------------------------------------------------------------------------------
 TABLE_HEADER = ("| path | test | kind | tokens | n | power at TV 0.01 | power >= 0.95 enforced "
-                "at TV |\n|---|---|---|---|---|---|---|")
+                "at TV | embedding rows / ids |\n|---|---|---|---|---|---|---|---|")
 ALGORITHM_MD = pathlib.Path(__file__).resolve().parents[1] / "docs" / "ALGORITHM.md"
 
 
@@ -369,10 +387,10 @@ def coverage_rows(powers: dict[str, str]) -> list[str]:
     for name, c in STAT_CASES.items():
         why = f" ({c.why})" if c.why else ""
         rows.append(f"| {c.path} | {c.test} | statistical `{name}` | {c.tokens} | {c.n:,} | "
-                    f"{powers.get(name, '?')} | {c.power_tv:g}{why} |")
-    rows += [f"| {path} | {test} | deterministic | | | | |"
+                    f"{powers.get(name, '?')} | {c.power_tv:g}{why} | {c.rows} / {V} |")
+    rows += [f"| {path} | {test} | deterministic | | | | | {ROWS} / {V} |"
              for path, test in DETERMINISTIC_CHECKS.items()]
-    rows += [f"| {path} | {why} | none | | | | |" for path, why in UNCOVERED_PATHS.items()]
+    rows += [f"| {path} | {why} | none | | | | | |" for path, why in UNCOVERED_PATHS.items()]
     return rows
 
 

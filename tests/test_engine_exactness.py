@@ -152,7 +152,6 @@ def test_the_coverage_table_is_current():
 def test_engine_output_has_the_target_distribution(pair, case):
     mode, kw = EXACT_CASES[case]
     res, metrics = verdict(pair, mode, case, **kw)
-    print(case, res)
     assert res.passed, str(res)
     assert_every_path_ran(mode, metrics, backup=kw["ssd"].backup if "ssd" in kw else None)
 
@@ -168,7 +167,6 @@ def test_per_request_mixed_sampling_gives_each_row_its_settings_distribution(pai
                                    skip=cases[0].skip, ssd=ssd)
     for i, case in enumerate(MIXED_CASES):
         res = check_windows(toks[i::len(MIXED_SAMPLING)], case)
-        print(case, res)
         assert res.passed, f"{case}: {res}"
     assert_every_path_ran("ssd", metrics, backup=ssd.backup)
 
@@ -181,7 +179,6 @@ def test_quick_ssd_output_has_the_target_distribution(pair):
     a broken SSD path, not a subtle bias."""
     case, mode, kw = QUICK
     res, metrics = verdict(pair, mode, case, **kw)
-    print("quick", res)
     assert res.passed, str(res)
     assert_every_path_ran(mode, metrics)
 
@@ -230,7 +227,6 @@ def test_a_draft_head_cut_to_half_the_vocabulary_keeps_the_target_distribution(p
     toks, metrics = sample_windows((target, truncate_model_head(draft, V // 2)), mode, c.sampling,
                                    n=c.n, window=c.window, skip=c.skip, **kw)
     res = check_windows(toks, case)
-    print(mode, res)
     assert res.passed, str(res)
     assert np.mean(toks >= V // 2) > 0.1  # the cut ids are a real share of the output
     assert_every_path_ran(mode, metrics)

@@ -272,7 +272,9 @@ def test_planted_bug_names():
                                      "verify_q_not_q_prime", "lookup_next_branch",
                                      "tree_keys_accept_stream", "tree_keys_by_row",
                                      "tree_rows_rounded_after_draw", "lookup_rows_one_depth_late",
-                                     "tree_rows_before_saguaro", "tree_keys_one_position_early"}
+                                     "tree_rows_before_saguaro", "tree_keys_one_position_early",
+                                     "random_backup_rows_over_padded_rows",
+                                     "ngram_rows_over_padded_rows"}
     # the SSD bugs (PLANTED_SSD_BUGS) need the real engine's tree and lookup:
     # tests/test_engine_exactness.py
 

@@ -36,7 +36,8 @@ by `plant_ssd_bug`), each with the tests that catch it and the measured numbers:
   cached and 12,000 requests: 43 of 120,006 tokens are not (the correct engine: 0).
 
 The hit-path bugs (what only a cache hit hands the verifier) are listed with their figures above
-HIT_PATH_BUGS below.
+HIT_PATH_BUGS below, the padded-row bugs (what only a model with more rows than ids shows) above
+PADDED_ROW_BUGS.
 """
 import jax
 import jax.numpy as jnp
@@ -122,7 +123,32 @@ def test_planted_ssd_bug_names():
     assert set(PLANTED_SSD_BUGS) == {"lookup_next_branch", "tree_keys_accept_stream",
                                      "tree_keys_by_row", "tree_rows_rounded_after_draw",
                                      "lookup_rows_one_depth_late", "tree_rows_before_saguaro",
-                                     "tree_keys_one_position_early"}
+                                     "tree_keys_one_position_early",
+                                     "random_backup_rows_over_padded_rows",
+                                     "ngram_rows_over_padded_rows"}
+
+
+# The padded-row bugs (#55): a backup that reports rows over every embedding row, padded ones
+# included, while its tokens are drawn from the ids only. On a pair whose rows are its ids the
+# rule is a no-op, so only a padded pair can see it. Measured at 20k requests, tokens 5-8, SSD
+# (2, 1, 1) C 0.5 (threshold 102): random backup chi2 840 on the padded pair, 83 (a pass) on the
+# same pair unpadded; n-gram backup 132 padded, 65 unpadded. n: 20k for the random backup,
+# 40k for the n-gram one (misses that found no match are fewer).
+PADDED_ROW_BUGS = {"random_backup_rows_over_padded_rows": ("random", 20_000),
+                   "ngram_rows_over_padded_rows": ("ngram", 40_000)}
+
+
+@slow
+@pytest.mark.parametrize("bug", list(PADDED_ROW_BUGS))
+def test_planted_padded_row_bugs_are_caught(pair, bug):
+    backup, n = PADDED_ROW_BUGS[bug]
+    assert pair[0].cfg.vocab_size > pair[0].tokenizer.vocab_size  # the pair has padded rows
+    with plant_ssd_bug(bug):
+        res, metrics = planted_verdict(pair, "ssd", T10, n=n, chunk=5_000, skip=4,
+                                       ssd=SSDConfig(fanout=(2, 1, 1), saguaro_c=0.5,
+                                                     backup=backup))
+    assert sum(m.backups.get(backup, 0) for m in metrics) > 0, "the backup never served a miss"
+    assert not res.passed, str(res)
 
 
 # The hit-path bugs (#34): each changes only what comes out of the speculation cache. With every

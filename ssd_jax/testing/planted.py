@@ -2,8 +2,9 @@
 
 `PLANTED_BUG_VERIFIERS` are drop-in replacements for ssd_jax.algorithm.verify.rejection_sample, one
 wrong rule each; `PLANTED_PROPOSER_BUGS` holds the proposer's bug (verifying against q instead of
-the q' it sampled from); `PLANTED_SSD_BUGS` names seven bugs of the speculation cache and the
-draft's tree (three of them change only what a cache hit hands the verifier), planted in the
+the q' it sampled from); `PLANTED_SSD_BUGS` names nine bugs of the speculation cache, the
+backups and the draft's tree (three of them change only what a cache hit hands the verifier, two
+only what a model with more embedding rows than ids shows), planted in the
 running process by `plant_ssd_bug(name)`. A harness that cannot tell them from
 the real thing is too weak to trust; which test catches which, and why some cannot be caught by a
 distribution test at all: tests/test_planted_bugs.py.
@@ -11,6 +12,7 @@ distribution test at all: tests/test_planted_bugs.py.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import types
 from typing import Callable
@@ -184,6 +186,35 @@ def _propose_drawn_before_rounding(logits, sampling, keys, *, vocab_size=None, s
     return sample_from_probs(q, keys), rows
 
 
+def _uniform_over_every_row(row_vocab: int, vocab_size: int):
+    """The padded-row bug's uniform row: 1 / row_vocab on every row, the padded ones included
+    (right: 1 / vocab_size on the ids, 0 past them). Equal to the right one on a model whose rows
+    are its ids."""
+    del vocab_size
+    return jnp.full((row_vocab,), 1.0 / row_vocab)
+
+
+def _random_rows_over_every_row():
+    from ssd_jax.algorithm import backups
+    right = backups.random_speculation
+
+    @functools.partial(jax.jit, static_argnames=("k", "vocab_size", "row_vocab", "row_dtype"))
+    def random_speculation(seed, request_ids, n, *, k, vocab_size, row_vocab, row_dtype="float32"):
+        toks, _ = right(seed, request_ids, n, k=k, vocab_size=vocab_size, row_vocab=row_vocab,
+                        row_dtype=row_dtype)
+        rows = jnp.broadcast_to(_uniform_over_every_row(row_vocab, vocab_size),
+                                (n.shape[0], k, row_vocab)).astype(row_dtype)
+        return toks, rows
+    return random_speculation
+
+
+@functools.partial(jax.jit, static_argnames=("row_vocab", "vocab_size", "row_dtype"))
+def _ngram_rows_over_every_row(guess, matched, *, row_vocab, vocab_size, row_dtype):
+    onehot = jax.nn.one_hot(guess, row_vocab, dtype=jnp.float32)
+    uniform = _uniform_over_every_row(row_vocab, vocab_size)
+    return jnp.where(matched[:, None, None], onehot, uniform).astype(row_dtype)
+
+
 # name -> (the rule it breaks, [(module, attribute, replacement factory)])
 _SSD_BUGS: dict[str, tuple[str, list]] = {
     "lookup_next_branch": (
@@ -215,6 +246,16 @@ _SSD_BUGS: dict[str, tuple[str, list]] = {
         "from the scaled row but stores the unscaled one, so a hit is verified against q, not q' "
         "(a no-op at C = 1)",
         [("ssd_jax.algorithm.tree", "propose", lambda: _propose_rows_before_saguaro)]),
+    # Padded-row bugs: each is a no-op on a model whose rows are its ids
+    "random_backup_rows_over_padded_rows": (
+        "a backup's rows are the distribution its tokens were drawn from (§3): here the random "
+        "backup draws uniform ids but reports rows uniform over every embedding row, padded ones "
+        "included",
+        [("ssd_jax.algorithm.backups", "random_speculation", _random_rows_over_every_row)]),
+    "ngram_rows_over_padded_rows": (
+        "the n-gram backup's unmatched rows are the uniform draw's own distribution (§3): here "
+        "uniform over every embedding row, padded ones included",
+        [("ssd_jax.algorithm.backups", "_ngram_rows", lambda: _ngram_rows_over_every_row)]),
     "tree_keys_one_position_early": (
         "a tree branch draws each token with the key of its own position, as a direct draft "
         "would (§3): here with the key of the position before",
