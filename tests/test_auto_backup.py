@@ -12,7 +12,6 @@
 """
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 
@@ -86,17 +85,16 @@ def test_tokens_after_each_kind_and_after_a_hit_come_from_the_round_before():
 
 def test_switching_kinds_compiles_nothing_and_the_counters_say_who_served(monkeypatch):
     from ssd_jax.models.config import tiny_config
-    from ssd_jax.models.model import Model
-    from ssd_jax.models.params import perturb, random_params
 
     from ssd_jax.algorithm.sampling import SamplingParams
     from ssd_jax.runtime import engine as engine_module
     from ssd_jax.runtime.engine import Engine, SSDConfig
 
+    from _tiny import padded_draft, padded_model
     cfg = tiny_config("qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_heads=2,
                       num_kv_heads=1, head_dim=16, num_layers=2)
-    target = Model(cfg, random_params(cfg, 0))
-    eng = Engine(target, Model(cfg, perturb(target.params, jax.random.key(1), 0.5)),
+    target = padded_model(cfg, 0)
+    eng = Engine(target, padded_draft(target, 1, 0.5),
                  max_len=64, compilation_cache=False, placement="colocated", backend="xla")
     kinds: list[str] = []
 

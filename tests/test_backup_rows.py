@@ -10,27 +10,30 @@ from ssd_jax.algorithm import steps
 from ssd_jax.algorithm.sampling import SamplingParams
 from ssd_jax.models.config import tiny_config
 from ssd_jax.models.kv_cache import init_cache
-from ssd_jax.models.model import Model
-from ssd_jax.models.params import perturb, random_params
 from ssd_jax.runtime.engine import Engine, SSDConfig
 
-CFG = tiny_config("qwen2", vocab_size=64)
+from _tiny import padded_draft, padded_model
+
+IDS = 64
+MODEL = padded_model(tiny_config("qwen2", vocab_size=IDS))
+CFG = MODEL.cfg  # IDS ids in IDS + PAD rows
 
 
 def test_draft_chain_leaves_the_rows_it_does_not_draft_untouched():
-    params = random_params(CFG, 0)
+    params = MODEL.params
     cache = init_cache(CFG, 2, 32)
     # row 1 holds values no forward writes: any write to it shows
     cache = cache.replace(k=tuple(k.at[1].set(7.0) for k in cache.k),
                           v=tuple(v.at[1].set(-3.0) for v in cache.v),
                           lengths=jnp.asarray([6, 11], jnp.int32))
     args = (jnp.asarray([3, 4]), jnp.asarray([5, 6]), jnp.asarray([6, 9]), jnp.int32(0),
-            jnp.asarray([0, 1]), SamplingParams(temperature=1.0), CFG.vocab_size, 3)
+            jnp.asarray([0, 1]), SamplingParams(temperature=1.0), IDS, 3)
     want_tok, want_rows, _ = steps.draft_chain(params, CFG, jax.tree_util.tree_map(jnp.copy, cache), *args)
     tok, rows, got = steps.draft_chain(params, CFG, jax.tree_util.tree_map(jnp.copy, cache), *args,
                                        draft_rows=jnp.asarray([True, False]))
     np.testing.assert_array_equal(np.asarray(tok[0]), np.asarray(want_tok[0]))
     np.testing.assert_array_equal(np.asarray(rows[0]), np.asarray(want_rows[0]))
+    assert np.all(np.asarray(tok) < IDS) and not np.any(np.asarray(rows)[..., IDS:])
     assert int(got.lengths[1]) == 11 and int(got.lengths[0]) == 6 + 3  # KV at n-1..n+K-1
     for k, v in zip(got.k, got.v):
         assert bool(jnp.all(k[1] == 7.0)) and bool(jnp.all(v[1] == -3.0))
@@ -38,8 +41,8 @@ def test_draft_chain_leaves_the_rows_it_does_not_draft_untouched():
 
 @pytest.fixture(scope="module")
 def pair():
-    target = Model(CFG, random_params(CFG, 0, scale=1.0))
-    return target, Model(CFG, perturb(target.params, jax.random.key(1), 0.5))
+    target = padded_model(tiny_config("qwen2", vocab_size=IDS), 0, scale=1.0)
+    return target, padded_draft(target, 1, 0.5)
 
 
 def test_a_request_alone_and_beside_a_companion_that_misses(pair):

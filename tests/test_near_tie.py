@@ -189,3 +189,28 @@ def test_a_divergence_without_a_tie_fails():
     assert row.max() - row[second] > 1e-5 * np.abs(row).max()  # the random model has no tie here
     with pytest.raises(AssertionError, match="not a near-tie"):
         near_tie.assert_greedy_agreement(params, CFG, PROMPT, [second, want[1]], want)
+
+
+def test_padded_rows_are_masked_by_vocab_size(tied_model):
+    """A model with padded embedding rows (ssd_jax.testing.pad_vocabulary): the engine never emits
+    them, so the near-tie is judged on the ids alone (vocab_size); without it the padded rows'
+    large logits would be the top and excuse nothing."""
+    from ssd_jax.models.model import Model
+    from ssd_jax.testing import pad_vocabulary
+    params, want, (a, b), low = tied_model
+    padded = pad_vocabulary(Model(CFG, params), CFG.vocab_size + 4)
+    logits, _ = forward(padded.params, padded.cfg, jnp.asarray([PROMPT + want[:1]], jnp.int32),
+                        init_cache(padded.cfg, 1, len(PROMPT) + 1), last_only=True)
+    row = np.asarray(logits[0], np.float64)
+    assert row[CFG.vocab_size:].max() > row[:CFG.vocab_size].max()  # a padded row would win
+    other = b if want[1] == a else a
+    got = [want[0], other, 7]
+    with pytest.warns(UserWarning, match="near-tie at generated token 1"):
+        v = near_tie.assert_greedy_agreement(padded.params, padded.cfg, PROMPT, got, want,
+                                             vocab_size=CFG.vocab_size)
+    assert set(v.tied) == {a, b}
+    with pytest.raises(AssertionError, match="not a near-tie"):  # the padded row's top, unmasked
+        near_tie.assert_greedy_agreement(padded.params, padded.cfg, PROMPT, got, want)
+    with pytest.raises(ValueError, match="vocab_size must be in"):
+        near_tie.assert_greedy_agreement(padded.params, padded.cfg, PROMPT, got, want,
+                                         vocab_size=CFG.vocab_size + 5)

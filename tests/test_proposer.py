@@ -2,30 +2,31 @@
 import pytest
 
 from ssd_jax.models.config import tiny_config
-from ssd_jax.models.model import Model
-from ssd_jax.models.params import random_params
 from ssd_jax.runtime.engine import Engine
 from ssd_jax.algorithm.near_tie import assert_greedy_agreement
 from ssd_jax.runtime.proposer import PromptLookupProposer, Proposer
 from ssd_jax.algorithm.sampling import SamplingParams
 
-CFG = tiny_config("llama", vocab_size=32)
+from _tiny import padded_model
+
+IDS = 32
+CFG = tiny_config("llama", vocab_size=IDS)  # the ids; the model carries padded rows past them
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 7, 8, 5, 6, 7]]
 
 
 @pytest.fixture(scope="module")
 def target():
-    return Model(CFG, random_params(CFG, 2, scale=1.0))
+    return padded_model(CFG, 2, scale=1.0)
 
 
 def test_prompt_lookup_proposer_is_exact_greedy(target):
-    prop = PromptLookupProposer(CFG.vocab_size)
+    prop = PromptLookupProposer(IDS, row_vocab=target.cfg.vocab_size)
     assert isinstance(prop, Proposer)
     eng = Engine(target, proposer=prop, compilation_cache=False)
     ar = Engine(target, compilation_cache=False).generate(PROMPTS, mode="ar", max_new_tokens=20)
     out = eng.generate(PROMPTS, mode="sd", max_new_tokens=20, k=3)
     for p, g, w in zip(PROMPTS, out.token_ids, ar.token_ids):
-        assert_greedy_agreement(target.params, CFG, p, g, w)
+        assert_greedy_agreement(target.params, target.cfg, p, g, w, vocab_size=IDS)
     assert sum(out.metrics.accept_hist) > 0
     # sampling works too (one-hot rows: accepted with probability p(s))
     s = eng.generate(PROMPTS, mode="sd", max_new_tokens=10, k=3,
@@ -36,10 +37,11 @@ def test_prompt_lookup_proposer_is_exact_greedy(target):
 def test_proposer_errors(target):
     with pytest.raises(ValueError, match="start, propose and finish"):
         Engine(target, proposer=object(), compilation_cache=False)
-    eng = Engine(target, proposer=PromptLookupProposer(CFG.vocab_size), compilation_cache=False)
+    eng = Engine(target, proposer=PromptLookupProposer(IDS, row_vocab=target.cfg.vocab_size),
+                 compilation_cache=False)
     with pytest.raises(ValueError, match="serves mode 'sd'"):
         eng.generate(PROMPTS, mode="ssd")
-    bad = Engine(target, proposer=PromptLookupProposer(CFG.vocab_size, row_vocab=16),
+    bad = Engine(target, proposer=PromptLookupProposer(IDS),  # rows of the ids only
                  compilation_cache=False)
     with pytest.raises(ValueError, match="rows of shape"):
         bad.generate(PROMPTS, mode="sd", k=2)
@@ -67,7 +69,7 @@ class _Recording(PromptLookupProposer):
 
 def test_proposer_ready_is_billed_to_prefill(target):
     """The draft's prefill ends inside the prefill phase, not in the first round's drafting."""
-    prop = _Recording(CFG.vocab_size, delay=0.5)
+    prop = _Recording(IDS, target.cfg.vocab_size, delay=0.5)
     eng = Engine(target, proposer=prop, compilation_cache=False)
     eng.generate(PROMPTS, mode="sd", max_new_tokens=6, k=2)  # compile
     prop.calls.clear()
@@ -81,7 +83,7 @@ def test_proposer_ready_is_billed_to_prefill(target):
 def test_proposer_without_ready_still_runs(target):
     class NoReady:
         def __init__(self):
-            self.inner = PromptLookupProposer(CFG.vocab_size)
+            self.inner = PromptLookupProposer(IDS, row_vocab=target.cfg.vocab_size)
 
         def start(self, *a):
             self.inner.start(*a)

@@ -87,7 +87,9 @@ def test_qwen_pair_loads_and_target_matches_hf_transformers():
     assert target.tokenizer.vocab_size < target.cfg.vocab_size  # padded embedding rows
     eng = Engine(target, draft)
     ar = eng.generate(ids, mode="ar", max_new_tokens=16, eos_ids=[])
-    assert_greedy_agreement(target.params, target.cfg, ids[0], ar.token_ids[0], want[0])
+    assert_greedy_agreement(target.params, target.cfg, ids[0], ar.token_ids[0], want[0],
+                            vocab_size=target.tokenizer.vocab_size)
     assert np.all(np.isfinite(ar.logprobs[0]))
     out = eng.generate(ids, mode="ssd", max_new_tokens=16, eos_ids=[], k=4)
-    assert_greedy_agreement(target.params, target.cfg, ids[0], out.token_ids[0], ar.token_ids[0])
+    assert_greedy_agreement(target.params, target.cfg, ids[0], out.token_ids[0], ar.token_ids[0],
+                            vocab_size=target.tokenizer.vocab_size)

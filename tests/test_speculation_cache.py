@@ -8,13 +8,16 @@ import pytest
 from ssd_jax.models import backends
 from ssd_jax.models.config import tiny_config
 from ssd_jax.models.kv_cache import init_cache
-from ssd_jax.models.params import random_params
 from ssd_jax.algorithm import steps
 from ssd_jax.algorithm.sampling import SamplingParams
 from ssd_jax.algorithm.speculation_cache import SpeculationCache, check_budget, lookup
 from ssd_jax.algorithm.tree import draft_tree
 
-CFG = tiny_config("qwen2", vocab_size=48)
+from _tiny import padded_model
+
+IDS = 48
+MODEL = padded_model(tiny_config("qwen2", vocab_size=IDS), 4, scale=1.0)
+CFG = MODEL.cfg  # IDS ids in IDS + PAD rows
 K = 3
 FAN = (3, 2, 2, 1)
 SAMPLING = SamplingParams(temperature=1.0)
@@ -25,7 +28,7 @@ SEED = jnp.int32(3)
 
 @pytest.fixture(scope="module")
 def setup():
-    params = random_params(CFG, 4, scale=1.0)
+    params = MODEL.params
     prompts = np.array([[1, 2, 3, 4, 5, 6], [7, 8, 9, 0, 0, 0]], np.int32)
     lens = np.array([6, 3], np.int32)
     rids = jnp.asarray([10, 11], jnp.int32)
@@ -36,9 +39,9 @@ def setup():
     prev = jnp.asarray([prompts[0, 5], prompts[1, 2]])
     bonus = jnp.asarray([11, 12], jnp.int32)
     spec, rows, cache = steps.draft_chain(params, CFG, cache, prev, bonus, n, SEED, rids, SAMPLING,
-                                          CFG.vocab_size, K)
+                                          IDS, K)
     tree, cache = draft_tree(params, CFG, cache, bonus, spec, n, jnp.asarray([True, True]),
-                             jnp.asarray([False, False]), SEED, rids, SAMPLING, CFG.vocab_size,
+                             jnp.asarray([False, False]), SEED, rids, SAMPLING, IDS,
                              FAN, FAN, TOP_N, C)
     return params, prompts, lens, rids, np.asarray(bonus), np.asarray(spec), tree
 
@@ -72,7 +75,7 @@ def test_a_hit_equals_a_direct_draft_from_that_outcome(setup):
             prev = jnp.asarray([h[-1] for h in hist], jnp.int32)
             direct_tok, direct_rows, _ = steps.draft_chain(
                 params, CFG, cache, prev, jnp.full((2,), c, jnp.int32), hl, SEED, rids, SAMPLING,
-                CFG.vocab_size, K, TOP_N, C)
+                IDS, K, TOP_N, C)
             outcome_k = np.full(2, j, np.int32)
             outcome_b = np.full(2, c, np.int32)
             hit, tokens, rows = lookup(tree, jnp.asarray(outcome_k), jnp.asarray(outcome_b))
@@ -123,7 +126,7 @@ def test_the_scanned_tree_is_the_unrolled_tree(setup, temperature, top_n, c, bac
                                     jnp.asarray(lens))
         tree, _ = draft_tree(prepared, CFG, cache, jnp.asarray(bonus), jnp.asarray(spec),
                              jnp.asarray(lens), jnp.asarray([True, True]), jnp.asarray([False, False]),
-                             SEED, rids, sampling, CFG.vocab_size, FAN, FAN, top_n, c, ops=ops,
+                             SEED, rids, sampling, IDS, FAN, FAN, top_n, c, ops=ops,
                              tree_loop=loop)
         trees.append(tree)
     a, b = trees
@@ -138,4 +141,4 @@ def test_an_unknown_tree_loop_is_refused(setup):
     with pytest.raises(ValueError, match="tree_loop must be one of"):
         draft_tree(params, CFG, cache, jnp.asarray(bonus), jnp.asarray(spec), jnp.asarray(lens),
                    jnp.asarray([True, True]), jnp.asarray([False, False]), SEED, rids, SAMPLING,
-                   CFG.vocab_size, FAN, FAN, TOP_N, C, tree_loop="while")
+                   IDS, FAN, FAN, TOP_N, C, tree_loop="while")

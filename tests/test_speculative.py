@@ -1,31 +1,31 @@
 """Greedy SD and SSD equal greedy plain decoding (ALGORITHM.md §3 near-tie rule), on tiny random pairs that
 make every path run: draft = target, a perturbed copy, an unrelated draft; hits, misses and every
 backup; the Pallas kernels against the references."""
-import jax
 import numpy as np
 import pytest
 
 from ssd_jax.models.config import tiny_config
-from ssd_jax.models.model import Model
-from ssd_jax.models.params import perturb, random_params
 from ssd_jax.runtime.engine import Engine, SSDConfig
 from ssd_jax.algorithm.near_tie import assert_greedy_agreement
 
-CFG = tiny_config("qwen2", vocab_size=64)
+from _tiny import padded_draft, padded_model
+
+IDS = 64
+CFG = tiny_config("qwen2", vocab_size=IDS)  # the ids; the models carry padded rows past them
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17], [20, 21]]
 
 
 @pytest.fixture(scope="module")
 def target():
-    return Model(CFG, random_params(CFG, 0, scale=1.0), name="tiny-target")
+    return padded_model(CFG, 0, scale=1.0, name="tiny-target")
 
 
 @pytest.fixture(scope="module")
 def drafts(target):
     return {
         "same": target,
-        "perturbed": Model(CFG, perturb(target.params, jax.random.key(1), 0.05)),
-        "unrelated": Model(CFG, random_params(CFG, 7, scale=1.0)),
+        "perturbed": padded_draft(target, 1, 0.05),
+        "unrelated": padded_model(CFG, 7, scale=1.0),
     }
 
 
@@ -37,7 +37,8 @@ def ar_reference(target):
 
 def check(target, prompts, got, want):
     for p, g, w in zip(prompts, got, want):
-        assert_greedy_agreement(target.params, target.cfg, p, g, w)
+        assert max(g, default=0) < IDS  # never a padded row
+        assert_greedy_agreement(target.params, target.cfg, p, g, w, vocab_size=IDS)
 
 
 @pytest.mark.parametrize("draft_kind", ["same", "perturbed", "unrelated"])

@@ -86,12 +86,15 @@ def near_tie_verdict(logits, got_token: int, want_token: int, rel_tol: float = 1
     return gap, scale, tied
 
 
-def greedy_agreement(params, cfg, prompt, got, want, rel_tol: float = 1e-5) -> GreedyAgreement:
+def greedy_agreement(params, cfg, prompt, got, want, rel_tol: float = 1e-5,
+                     vocab_size: int | None = None) -> GreedyAgreement:
     """Greedy equality up to floating point. prompt: the prompt's ids; got / want: generated ids
     (want = plain greedy decoding; 1-D sequences of ints); params / cfg: the target model, whose
-    logits after prompt + want[:i] decide the near-tie at the first divergence i. Raises
-    AssertionError on a real divergence (a different length, or at i a token outside the tied
-    tokens); returns the verdict (identical, or a near-tie, reported with a warning)."""
+    logits after prompt + want[:i] decide the near-tie at the first divergence i; vocab_size: its
+    tokenizer's ids when the model has more embedding rows (the rows past it are padding: -inf
+    here, as the engine masks them; default every row). Raises AssertionError on a real
+    divergence (a different length, or at i a token outside the tied tokens); returns the
+    verdict (identical, or a near-tie, reported with a warning)."""
     got, want = list(map(int, got)), list(map(int, want))
     i = next((t for t, (a, b) in enumerate(zip(got, want)) if a != b), None)
     if i is None:
@@ -101,7 +104,13 @@ def greedy_agreement(params, cfg, prompt, got, want, rel_tol: float = 1e-5) -> G
     ids = list(map(int, prompt)) + want[:i]
     logits, _ = forward(params, cfg, jnp.asarray([ids], jnp.int32), init_cache(cfg, 1, len(ids)),
                         last_only=True)
-    gap, scale, tied = near_tie_verdict(np.asarray(logits[0]), got[i], want[i], rel_tol,
+    row = np.asarray(logits[0], np.float64)
+    if vocab_size is not None:
+        if not 1 <= int(vocab_size) <= row.size:
+            raise ValueError(f"vocab_size must be in [1, {row.size}] (the model's rows), got "
+                             f"{vocab_size}")
+        row[int(vocab_size):] = -np.inf
+    gap, scale, tied = near_tie_verdict(row, got[i], want[i], rel_tol,
                                         where=f" at generated token {i}")
     warnings.warn(f"near-tie at generated token {i}: got {got[i]}, plain decoding {want[i]}, both "
                   f"within {rel_tol:g} x max(|top logit|, 1) = {rel_tol * scale:.3g} of the top "
@@ -109,6 +118,7 @@ def greedy_agreement(params, cfg, prompt, got, want, rel_tol: float = 1e-5) -> G
     return GreedyAgreement(identical=False, divergence=i, gap=gap, scale=scale, tied=tied)
 
 
-def assert_greedy_agreement(params, cfg, prompt, got, want, rel_tol: float = 1e-5) -> GreedyAgreement:
+def assert_greedy_agreement(params, cfg, prompt, got, want, rel_tol: float = 1e-5,
+                            vocab_size: int | None = None) -> GreedyAgreement:
     """`greedy_agreement` (the same arguments and verdict), the name tests and the pytest fixture use."""
-    return greedy_agreement(params, cfg, prompt, got, want, rel_tol)
+    return greedy_agreement(params, cfg, prompt, got, want, rel_tol, vocab_size)
