@@ -57,7 +57,7 @@ from ssd_jax.runtime.proposer import PromptLookupProposer
 from _engine_checks import (DET_BATCH, QUICK, SAGUARO_SSD, draws_not_from_their_rows,
                             generate_ids, recorded_verifies, requests_moved_by_batch_order,
                             ssd_requests_unlike_sd)
-from _engine_stats import (CHUNK, DETERMINISTIC_CHECKS, K, MIXED_SAMPLING, STAT_CASES, V,
+from _engine_stats import (CHUNK, DETERMINISTIC_CHECKS, K, MIXED_SAMPLING, ROWS, STAT_CASES, V,
                            assert_every_path_ran, check_windows, coverage_rows, documented_table,
                            make_pair, power_at, sample_windows, verdict)
 from _round_record import recording_rounds
@@ -280,7 +280,8 @@ PROPOSAL_SOURCES = {
     "ssd-draft-head-cut": ("ssd", _cut_head, dict(ssd=SAGUARO_SSD), _RACED),
     "sd-draft-sampling": ("sd", None, dict(draft_sampling=SamplingParams(temperature=0.5, top_k=2)),
                           _RACED),
-    "sd-prompt-lookup": ("sd", _target_only, dict(engine_kw=dict(proposer=PromptLookupProposer(V))),
+    "sd-prompt-lookup": ("sd", _target_only,
+                         dict(engine_kw=dict(proposer=PromptLookupProposer(V, row_vocab=ROWS))),
                          _ONE_HOT | _UNIFORM),
 }
 

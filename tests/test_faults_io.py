@@ -62,7 +62,7 @@ def test_more_tokens_than_slots_is_an_error_at_trace_time(params):
     toks = jnp.ones((2, S + 1), jnp.int32)
     with pytest.raises(CacheOverflowError, match=f"9 tokens per sequence do not fit .* S = {S}"):
         _fwd.lower(params, CFG, toks, init_cache(CFG, 2, S))  # tracing alone raises
-    with pytest.raises(ValueError, match="batch >= 1 and max_len >= 1"):
+    with pytest.raises(ValueError, match="max_len must be an integer >= 1, got 0"):
         init_cache(CFG, 2, 0)
 
 
