@@ -236,7 +236,7 @@ def test_progress_lines_for_compiles_and_tokens():
     buf = io.StringIO()
     p = prog.Progress(True, stream=buf, clock=lambda: next(clock))
     with p.generating():
-        prog._on_event("/jax/core/compile/backend_compile_duration", 2.5)
+        prog._on_event("/jax/core/compile/backend_compile_duration", 2.5, fun_name="jit(verify)")
         prog._on_event("/jax/core/compile/backend_compile_duration", 0.1)  # too short to show
         prog._on_event("/jax/core/compile/jaxpr_trace_duration", 9.0)  # not a backend compile
         p.delta(1, counting=True)  # t = 1.0
@@ -244,7 +244,7 @@ def test_progress_lines_for_compiles_and_tokens():
         p.delta(2, counting=True)  # t = 4.0: too soon
     prog._on_event("/jax/core/compile/backend_compile_duration", 5.0)  # after: not reported
     assert buf.getvalue().splitlines()[1:] == [
-        "ssd-jax:   compiled a step in 2.5 s (2.5 s compiling so far)",
+        "ssd-jax:   compiled jit(verify) in 2.5 s (2.5 s compiling so far)",
         "ssd-jax: first tokens after 1.0 s",
         "ssd-jax:   4 tokens so far",
     ]

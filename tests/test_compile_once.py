@@ -158,3 +158,52 @@ def test_per_request_sampling_crosses_the_wire():
     finally:
         a.close()
         b.close()
+
+
+def test_the_first_call_reports_each_program_it_compiled():
+    """out.metrics.compiles is what compile_s is made of, per program, with its source; a call
+    that compiles nothing reports none. (A vocabulary no other test uses: shapes nothing in this
+    process compiled before.)"""
+    cfg = tiny_config("llama", vocab_size=44)
+    target = Model(cfg, random_params(cfg, 0, scale=1.0))
+    eng = Engine(target, Model(cfg, perturb(target.params, jax.random.key(2), 0.3)), max_len=48,
+                 compilation_cache=False)
+    kw = dict(mode="sd", max_new_tokens=6, k=2, sampling=SamplingParams(0.9))
+    first = eng.generate([PROMPT], **kw).metrics
+    assert first.compile_s > 0 and first.compiles
+    assert abs(sum(p["seconds"] for p in first.compiles.values()) - first.compile_s) < 1e-6
+    for name, p in first.compiles.items():
+        assert abs(p["trace_s"] + p["lower_s"] + p["compile_s"] - p["seconds"]) < 1e-9, name
+        assert p["source"] == ("compiled" if p["count"] else "traced"), (name, p)
+    compiled = {n for n, p in first.compiles.items() if p["count"]}
+    assert "jit(verify)" in compiled or "jit(sd_chunk)" in compiled, sorted(compiled)
+    assert first.to_dict()["compiles"] == first.compiles
+    again = eng.generate([PROMPT], **kw).metrics
+    assert again.compile_s == 0 and again.compiles == {}
+
+
+def test_compile_sources_follow_the_cache_events():
+    """The attribution rule on JAX's own events: a persistent-cache hit reported inside a
+    compile makes that compile's source the cache; a stored step's program is the step store's."""
+    from ssd_jax.algorithm.aot import STORE_PROGRAMS
+    from ssd_jax.runtime.metrics import CompileTimer
+    t = CompileTimer()
+    trace, backend = ("/jax/core/compile/jaxpr_trace_duration",
+                      "/jax/core/compile/backend_compile_duration")
+    STORE_PROGRAMS.add("jit(stored_probe)")
+    try:
+        with t.measure():
+            CompileTimer._listener(trace, 0.5, fun_name="plain")
+            CompileTimer._listener(backend, 1.0, fun_name="jit(plain)")
+            CompileTimer._event("/jax/compilation_cache/cache_hits")
+            CompileTimer._listener(backend, 0.25, fun_name="jit(cached)")
+            CompileTimer._listener(backend, 0.5, fun_name="jit(after)")  # the hit was used up
+            CompileTimer._event("/jax/compilation_cache/cache_hits")
+            CompileTimer._listener(backend, 0.125, fun_name="jit(stored_probe)")
+            CompileTimer._listener(backend, 0.125, fun_name="jit(stored_probe)")
+    finally:
+        STORE_PROGRAMS.discard("jit(stored_probe)")
+    got = {n: (p["seconds"], p["count"], p["source"]) for n, p in t.programs.items()}
+    assert got == {"jit(plain)": (1.5, 1, "compiled"), "jit(cached)": (0.25, 1, "persistent cache"),
+                   "jit(after)": (0.5, 1, "compiled"), "jit(stored_probe)": (0.25, 2, "step store")}
+    assert t.seconds == 2.5

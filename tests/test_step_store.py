@@ -47,20 +47,22 @@ CHILD = textwrap.dedent("""
     engine = Engine(t, d, max_len=64, compilation_cache=sys.argv[1], backend="xla",
                     step_store=True)
     before = len(traced)
+    compiles = []
     def run():
         outs = []
         for m, s, chunks in (("ar", SamplingParams(), True), ("sd", SamplingParams(0.8), True),
                              ("ssd", SamplingParams(1.0, 0, 0.9), False),
                              ("ssd", SamplingParams(1.0, 0, 0.9), True)):
             engine.round_chunks = chunks
-            outs.append(engine.generate([[3, 1, 4, 1, 5], [2, 7]], mode=m, max_new_tokens=8, k=3,
-                                        sampling=s, seed=5,
-                                        ssd=SSDConfig(fanout=(1, 1, 1, 1))).token_ids)
+            out = engine.generate([[3, 1, 4, 1, 5], [2, 7]], mode=m, max_new_tokens=8, k=3,
+                                  sampling=s, seed=5, ssd=SSDConfig(fanout=(1, 1, 1, 1)))
+            outs.append(out.token_ids)
+            compiles.append(out.metrics.compiles)
         return outs
     outs = run()
     fns = (steps.prefill, steps.prefill_cache, round_steps.decode_chunk, round_steps.sd_chunk,
            round_steps.ssd_chunk, steps.verify, steps.draft_chain, tree.draft_tree)
-    res = {"tokens": outs, "traced": traced[before:],
+    res = {"tokens": outs, "traced": traced[before:], "compiles": compiles[:],
            "store": {f.__name__: [f.exported, f.loaded, f.plain_calls] for f in fns}}
     if sys.argv[2] == "then-off":  # the same calls again as plain jits, the store off
         from ssd_jax.algorithm import aot
@@ -107,6 +109,15 @@ def test_a_second_process_reads_every_step_back_and_traces_none(tmp_path):
     # so the exactness the engine tests prove for the jitted steps holds for stored ones
     assert first["tokens"] == second["tokens"] == first["plain_tokens"]
     assert first["tokens"][2] == first["tokens"][3]
+    # out.metrics.compiles says where each program came from: the stored steps compiled from
+    # their exports in the first process, read back from the persistent cache in the second
+    for run, want in ((first, "step store"), (second, "step store, persistent cache")):
+        stored = {name: p for call in run["compiles"] for name, p in call.items()
+                  if name.startswith("jit(stored_")}
+        assert {n[len("jit(stored_"):-1] for n in stored} == set(STEPS), sorted(stored)
+        assert {p["source"] for p in stored.values()} == {want}, stored
+    assert all(p["source"] == "persistent cache" for call in second["compiles"]
+               for name, p in call.items() if p["count"] and not name.startswith("jit(stored_"))
 
 
 CFG = tiny_config("llama", vocab_size=40)

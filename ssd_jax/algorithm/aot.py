@@ -353,7 +353,13 @@ class StoredJit:
             if n in self._donate:
                 donated.extend(range(at, at + count))
             at += count
-        return frozenset(donated), step_jit(exp.call, donate_argnums=tuple(donated))
+        def run(*leaves):
+            return exp.call(*leaves)
+
+        # named as the step, so the compile a call waits for says which stored step it is
+        run.__name__ = run.__qualname__ = f"stored_{self._fun.__name__}"
+        STORE_PROGRAMS.add(f"jit({run.__name__})")
+        return frozenset(donated), step_jit(run, donate_argnums=tuple(donated))
 
     def _export(self, static, names, tree, leaves):
         from ssd_jax.models.kv_cache import traced_checks_off
@@ -379,6 +385,11 @@ class StoredJit:
                 return jax.export.export(jax.jit(flat), disabled_checks=allowed)(*specs)
 
 
+# the programs the stored steps run as, "jit(stored_<step>)": `runtime.metrics.CompileTimer`
+# reports their compiles' source as the step store
+STORE_PROGRAMS: set[str] = set()
+
+
 def stored_jit(fun: Callable | None = None, *, static_argnames: Sequence[str] = (),
                donate_argnames: Sequence[str] = ()):
     """Decorator: `jax.jit` with the step store (module docstring)."""
@@ -388,5 +399,5 @@ def stored_jit(fun: Callable | None = None, *, static_argnames: Sequence[str] = 
     return StoredJit(fun, static_argnames, donate_argnames)
 
 
-__all__ = ["COMPILER_OPTIONS", "GPU_COMMAND_BUFFERS", "StoredJit", "describe", "library_fingerprint", "set_store",
+__all__ = ["COMPILER_OPTIONS", "GPU_COMMAND_BUFFERS", "STORE_PROGRAMS", "StoredJit", "describe", "library_fingerprint", "set_store",
            "step_jit", "store_dir", "stored_jit"]

@@ -283,6 +283,7 @@ class Engine(HostLoop):
                     fall_back(self, down, batch, metrics, self.strict)
                     self._run_ar(batch, rids, run, metrics, measure=False)
         metrics.compile_s = timer.seconds
+        metrics.compiles = {name: dict(p) for name, p in timer.programs.items()}
         metrics.backend = self.backend  # again: a kernel may have fallen back during the run
         metrics.new_tokens = sum(len(g) for g in batch.generated)
         return batch.result(metrics)

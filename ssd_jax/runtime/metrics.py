@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ssd_jax.algorithm.aot import STORE_PROGRAMS
 from ssd_jax.algorithm.policy import acceptance_from_hist, ssd_speedup
 
 SCHEMA = 1  # the version of `Metrics.to_dict`'s layout; bump it when a field changes meaning
@@ -30,6 +31,8 @@ _COMPILE_EVENTS = (
     "/jax/core/compile/jaxpr_to_mlir_module_duration",
     "/jax/core/compile/backend_compile_duration",
 )
+_PHASE = dict(zip(_COMPILE_EVENTS, ("trace_s", "lower_s", "compile_s")))
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
 
 
 @dataclasses.dataclass
@@ -63,7 +66,9 @@ class Metrics:
     call finished with plain decoding on the target (`ssd_jax.runtime.fallback`), what failed:
     {draft, during, error, round, tokens_before, committed (per prompt)}; extra: anything else a
     caller attaches; memory: the bytes each device holds for weights, KV cache and speculation
-    cache (`memory_of`).
+    cache (`memory_of`); compiles: what compile_s is made of, one entry per program this
+    process compiled during the call (`CompileTimer.programs`: its trace, lowering and backend
+    seconds and where the executable came from).
     """
 
     mode: str
@@ -97,6 +102,8 @@ class Metrics:
     # bytes held per device, {"weights" | "kv_cache" | "spec_cache": {device: bytes}}
     # (`memory_of(engine)`; empty until filled)
     memory: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    # {program name: {"seconds", "trace_s", "lower_s", "compile_s", "count", "source"}}
+    compiles: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     def init_hist(self, k: int) -> None:
         """Set K and zero the three acceptance histograms (K+1 entries each)."""
@@ -302,7 +309,7 @@ class _Static:
         return hash(json.dumps(self.value, sort_keys=True, default=repr))
 
 
-_METRIC_STATIC = ("mode", "k", "fanout", "backend", "fallback", "extra", "memory")
+_METRIC_STATIC = ("mode", "k", "fanout", "backend", "fallback", "extra", "memory", "compiles")
 _METRIC_LEAVES = tuple(f.name for f in dataclasses.fields(Metrics) if f.name not in _METRIC_STATIC)
 _ROUND_FIELDS = tuple(f.name for f in dataclasses.fields(RoundTimes))
 
@@ -323,20 +330,53 @@ jax.tree_util.register_pytree_node(
 
 
 class CompileTimer:
-    """Sums JAX's compile-event durations (trace, lower, backend compile) while active."""
+    """Sums JAX's compile-event durations (trace, lower, backend compile) while active, in all and
+    per program.
+
+    `programs[name]`: the program's "trace_s", "lower_s" and "compile_s" (XLA's compile, or on
+    a persistent-cache hit the read and load of the executable), their sum "seconds", "count"
+    (compiles of that name) and "source": "compiled", "persistent cache" (the executable was
+    read from JAX's persistent cache), "step store" (traced from an exported step of
+    `aot.StoredJit`'s store, then compiled), "step store, persistent cache", or "traced" (a
+    function traced inside another program, count 0: its trace is part of that one's). A name is JAX's
+    (`jit(decode_chunk)`, or a stored step's own name); eager ops compile as small programs of
+    their own (`jit(convert_element_type)`)."""
 
     _lock = threading.Lock()
     _active: list["CompileTimer"] = []
     _registered = False
+    _thread = threading.local()  # a persistent-cache hit seen in this thread, for its compile
 
     def __init__(self):
         self.seconds = 0.0
+        self.programs: dict[str, dict[str, Any]] = {}
 
     @classmethod
-    def _listener(cls, event: str, duration: float, **_):
-        if event in _COMPILE_EVENTS:
-            for t in list(cls._active):
-                t.seconds += duration
+    def _listener(cls, event: str, duration: float, fun_name: str | None = None, **_):
+        if event not in _COMPILE_EVENTS:
+            return
+        phase = _PHASE[event]
+        hit = False
+        if phase == "compile_s":  # JAX reports a cache hit inside the compile it ends
+            hit, cls._thread.hit = getattr(cls._thread, "hit", False), False
+        name = _program_name(fun_name)
+        for t in list(cls._active):
+            t.seconds += duration
+            p = t.programs.setdefault(name, dict(seconds=0.0, trace_s=0.0, lower_s=0.0,
+                                                 compile_s=0.0, count=0, source="traced"))
+            p[phase] += duration
+            p["seconds"] += duration
+            if phase == "compile_s":
+                p["count"] += 1
+                stored = name in STORE_PROGRAMS  # aot.StoredJit's exported steps
+                p["source"] = ("step store, persistent cache" if stored and hit else
+                               "step store" if stored else
+                               "persistent cache" if hit else "compiled")
+
+    @classmethod
+    def _event(cls, event: str, **_):
+        if event == _CACHE_HIT:
+            cls._thread.hit = True
 
     @contextlib.contextmanager
     def measure(self):
@@ -345,6 +385,7 @@ class CompileTimer:
         with self._lock:
             if not CompileTimer._registered:
                 jax.monitoring.register_event_duration_secs_listener(CompileTimer._listener)
+                jax.monitoring.register_event_listener(CompileTimer._event)
                 CompileTimer._registered = True
             CompileTimer._active.append(self)
         try:
@@ -352,6 +393,14 @@ class CompileTimer:
         finally:
             with self._lock:
                 CompileTimer._active.remove(self)
+
+
+def _program_name(fun_name: str | None) -> str:
+    """One name for a program's trace ("decode_chunk"), lowering and compile ("jit(decode_chunk)")
+    events: JAX's jit(...) form."""
+    if not fun_name:
+        return "?"
+    return fun_name if fun_name.startswith(("jit(", "pjit(")) else f"jit({fun_name})"
 
 
 def mean_tokens(hist) -> float:

@@ -6,7 +6,7 @@ seconds), compiling the steps, then tokens flowing. Never on stdout, which carri
     ssd-jax:   qwen2.5-coder-1.5b: converting ... (the first load; cached for later loads)
     ssd-jax: target loaded in 41.3 s
     ssd-jax: generating; a first run compiles its steps (JAX's compile cache serves later runs)
-    ssd-jax:   compiled a step in 12.4 s (12.4 s compiling so far)
+    ssd-jax:   compiled jit(verify) in 12.4 s (12.4 s compiling so far)
     ssd-jax: first tokens after 15.0 s
 """
 from __future__ import annotations
@@ -23,10 +23,10 @@ _registered = False
 _lock = threading.Lock()
 
 
-def _on_event(event: str, duration: float, **_) -> None:
+def _on_event(event: str, duration: float, fun_name: str | None = None, **_) -> None:
     if event == _BACKEND_COMPILE:
         for p in list(_active):
-            p.compiled(duration)
+            p.compiled(duration, fun_name)
 
 
 class _LogLines(logging.Handler):
@@ -105,12 +105,13 @@ class Progress:
             with _lock:
                 _active.remove(self)
 
-    def compiled(self, seconds: float) -> None:
-        """A step finished compiling in `seconds` (steps under half a second are not shown)."""
+    def compiled(self, seconds: float, name: str | None = None) -> None:
+        """Program `name` (JAX's, e.g. "jit(verify)") finished compiling in `seconds` (those
+        under half a second are not shown); out.metrics.compiles holds every one."""
         self.compile_s += seconds
         if seconds >= 0.5:
-            self.say(f"  compiled a step in {seconds:.1f} s ({self.compile_s:.1f} s compiling "
-                     "so far)")
+            self.say(f"  compiled {name or 'a step'} in {seconds:.1f} s ({self.compile_s:.1f} s "
+                     "compiling so far)")
 
     def delta(self, n_tokens: int, counting: bool) -> None:
         """`n_tokens` more tokens arrived: the first time, say how long they took; with
