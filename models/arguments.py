@@ -43,19 +43,6 @@ def floating(fn: str, name: str, x) -> None:
         raise ValueError(f"{fn}: {name} must be floating point, got dtype {dt}")
 
 
-def keys(fn: str, name: str, x, batch_shape: tuple) -> None:
-    """A ValueError unless x is PRNG keys of `batch_shape`: typed keys of that shape, or raw
-    uint32 keys of that shape plus a last axis of 2."""
-    import jax
-    dt = jnp.result_type(x)
-    typed = jax.dtypes.issubdtype(dt, jax.dtypes.prng_key)
-    s = tuple(jnp.shape(x))
-    ok = s == tuple(batch_shape) if typed else (dt == jnp.uint32 and s == (*batch_shape, 2))
-    if not ok:
-        raise ValueError(f"{fn}: {name} must be typed PRNG keys {list(batch_shape)} or raw uint32 "
-                         f"{list(batch_shape) + [2]}, got {dt} {list(s)}")
-
-
 def in_range(fn: str, name: str, x, lo: int, hi: int) -> None:
     """Where x's values are known: a ValueError unless every one is in [lo, hi)."""
     h = host_value(x)

@@ -57,9 +57,9 @@ from ssd_jax.runtime.proposer import PromptLookupProposer
 from _engine_checks import (DET_BATCH, QUICK, SAGUARO_SSD, draws_not_from_their_rows,
                             generate_ids, recorded_verifies, requests_moved_by_batch_order,
                             ssd_requests_unlike_sd)
-from _engine_stats import (CHUNK, DETERMINISTIC_CHECKS, K, MIXED_SAMPLING, ROWS, STAT_CASES, V,
-                           assert_every_path_ran, check_windows, coverage_rows, documented_table,
-                           make_pair, power_at, sample_windows, verdict)
+from _engine_stats import (CHUNK, DETERMINISTIC_CHECKS, K, MIXED_SAMPLING, PROMPT, ROWS,
+                           STAT_CASES, V, assert_every_path_ran, check_windows, coverage_rows,
+                           documented_table, make_pair, power_at, sample_windows, verdict)
 from _round_record import recording_rounds
 
 slow = pytest.mark.slow
@@ -127,6 +127,30 @@ def test_every_case_above_tv_0_01_or_before_the_lookups_says_why():
     for name, c in STAT_CASES.items():
         if c.power_tv > 0.01 or (c.path.startswith("SSD") and c.skip < 4):
             assert c.why, f"{name}: TV {c.power_tv}, tokens {c.tokens}, and no why"
+
+
+def test_the_pairs_padded_rows_would_win_if_let_in(pair):
+    """The padded pair's premise (docs/ALGORITHM.md §3): on every context of the windows the
+    cases read (the prompt and up to 8 generated tokens), the two padded rows would take most of
+    the mass unmasked, in the target and in the draft, while their masked distribution over the
+    ids is the unpadded pair's."""
+    import itertools
+
+    import jax.numpy as jnp
+
+    from ssd_jax.models.kv_cache import init_cache
+    from ssd_jax.models.transformer import forward
+    from ssd_jax.testing import padded_mass
+    tokens = jnp.asarray([PROMPT + list(c) for c in itertools.product(range(V), repeat=5)],
+                         jnp.int32)
+    unpadded = make_pair(rows=V)
+    for m, u in zip(pair, unpadded):
+        assert m.cfg.vocab_size == ROWS and m.tokenizer.vocab_size == V
+        logits = np.asarray(forward(m.params, m.cfg, tokens, init_cache(m.cfg, *tokens.shape))[0])
+        rows = logits[:, len(PROMPT) - 1:]  # the next-token rows of every generated position
+        assert padded_mass(rows, V).mean() > 0.5 and np.mean(rows.argmax(-1) >= V) > 0.5
+        ids = np.asarray(forward(u.params, u.cfg, tokens, init_cache(u.cfg, *tokens.shape))[0])
+        np.testing.assert_array_equal(logits[..., :V], ids)
 
 
 def test_the_coverage_table_is_current():

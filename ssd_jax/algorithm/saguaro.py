@@ -68,9 +68,10 @@ def propose(logits: jax.Array, sampling: SamplingParams, keys: jax.Array, *,
     `row_dtype`, the speculation cache's row dtype, to which q' is rounded before the draw.
 
     A `ValueError` naming the argument, before anything is traced: logits that are not floating
-    point or have no rows, a vocab_size outside [1, V], a negative saguaro_top_n, a row_dtype
-    that is not floating point, keys not one per row of logits (sampled draws), and, where its
-    value is known, saguaro_c outside (0, 1]. Empty leading axes (no rows) give empty results.
+    point or have no rows, a vocab_size outside [1, V] (the row mask's own check), a negative
+    saguaro_top_n, a row_dtype that is not floating point, keys not one per row of logits
+    (sampled draws), and, where its value is known, saguaro_c outside (0, 1]. Empty leading axes
+    (no rows) give empty results.
     """
     _check_propose(logits, sampling, keys, vocab_size, saguaro_top_n, saguaro_c, row_dtype)
     if sampling.greedy and isinstance(saguaro_top_n, (int, np.integer)) and saguaro_top_n <= 0:
@@ -90,9 +91,6 @@ def _check_propose(logits, sampling, keys, vocab_size, saguaro_top_n, saguaro_c,
     args.floating(fn, "logits", logits)
     if jnp.ndim(logits) < 1 or jnp.shape(logits)[-1] < 1:
         raise ValueError(f"{fn}: logits must be [..., V] with V >= 1, got shape {jnp.shape(logits)}")
-    V = jnp.shape(logits)[-1]
-    if vocab_size is not None and not 1 <= int(vocab_size) <= V:
-        raise ValueError(f"{fn}: vocab_size must be in [1, {V}] (the logits' rows), got {vocab_size}")
     if isinstance(saguaro_top_n, (int, np.integer)) and saguaro_top_n < 0:
         raise ValueError(f"{fn}: saguaro_top_n must be >= 0 (0: off), got {saguaro_top_n}")
     if not jnp.issubdtype(jnp.dtype(row_dtype), jnp.floating):
@@ -101,7 +99,7 @@ def _check_propose(logits, sampling, keys, vocab_size, saguaro_top_n, saguaro_c,
     if c is not None and (not np.all(np.isfinite(c)) or np.any(c <= 0) or np.any(c > 1)):
         raise ValueError(f"{fn}: saguaro_c must be in (0, 1] (1: off), got {c}")
     if not sampling.greedy:  # a sampled draw takes one key a row of logits
-        args.keys(fn, "keys", keys, tuple(jnp.shape(logits)[:-1]))
+        smp._as_keys(keys, tuple(jnp.shape(logits)[:-1]), f"{fn}: keys")
 
 
 def normalise_rows(rows: jax.Array) -> jax.Array:

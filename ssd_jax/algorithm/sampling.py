@@ -76,17 +76,17 @@ def _base_key(seed):
                      f"dtype {seed.dtype} shape {seed.shape}")
 
 
-def _as_keys(keys, batch_shape: tuple[int, ...]):
-    """Typed keys of shape `batch_shape`, from typed keys or raw uint32 keys `[*batch_shape, 2]`."""
-    if not _is_typed_key(keys):
+def _as_keys(keys, batch_shape: tuple[int, ...], name: str = "keys"):
+    """Typed keys of shape `batch_shape`, from typed keys or raw uint32 keys `[*batch_shape, 2]`;
+    anything else a ValueError naming the argument (`name`)."""
+    typed = _is_typed_key(keys)
+    if not typed:
         keys = jnp.asarray(keys)
-        if keys.dtype != jnp.uint32 or keys.shape[-1:] != (2,):
-            raise ValueError(f"keys must be typed PRNG keys or raw uint32[..., 2]; got dtype "
-                             f"{keys.dtype} shape {keys.shape}")
-        keys = jax.random.wrap_key_data(keys)
-    if tuple(keys.shape) != tuple(batch_shape):
-        raise ValueError(f"keys have shape {keys.shape}, expected {tuple(batch_shape)}")
-    return keys
+    want = tuple(batch_shape) if typed else (*batch_shape, 2)
+    if tuple(keys.shape) != want or not (typed or keys.dtype == jnp.uint32):
+        raise ValueError(f"{name} must be typed PRNG keys {list(batch_shape)} or raw uint32 "
+                         f"{list(batch_shape) + [2]}, got {keys.dtype} {list(keys.shape)}")
+    return keys if typed else jax.random.wrap_key_data(keys)
 
 
 def position_keys(seed, request_ids, positions, stream: int):
