@@ -29,3 +29,13 @@ class Model:
                 f"ssd_jax.models.params.Params (random_params, params_from_hf, load_model), got "
                 f"{type(self.params).__name__}; for a model of your own over a pytree use "
                 f"ssd_jax.models.adapters.from_functions or from_nnx (ssd_jax.models.protocol)")
+
+    def logical_params(self):
+        """The params with every backend layout turned back into its logical value (a weight the
+        cpu backend packed into bf16 strips or int8 tiles when an `Engine` took this Model over
+        becomes its array / `Int8Weight` again): what `ssd_jax.forward` with the default XLA ops
+        and `jax.grad` take. Laid-out weights come back as new arrays (the engine keeps its own);
+        the rest are the params' own leaves. A tensor-parallel layout stays: `forward` reads it
+        with `self.cfg`."""
+        from ssd_jax.models.ops import identity
+        return identity(self.params)

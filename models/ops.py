@@ -66,8 +66,9 @@ def xla_dense(x: jax.Array, w, *, transpose_w: bool = False,
         return out.astype(out_dtype)
     if not isinstance(w, jax.Array) and not hasattr(w, "__array__"):
         raise TypeError(f"the xla backend takes dense weights as arrays, Int8Weight or Int4Weight; "
-                        f"got {type(w).__name__}, a layout of another backend: call forward "
-                        f"with the ops of the backend whose `prepare` made it")
+                        f"got {type(w).__name__}, a layout of another backend (an Engine took "
+                        f"the Model over): pass model.logical_params(), or call forward with the "
+                        f"ops of the backend whose `prepare` made it")
     return jnp.einsum("...k,nk->...n" if transpose_w else "...k,kn->...n", x, w,
                       preferred_element_type=preferred_element_type).astype(out_dtype)
 

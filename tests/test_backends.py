@@ -165,3 +165,39 @@ def test_the_cpu_backend_is_refused_off_a_cpu_device():
 
     with pytest.raises(ValueError, match="backend 'cpu' runs on CPU devices.*'gpu'"):
         backends.select("cpu", [Gpu()])
+
+
+def _layer_grads(params, cfg):
+    grads = jax.grad(_loss)(params, cfg, XLA)
+    return [np.asarray(g, np.float32) for g in jax.tree_util.tree_leaves(grads.layers)]
+
+
+def test_grad_on_a_model_an_engine_laid_out():
+    """A Model whose weights a backend laid out (the cpu backend's bf16 strips, made here with its
+    own packing so that every machine has them) is refused by the default forward with a message
+    naming `logical_params()`, and that gives back weights forward and jax.grad take: the loss
+    and the layers' gradients of the weights before the layout."""
+    from ssd_jax.models.cpu import layouts
+    cfg = tiny_config("qwen2", vocab_size=64, dtype="bfloat16", tie_embeddings=True)
+    orig = random_params(cfg, 0)
+    model = Model(cfg, layouts._each_dense(layouts.untie_lm_head(orig), layouts.pack_weight))
+    assert layouts.is_prepared(model.params)
+    with pytest.raises(TypeError, match=r"logical_params\(\)"):
+        _loss(model.params, cfg, XLA)
+    back = model.logical_params()
+    assert not layouts.is_prepared(back)
+    assert float(_loss(back, cfg, XLA)) == float(_loss(orig, cfg, XLA))
+    for got, want in zip(_layer_grads(back, cfg), _layer_grads(orig, cfg), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_grad_after_an_engine_took_the_model_over():
+    """What a notebook does: `Engine(model)` with this machine's default backend, then jax.grad
+    through forward on `model.logical_params()`: the original weights' gradients, whatever the
+    layout the engine chose."""
+    cfg = tiny_config("qwen2", vocab_size=64, dtype="bfloat16")
+    model = Model(cfg, random_params(cfg, 0))
+    want = _layer_grads(model.params, cfg)
+    Engine(model, max_len=32)
+    for got, w in zip(_layer_grads(model.logical_params(), cfg), want, strict=True):
+        np.testing.assert_array_equal(got, w)
