@@ -106,6 +106,11 @@ def commit_tokens(state: ds.DecodeState, tokens: jax.Array, logprobs: jax.Array)
 
 AR_CHUNK = 16  # plain decode steps per dispatch (and per report read) when nothing streams
 
+# The chunks return their donated caches first, in their arguments' order: jit pairs each donated
+# input with the first output of the same shape and dtype, so a state field returned before the
+# cache would take the cache's `lengths` buffer and shift every [B] int32 pairing after it, and
+# XLA would copy each of those arrays into and out of the loop on every dispatch.
+
 
 @stored_jit(static_argnames=("cfg", "vocab_size", "steps_max", "ops"),
             donate_argnames=("state", "cache"))
@@ -114,7 +119,7 @@ def decode_chunk(params, cfg, cache, state: ds.DecodeState, seed, request_ids, s
     """Up to `steps_max` plain decode steps (`steps.decode`, then `decode_state.commit` of its
     token, as `commit_tokens`) in one `lax.while_loop`, which stops once no row runs: the same
     tokens as that many separate steps, one dispatch. state and cache (the target's) are
-    donated. Returns (state, active `[B]` after it, cache, the chunk's report `[B, 4 + 2N]`
+    donated. Returns (cache, state, active `[B]` after it, the chunk's report `[B, 4 + 2N]`
     (N = steps_max): a row's kept tokens are its first `kept` columns, one per step it ran).
     Static: the target's `cfg`, `vocab_size`, `steps_max`, `ops`; seed, request_ids `[B]` and
     sampling are traced."""
@@ -139,7 +144,7 @@ def decode_chunk(params, cfg, cache, state: ds.DecodeState, seed, request_ids, s
 
     init = (jnp.int32(0), state, cache, toks, lps, jnp.zeros(B, jnp.int32))
     _, state, cache, toks, lps, kept = jax.lax.while_loop(running, step, init)
-    return state, state.active, cache, ds.report(active0, kept, state, toks, lps)
+    return cache, state, state.active, ds.report(active0, kept, state, toks, lps)
 
 
 SD_CHUNK = 8  # SD / SSD rounds per dispatch and report read, the draft on the target's mesh
@@ -160,7 +165,7 @@ def sd_chunk(tparams, tcfg, tcache, dparams, dcfg, dcache, state: ds.DecodeState
     mesh (one device, or a colocated placement).
 
     tcache / dcache (the target's and the draft's KV caches) are donated; `state` is not, so a
-    failure read late can roll back to it. Returns (state, active `[B]` after it, tcache, dcache,
+    failure read late can roll back to it. Returns (tcache, dcache, state, active `[B]` after it,
     the next speculation (spec, rows), the chunk's report `[B, 4 + 2R]` (R = rounds_max): its
     kept column is the chunk's tokens per row and its token columns hold each round's kept count
     (a row ran round i iff that is > 0), log-prob columns 0). Static: both configs, the target's
@@ -193,7 +198,7 @@ def sd_chunk(tparams, tcfg, tcache, dparams, dcfg, dcache, state: ds.DecodeState
     _, state, tcache, dcache, spec, rows, kept, per_round = jax.lax.while_loop(
         running, one_round, init)
     rep = ds.report(active0, kept, state, per_round, jnp.zeros((B, rounds_max), jnp.float32))
-    return state, state.active, tcache, dcache, spec, rows, rep
+    return tcache, dcache, state, state.active, spec, rows, rep
 
 
 @stored_jit(static_argnames=("tcfg", "dcfg", "vocab_size", "draft_vocab_size", "row_vocab", "k",
@@ -217,8 +222,8 @@ def ssd_chunk(tparams, tcfg, tcache, dparams, dcfg, dcache, state: ds.DecodeStat
 
     tcache / dcache are donated; `state` is not (a failure read late rolls back to it). counters:
     `LookupCounters`; history `[B, H]` for the "ngram" backup, else None; neural: backup "auto"'s
-    choice for every round of the chunk (a traced bool, `resolve`), else None. Returns (state, active
-    `[B]`, tcache, dcache, the next speculation (spec, rows), from_backup, counters, history, the
+    choice for every round of the chunk (a traced bool, `resolve`), else None. Returns (tcache,
+    dcache, state, active `[B]`, the next speculation (spec, rows), from_backup, counters, history, the
     chunk's report `[B, 4 + 2R]` (R = rounds_max)): its kept column is the chunk's tokens per row,
     token column i the tokens a row kept in round i (> 0 iff it ran round i) and the last R
     columns, as int32, round i's hit code (-1: no lookup, 0: a miss, 1: a hit; not log-probs).
@@ -261,7 +266,7 @@ def ssd_chunk(tparams, tcfg, tcache, dparams, dcfg, dcache, state: ds.DecodeStat
      hits) = jax.lax.while_loop(running, one_round, init)
     rep = ds.report(active0, kept, state, per_round, jnp.zeros((B, rounds_max), jnp.float32))
     rep = rep.at[:, ds.R_TOKENS + rounds_max:].set(hits)
-    return (state, state.active, tcache, dcache, spec, rows, from_backup, counters, history, rep)
+    return (tcache, dcache, state, state.active, spec, rows, from_backup, counters, history, rep)
 
 
 @jax.jit

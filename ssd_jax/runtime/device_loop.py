@@ -124,7 +124,7 @@ class DeviceLoop(RoundChunks, RoundReports):
         prev = None  # the report of the chunk dispatched and not read yet
         t0, c0 = time.perf_counter(), e._timer.seconds
         while self.running:
-            self.state, self.active, e.tcache, rep = rs.decode_chunk(
+            e.tcache, self.state, self.active, rep = rs.decode_chunk(
                 e.tparams, e.tcfg, e.tcache, self.state, run["seed"], self.rids_t,
                 run["sampling"], vocab_size=e.vocab_size, steps_max=N, ops=e.tops)
             if prev is not None:

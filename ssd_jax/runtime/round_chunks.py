@@ -112,7 +112,7 @@ class RoundChunks:
                 vocab_size=e.vocab_size, draft_vocab_size=draft.vocab_size,
                 row_vocab=draft.row_vocab, k=run["k"], verifier=run["verifier"],
                 row_dtype=drun.row_dtype, tops=e.tops, dops=draft.ops, rounds_max=N)
-            self.state, self.active, e.tcache, draft.cache, tspec, trows, rep = out
+            e.tcache, draft.cache, self.state, self.active, tspec, trows, rep = out
             return rep
 
         return self._chunk_loop(dispatch, functools.partial(self._rounds_read, ssd=False),
@@ -168,7 +168,7 @@ class RoundChunks:
                 if self.auto is not None:
                     self.auto.take_back()
                 raise
-            (self.state, self.active, e.tcache, draft.cache, tspec, trows, fb, draft.counters,
+            (e.tcache, draft.cache, self.state, self.active, tspec, trows, fb, draft.counters,
              history, rep) = out
             if history is not None:
                 draft.history = history
