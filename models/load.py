@@ -35,6 +35,16 @@ def _read_config(path: Path) -> dict:
     return load_gguf_config(path)
 
 
+def check_source(name_or_path: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """The model's path (`hub.resolve`) once its files' headers are read: the config, the tensor
+    table and each tensor's bytes against the file's size, no weights. A missing, empty,
+    truncated or foreign file is an error naming it (FileNotFoundError, ValueError), in the time a
+    header takes to read: what a command checks before it starts a process or loads a model."""
+    path = hub.resolve(name_or_path, cache_dir)
+    _read(path)
+    return path
+
+
 def _tokenizer(path: Path):
     from ssd_jax.models.tokenizer import Tokenizer
     return Tokenizer.from_hf_folder(path) if path.is_dir() else Tokenizer.from_gguf(path)

@@ -447,21 +447,21 @@ def assert_one_line_error(rc, err, *needles):
 
 
 @pytest.mark.parametrize("extra,needle", [
-    (["--temperature", "-1"], "temperature"),
-    (["--top-p", "0"], "top_p"),
-    (["--max-new-tokens", "0"], "max_new_tokens"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--top-p", "0"], "--top-p"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--fanout", "1,x"], "fan-out"),
     (["--fanout", "1,2"], "K+1"),
     (["--fanout", "plan"], "ssd-jax bench"),
-    (["--k", "0"], "K must be an int >= 1"),
+    (["--k", "0"], "--k must be an int >= 1"),
     (["--backend", "nope"], "--backend"),
-    (["--top-k", "-1"], "top_k"),
+    (["--top-k", "-1"], "--top-k"),
     (["--fanout", "1,-1,1,1"], ">= 0"),
     (["--fanout", "0,0,0,0"], "positive sums"),
-    (["--saguaro-c", "0"], "saguaro_c"),
+    (["--saguaro-c", "0"], "--saguaro-c"),
     (["--max-len", "0"], "--max-len"),
     (["--placement", "two-process", "--mode", "ar"], "--mode sd or ssd"),
-    (["--saguaro-c", "2"], "saguaro_c"),
+    (["--saguaro-c", "2"], "--saguaro-c"),
     (["--dtype", "fp8"], "dtype"),
     (["--mode", "fast"], "--mode"),
     (["--draft-quant", "int3"], "--draft-quant"),
@@ -475,31 +475,31 @@ def test_generate_bad_flags(pair, capsys, extra, needle):
 
 
 @pytest.mark.parametrize("extra,needle", [
-    (["--k", "0"], "K must be an int >= 1"),
+    (["--k", "0"], "--k must be an int >= 1"),
     (["--k", "4", "--fanout", "1,1"], "K+1"),
     (["--fanout", "1,-1,1,1,1"], ">= 0"),
-    (["--saguaro-c", "1.5"], "saguaro_c"),
-    (["--temperature", "-0.5"], "temperature"),
-    (["--top-p", "1.5"], "top_p"),
-    (["--top-k", "-3"], "top_k"),
-    (["--max-new-tokens", "0"], "max_new_tokens"),
+    (["--saguaro-c", "1.5"], "--saguaro-c"),
+    (["--temperature", "-0.5"], "--temperature"),
+    (["--top-p", "1.5"], "--top-p"),
+    (["--top-k", "-3"], "--top-k"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--backend", "bogus"], "--backend"),
-    (["--k", "0", "--mode", "ar"], "K must be an int >= 1"),
-    (["--k", "-2", "--mode", "sd"], "K must be an int >= 1"),
-    (["--saguaro-c", "2", "--mode", "sd"], "saguaro_c"),  # SSD knobs: checked in every mode
+    (["--k", "0", "--mode", "ar"], "--k must be an int >= 1"),
+    (["--k", "-2", "--mode", "sd"], "--k must be an int >= 1"),
+    (["--saguaro-c", "2", "--mode", "sd"], "--saguaro-c"),  # SSD knobs: checked in every mode
     (["--fanout", "1,-1", "--mode", "ar"], ">= 0"),
     (["--fanout", "1,1,1", "--k", "1"], "K+1 = 2 entries"),
-    (["--max-new-tokens", "5000"], "exceeds the cache length max_len=4096"),
-    (["--max-len", "8", "--max-new-tokens", "8"], "exceeds the cache length max_len=8"),
-    (["--seed", str(2 ** 31)], "seed must be an int"),
+    (["--max-new-tokens", "5000"], "exceeds the cache length --max-len=4096"),
+    (["--max-len", "8", "--max-new-tokens", "8"], "exceeds the cache length --max-len=8"),
+    (["--seed", str(2 ** 31)], "--seed must be an int"),
     (["--stop", ""], "--stop needs a non-empty string"),
     (["--prompt", ""], "the prompt is empty"),
-    (["--top-p", "nan"], "top_p"),
-    (["--temperature", "inf"], "temperature"),
+    (["--top-p", "nan"], "--top-p"),
+    (["--temperature", "inf"], "--temperature"),
     (["--draft-vocab", "0"], "draft head's vocabulary"),
     (["--placement", "two-process", "--mode", "ar"], "--mode sd or ssd"),
     (["--dtype", "fp8"], "dtype"),
-    (["--k", "100"], "K=100 is past the bound MAX_K=8"),  # issue 35: compiled for 600 s and more
+    (["--k", "100"], "--k=100 is past the bound MAX_K=8"),  # issue 35: compiled for 600 s and more
     (["--fanout", "1,1,1,1,1,1,1,1,1,1"], "MAX_K=8"),
     (["--max-len", str(2 ** 20)], "--max-len must be in [2, MAX_LEN=131072]"),
 ])
@@ -518,6 +518,7 @@ def test_generate_checks_arguments_before_any_load(capsys, monkeypatch, tmp_path
                           str(tmp_path / "bogus_draft"), "--prompt", "x", *extra], capsys)
     assert time.perf_counter() - t0 < 5
     assert_one_line_error(rc, err, needle)
+    assert any(f in err for f in extra if f.startswith("--")), err  # it names a flag given
     assert str(tmp_path) not in err  # not the missing model
 
 
@@ -590,7 +591,7 @@ def test_console_script_checks_k_before_the_target(tmp_path):
     proc = subprocess.run([SCRIPT, "generate", "--target", str(tmp_path / "bogus"), "--prompt", "x",
                            "--k", "0"], capture_output=True, text=True, env=dict(os.environ),
                           timeout=300)
-    assert_one_line_error(proc.returncode, proc.stderr, "K must be an int >= 1")
+    assert_one_line_error(proc.returncode, proc.stderr, "--k must be an int >= 1")
 
 
 def test_generate_model_errors(pair, capsys, tmp_path):
@@ -609,11 +610,41 @@ def test_generate_model_errors(pair, capsys, tmp_path):
     assert_one_line_error(rc, err, "--prompt")
 
 
+@pytest.mark.parametrize("which", ["--target", "--draft"])
+@pytest.mark.parametrize("fault,needle", [("empty", "too short (0 bytes)"),
+                                          ("truncated", "truncated")])
+def test_a_broken_model_file_is_refused_before_any_process_starts(pair, capsys, monkeypatch,
+                                                                  tmp_path, which, fault, needle):
+    """An empty .gguf or a cut safetensors file, as --target or --draft: one line naming the flag
+    and the fault, from the file's header read in this process, before the draft process
+    starts or anything loads (#58: it was refused after the draft process had started)."""
+    import ssd_jax.models.load as load
+    from ssd_jax.runtime import transport
+
+    def never(*a, **k):
+        raise AssertionError("loaded or started before the model files were checked")
+    for mod, name in ((load, "load_model"), (load, "load_draft"), (transport, "start_two_process")):
+        monkeypatch.setattr(mod, name, never)
+    if fault == "empty":
+        bad = tmp_path / "model.gguf"
+        bad.write_bytes(b"")
+    else:
+        bad = tmp_path / "cut"
+        shutil.copytree(pair["target"], bad)
+        weights = bad / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-100])
+    files = {"--target": pair["target"], "--draft": pair["draft"], which: str(bad)}
+    rc, _, err = run_cli(["generate", "--target", files["--target"], "--draft", files["--draft"],
+                          "--placement", "two-process", "--mode", "ssd", "--prompt", "x",
+                          "--max-len", "256"], capsys)
+    assert_one_line_error(rc, err, which, needle)
+
+
 @pytest.mark.parametrize("extra,needle", [
     (["--layouts", "colocated,bogus"], "--layouts"),
     (["--max-new-tokens", "0"], "max-new-tokens"),
     (["--fanout", "1,x"], "fan-out"),
-    (["--temperature", "-1"], "temperature"),
+    (["--temperature", "-1"], "--temperature"),
     (["--cores", "0"], "--cores"),
     (["--cores", "0,4096"], "may only use CPUs"),
     (["--limit", "-2"], "limit"),

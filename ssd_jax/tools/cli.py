@@ -16,6 +16,7 @@ import sys
 from ssd_jax.models import registry
 from ssd_jax.models.config import canonical_dtype
 from ssd_jax.runtime.batch import TokenSink
+from ssd_jax.tools.flags import as_flags
 
 EXIT_USAGE = 2
 
@@ -224,7 +225,7 @@ def _fetch(args) -> int:
 
 
 def _validate_generate(args) -> None:
-    """Every generate argument, checked before any model loads (a ValueError naming the bad one):
+    """Every generate argument (its error names the flag: `as_flags`), checked before any model loads (a ValueError naming the bad one):
     the request's rules are the engine's own (`ssd_jax.runtime.config.check_request`:
     mode, max-new-tokens, K, sampling, fan-out, Saguaro C, backup, seed, stop, and whether
     max-new-tokens + K fit --max-len), then the backend, dtype, placement, max-len, draft-vocab
@@ -232,17 +233,20 @@ def _validate_generate(args) -> None:
     where the mode ignores it), but only --mode ssd lets --fanout set K."""
     from ssd_jax.algorithm.sampling import SamplingParams
     from ssd_jax.models import backends
-    from ssd_jax.runtime.config import MAX_LEN, SSDConfig, check_request
+    from ssd_jax.runtime.config import MAX_K, MAX_LEN, SSDConfig, check_request
 
     if args.fanout == "plan":  # one generate call has no earlier AR and SD runs to plan from
         raise ValueError("--fanout plan needs AR and SD runs to plan from: use it with "
                          "`ssd-jax bench`, or give F_0..F_K")
     if args.k is not None and args.k < 1:
-        raise ValueError(f"lookahead K must be an int >= 1 (--k), got {args.k}")
+        raise ValueError(f"lookahead K must be an int >= 1, got {args.k}")
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.k is None:
         ssd_sets_k = args.mode == "ssd" and args.fanout is not None
         args.k = len(args.fanout) - 1 if ssd_sets_k else DEFAULT_K[args.mode]
+        if ssd_sets_k and args.k > MAX_K:
+            raise ValueError(f"--fanout has {len(args.fanout)} entries, so K = {args.k}, past the "
+                             f"bound MAX_K={MAX_K} (F_0..F_K: K+1 entries)")
     if not 2 <= args.max_len <= MAX_LEN:
         raise ValueError(f"--max-len must be in [2, MAX_LEN={MAX_LEN}] (prompt plus new tokens), "
                          f"got {args.max_len}")
@@ -261,7 +265,8 @@ def _validate_generate(args) -> None:
         raise ValueError(f"unknown --backend {args.backend!r}: choose one of "
                          f"{', '.join(backends.backend_names())}")
     if args.dtype != "auto":
-        args.dtype = canonical_dtype(args.dtype)
+        with _flag("--dtype"):
+            args.dtype = canonical_dtype(args.dtype)
     if args.draft_vocab is not None and args.draft_vocab < 1:
         raise ValueError(f"the draft head's vocabulary (--draft-vocab) must be >= 1, got "
                          f"{args.draft_vocab}")
@@ -373,21 +378,24 @@ def _flag(flag: str):
 
 
 def _generate(args) -> int:
-    _validate_generate(args)
+    try:
+        _validate_generate(args)
+    except ValueError as e:
+        raise ValueError(as_flags(str(e))) from e
     prompt = args.prompt
     if args.prompt_file is not None:
         prompt = _read_prompt_file(args.prompt_file)
     if not prompt and not args.chat and args.system is None:
         raise ValueError("the prompt is empty (--prompt / --prompt-file): give at least one "
                          "character, or --chat for the template alone")
-    from ssd_jax.models import hub
+    from ssd_jax.models.load import check_source
     from ssd_jax.tools.progress import Progress
 
-    with _flag("--target"):  # a missing / unfetched model: one line, now
-        hub.resolve(args.target, args.cache_dir)
+    with _flag("--target"):  # a missing, unfetched, empty or truncated model: one line, now,
+        check_source(args.target, args.cache_dir)  # before any process starts
     if args.mode != "ar":
         with _flag("--draft"):
-            hub.resolve(args.draft, args.cache_dir)
+            check_source(args.draft, args.cache_dir)
     progress = Progress(args.progress)
     placement, cores, line = _layout(args)
     remote = None
@@ -404,8 +412,8 @@ def _generate(args) -> int:
                                            draft_vocab=args.draft_vocab, cores=cores,
                                            cache_dir=args.cache_dir, step_store=args.step_store)
         except RuntimeError as e:
-            raise GenerateError(f"the draft process did not start: {e} (--placement split runs "
-                                f"in one process)") from e
+            raise GenerateError(f"the draft process (--draft {args.draft}) did not start: {e} "
+                                f"(--placement split runs in one process)") from e
         backend = args.backend  # the target process selects it for its own device
     else:
         choice = _choose(args)
