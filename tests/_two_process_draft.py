@@ -38,4 +38,4 @@ def signalling_propose(logits, *a, **kw):
 
 ssd_jax.algorithm.tree.propose = signalling_propose
 if __name__ == "__main__":
-    draft_process.main()
+    draft_process.run()

@@ -14,4 +14,4 @@ if __name__ == "__main__":
     faults.install_tree_fault(path)
     faults.install_malformed_reply(path)
     faults.install_slow_compile()
-    draft_process.main()
+    draft_process.run()

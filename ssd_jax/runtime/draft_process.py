@@ -16,7 +16,9 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
@@ -305,5 +307,29 @@ def main(argv=None) -> None:
         sys.exit(f"ssd_jax draft process: {e}")
 
 
+def run(argv=None) -> NoReturn:
+    """The draft process's entry point: `main`, then out at once with its exit code (a message
+    given to `sys.exit` printed first), without Python's interpreter shutdown. That shutdown stops
+    daemon threads wherever they are, and one stopped inside JAX's C++ aborted the process after
+    a good run ("terminate called ..." / "FATAL: exception not rethrown" on stderr). Nothing is left
+    for it to do: the replies are sent and the persistent cache is written as each program
+    compiles."""
+    code = 1
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        else:
+            code = e.code or 0
+    except BaseException:  # noqa: BLE001 - said on stderr, as the interpreter would
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 if __name__ == "__main__":
-    main()
+    run()
