@@ -26,7 +26,10 @@ Op signatures (shapes per sequence batch B, new tokens T, heads H, kv heads KVH,
   prefix_len [B, MQ], branch_k, branch_v [B, MQ, K, KVH, D], step, valid [B, MQ], *, window)
   -> (out [B, MQ, H, D], branch_k, branch_v)`: write the new rows at entry `step` of the branch
   buffers, then attend each branch's query over cache slots < prefix_len (and < window) and its
-  own entries 0..step.
+  own entries 0..step. A `step` that is the Python int 0 is a tree's first step: the branch KV
+  comes back as new buffers, the new rows at entry 0 and zeros after, whatever the given ones
+  held (`pallas_kernels.tree_attention.write_branch`); an op may read the given buffers' shape
+  only.
 - `cache_gather(keys [B, MQ, 2], valid [B, MQ], tokens [B, MQ, K], rows [B, MQ, K, V],
   outcome [B, 2]) -> (hit [B], index [B], tokens [B, K], rows [B, K, V])`.
 - `prepare(params) -> params`: layer-local, and leaving what it already laid out as it is: the

@@ -153,9 +153,9 @@ def tree_step(params, cfg, tokens: jax.Array, positions: jax.Array, cache, prefi
     if is_builtin(cfg):
         return transformer.tree_step(params, cfg, tokens, positions, cache, prefix_len, branch,
                                      step, valid, window=window, ops=ops)
-    if getattr(cfg, "tree_step", None) is not None:
+    if getattr(cfg, "tree_step", None) is not None:  # its step an array, as it always was
         logits, branch = cfg.tree_step(params, tokens, positions, cache, prefix_len, branch,
-                                       step, valid)
+                                       jnp.asarray(step, jnp.int32), valid)
         return logits.astype(jnp.float32), branch
     return branch_from_forward(params, cfg, tokens, branch)
 

@@ -179,8 +179,8 @@ def _merge_two(o_a, lse_a, o_b, lse_b):
 # --------------------------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------------------------
-def _tree_kernel(q_ref, rows_ref, kn_ref, vn_ref, k_ref, v_ref, bk_ref, bv_ref, o_ref, lse_ref,
-                 bk_out, bv_out, *, scale, block_s, num_splits, branches, group, precision):
+def _tree_kernel(q_ref, rows_ref, kn_ref, vn_ref, k_ref, v_ref, *refs, scale, block_s, num_splits,
+                 branches, group, precision, first):
     """One program = one (sequence b, kv head h, split).
 
     q_ref:    [R, D]      the MQ x G queries that use kv head h (branch-major, padded rows zero)
@@ -196,7 +196,15 @@ def _tree_kernel(q_ref, rows_ref, kn_ref, vn_ref, k_ref, v_ref, bk_ref, bv_ref, 
     The last split also takes the own paths: entries e < step of branch m from its buffer and
     entry `step` from the new rows, for the rows of m; then it writes the new rows. It reads no
     entry it writes, so no program waits on another's store.
+
+    first (static): the first step (step 0): no branch buffers come in (bk_ref, bv_ref absent) and
+    the last split writes every entry of the new ones, the new rows at 0 and zeros after.
     """
+    if first:
+        bk_ref = bv_ref = None
+        o_ref, lse_ref, bk_out, bv_out = refs
+    else:
+        bk_ref, bv_ref, o_ref, lse_ref, bk_out, bv_out = refs
     split = pl.program_id(2)
     q = q_ref[...]
     plen = rows_ref[0, :]
@@ -234,17 +242,22 @@ def _tree_kernel(q_ref, rows_ref, kn_ref, vn_ref, k_ref, v_ref, bk_ref, bv_ref, 
         return own(ke, ve, carry)
 
     kn, vn = kn_ref[...], vn_ref[...]
-    with_own = own(kn, vn, lax.fori_loop(0, jnp.where(last, step, 0), entry, carry))
+    before = carry if first else lax.fori_loop(0, jnp.where(last, step, 0), entry, carry)
+    with_own = own(kn, vn, before)
     carry = tuple(jnp.where(last, a, b) for a, b in zip(with_own, carry))
     write_split(o_ref, lse_ref, carry, rows_ref[1, :] != 0)
 
     write = last & in_mq
+    if first:  # every entry of the new buffers: the new rows, then zeros
+        for e in range(bk_out.shape[1]):
+            for out, new in ((bk_out, kn), (bv_out, vn)):
+                masked_store(out.at[pl.ds(zero, mq_pad), zero + e, :],
+                             new if e == 0 else jnp.zeros_like(new), mask=write)
+        return
     masked_store(bk_out.at[pl.ds(zero, mq_pad), step, :], kn, mask=write)
     masked_store(bv_out.at[pl.ds(zero, mq_pad), step, :], vn, mask=write)
 
 
-@functools.partial(jax.jit, static_argnames=("window", "scale", "block_s", "num_splits",
-                                             "num_warps", "num_stages", "interpret"))
 def tree_attention(q, k_new, v_new, k_cache, v_cache, prefix_len, branch_k, branch_v, step,
                    branch_valid, *, window=None, scale=None, block_s=None, num_splits=None,
                    num_warps=None, num_stages=2, interpret=False):
@@ -253,12 +266,28 @@ def tree_attention(q, k_new, v_new, k_cache, v_cache, prefix_len, branch_k, bran
     first `window` cache slots (default all). Returns (out [B, MQ, H, D], branch_k, branch_v);
     the buffers are aliased to the outputs (in place where the caller donates them).
 
+    A `step` that is the Python int 0 is the first step (`write_branch`): the kernel reads
+    nothing of branch_k / branch_v but their shape and makes the buffers itself, the new rows at
+    entry 0 and zeros after. So a tree's layers need no zero buffer each to write into (XLA copies
+    one shared zero buffer once a layer and buffer, for the in-place write).
+
     Two launches: the attention (prefix split-k, own paths and the write in the last split) and
     the merge of the splits. Static: window, scale, block_s (power of 2 >= 16), num_splits
     (split-k count over the live prefix), Triton num_warps / num_stages, interpret (run the
     kernels in the Pallas interpreter, e.g. on CPU). None picks `default_tiling` /
     `default_num_splits`. Data: prefix_len, step, branch_valid.
     """
+    return _tree_attention(q, k_new, v_new, k_cache, v_cache, prefix_len, branch_k, branch_v,
+                           step, branch_valid, window=window, scale=scale, block_s=block_s,
+                           num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+                           interpret=interpret, first=_is_first(step))
+
+
+@functools.partial(jax.jit, static_argnames=("window", "scale", "block_s", "num_splits",
+                                             "num_warps", "num_stages", "interpret", "first"))
+def _tree_attention(q, k_new, v_new, k_cache, v_cache, prefix_len, branch_k, branch_v, step,
+                    branch_valid, *, window, scale, block_s, num_splits, num_warps, num_stages,
+                    interpret, first):
     require_triton()
     B, MQ, H, D, S, KVH, G, Kb = _check_shapes(q, k_cache, v_cache, prefix_len, branch_k,
                                                branch_v, branch_valid)
@@ -293,10 +322,12 @@ def tree_attention(q, k_new, v_new, k_cache, v_cache, prefix_len, branch_k, bran
 
     precision = _HIGHEST if dt == jnp.float32 else None
     kernel = functools.partial(_tree_kernel, scale=scale, block_s=block_s,
-                               num_splits=num_splits, branches=MQ, group=G, precision=precision)
+                               num_splits=num_splits, branches=MQ, group=G, precision=precision,
+                               first=first)
     cache_spec = pl.BlockSpec((None, s_blk, None, D), lambda b, h, s: (b, 0, h, 0))
     branch_spec = pl.BlockSpec((None, MQ, Kb, None, D), lambda b, h, s: (b, 0, 0, h, 0))
     part_specs, part_shapes = split_outputs(B, KVH, num_splits, R, D, dt)
+    branches = () if first else (branch_k, branch_v)  # the first step makes its own
     o_split, lse_split, branch_k, branch_v = pl.pallas_call(
         kernel,
         grid=(B, KVH, num_splits),
@@ -305,22 +336,34 @@ def tree_attention(q, k_new, v_new, k_cache, v_cache, prefix_len, branch_k, bran
             pl.BlockSpec((None, 3, R), lambda b, h, s: (b, 0, 0)),
             pl.BlockSpec((None, None, MQp, D), lambda b, h, s: (b, h, new_row, 0)),
             pl.BlockSpec((None, None, MQp, D), lambda b, h, s: (b, h, new_row + 1, 0)),
-            cache_spec, cache_spec, branch_spec, branch_spec,
+            cache_spec, cache_spec, *(branch_spec for _ in branches),
         ],
         out_specs=[*part_specs, branch_spec, branch_spec],
         out_shape=[*part_shapes, jax.ShapeDtypeStruct(branch_k.shape, dt),
                    jax.ShapeDtypeStruct(branch_v.shape, dt)],
-        input_output_aliases={6: 2, 7: 3},
+        input_output_aliases={} if first else {6: 2, 7: 3},
         compiler_params=triton_params(num_warps, num_stages),
         interpret=interpret,
         name="ssd_tree_attention",
-    )(rows, row_info, rows, rows, k_cache, v_cache, branch_k, branch_v)
+    )(rows, row_info, rows, rows, k_cache, v_cache, *branches)
     return merge_splits(o_split, lse_split, MQ, H, q.dtype, interpret=interpret), branch_k, branch_v
+
+
+def _is_first(step) -> bool:
+    """Whether `step` is the first step, known while tracing: the Python int 0."""
+    return isinstance(step, int) and not isinstance(step, bool) and step == 0
 
 
 def write_branch(branch_k, branch_v, k_new, v_new, step):
     """The new rows [B, MQ, KVH, D] at entry `step` of the branch buffers [B, MQ, Kb, KVH, D]:
-    the reference of the kernel's write."""
+    the reference of the kernel's write. At the first step (`step` the Python int 0) the buffers
+    are made from the new rows, zeros after entry 0, whatever branch_k / branch_v held: each
+    layer's own buffer, where a shared zero buffer would be copied once a layer and buffer."""
+    if _is_first(step):
+        Kb = branch_k.shape[2]
+        start = lambda buf, new: jnp.pad(  # noqa: E731
+            new[:, :, None].astype(buf.dtype), ((0, 0), (0, 0), (0, Kb - 1), (0, 0), (0, 0)))
+        return start(branch_k, k_new), start(branch_v, v_new)
     put = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
         buf, new[:, :, None].astype(buf.dtype), step, axis=2)
     return put(branch_k, k_new), put(branch_v, v_new)

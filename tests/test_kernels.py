@@ -236,25 +236,31 @@ def test_tree_kernel_masked_rows_are_exact_zeros_and_garbage_is_never_read():
 def test_tree_kernel_writes_the_new_rows_and_attends_to_them(dtype):
     """The op `ssd_jax.models.ops.xla_tree_attention` (write, then the reference) against the
     kernel: the buffers bit for bit (entry `step` of every branch, valid or not, the rest
-    untouched) and the output, at every step, over a window short of the cache."""
+    untouched) and the output, at every step, over a window short of the cache. The first step
+    is the Python int 0, as a tree runs it: both make new buffers, the new rows at entry 0 and
+    zeros after, from given ones that hold inf and NaN (never read)."""
     from ssd_jax.models.ops import xla_tree_attention
 
     rng = np.random.default_rng(21)
     a = _tree_problem(rng, B=2, fanout=[3, 1, 2], KVH=2, G=3, D=32, S=60, Kb=4, block_s=16,
                       dtype=dtype, force_prefix=(0, 33))
-    bk, bv = a["branch_k"], a["branch_v"]
+    bk, bv = jnp.full_like(a["branch_k"], jnp.inf), jnp.full_like(a["branch_v"], jnp.nan)
     tol = 2e-6 if dtype == jnp.float32 else 3e-2
     for step in range(4):
         kn, vn = (jnp.asarray(rng.standard_normal(bk.shape[:2] + bk.shape[3:]), dtype)
                   for _ in range(2))
         args = (a["q"], kn, vn, a["k_cache"], a["v_cache"], a["prefix_len"], bk, bv,
-                jnp.int32(step), a["branch_valid"])
+                0 if step == 0 else jnp.int32(step), a["branch_valid"])
         out, k2, v2 = tree_attention(*args, window=40, block_s=16, interpret=True)
         ref, rk, rv = xla_tree_attention(*args, window=40)
         np.testing.assert_array_equal(np.asarray(k2, np.float32), np.asarray(rk, np.float32))
         np.testing.assert_array_equal(np.asarray(v2, np.float32), np.asarray(rv, np.float32))
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
                                    atol=tol, rtol=tol)
+        if step == 0:
+            for got, new in ((k2, kn), (v2, vn)):
+                np.testing.assert_array_equal(np.asarray(got[:, :, 0]), np.asarray(new))
+                assert not np.asarray(got[:, :, 1:], np.float32).any()
         bk, bv = k2, v2  # the next step sees this one's rows
 
 
@@ -483,6 +489,9 @@ def test_tree_kernel_lowers_for_cuda(shape, dtype):
             _sds((B, MQ, Kb, KVH, D), dtype), _sds((), jnp.int32), _sds((B, MQ), jnp.bool_))
     # the attention and the merge of its splits
     _check_triton_lowering(tree_attention, *args, ieee_dots=dtype == jnp.float32, kernels=2)
+    # a tree's first step (the Python int 0): the kernel makes the branch buffers itself
+    first = lambda *a: tree_attention(*a[:8], 0, a[9])  # noqa: E731
+    _check_triton_lowering(first, *args, ieee_dots=dtype == jnp.float32, kernels=2)
 
 
 # (B, T, H, KVH, D, S): the default pair's target decode and K+1 verify (G = 6), its draft's

@@ -92,7 +92,8 @@ def _decode_unrolled(step, K: int, tok, branch, saguaro_top_n):
     """The K branch steps traced one after another -> (tokens `[B, MQ, K]`, rows `[B, MQ, K, V]`)."""
     toks, rows = [], []
     for d in range(K):
-        tok, r, branch = step(tok, branch, jnp.int32(d), saguaro_top_n[d] if saguaro_top_n else 0)
+        # d a Python int: the first step starts the branch buffers (`tree_step`)
+        tok, r, branch = step(tok, branch, d, saguaro_top_n[d] if saguaro_top_n else 0)
         toks.append(tok)
         rows.append(r)
     return jnp.stack(toks, 2), jnp.stack(rows, 2)
