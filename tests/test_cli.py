@@ -235,19 +235,34 @@ def test_progress_lines_for_compiles_and_tokens():
     clock = iter([0.0, 1.0, 3.5, 4.0, 7.0])
     buf = io.StringIO()
     p = prog.Progress(True, stream=buf, clock=lambda: next(clock))
-    with p.generating():
-        prog._on_event("/jax/core/compile/backend_compile_duration", 2.5, fun_name="jit(verify)")
-        prog._on_event("/jax/core/compile/backend_compile_duration", 0.1)  # too short to show
-        prog._on_event("/jax/core/compile/jaxpr_trace_duration", 9.0)  # not a backend compile
+    import jax
+    from ssd_jax.runtime.metrics import CompileTimer
+    timer = CompileTimer()
+    event = jax.monitoring.record_event_duration_secs  # to every listener, as JAX reports them
+    with p.generating(), timer.measure():
+        # a program's trace and lowering, then its compile: one line with the three (the phases
+        # out.metrics.compile_s sums, so the running figure is that one)
+        event("/jax/core/compile/jaxpr_trace_duration", 0.3, fun_name="verify")
+        event("/jax/core/compile/jaxpr_to_mlir_module_duration", 0.2, fun_name="jit(verify)")
+        event("/jax/core/compile/backend_compile_duration", 2.0, fun_name="jit(verify)")
+        event("/jax/core/compile/backend_compile_duration", 0.1, fun_name="x")  # too short to show
+        # what the draft process reported before a reply (transport's "compiled" frame)
+        CompileTimer.add_remote("draft process: jit(stored_draft_tree)", dict(
+            seconds=4.8, trace_s=0.0, lower_s=0.0, compile_s=4.8, count=1,
+            source="persistent cache"))
         p.delta(1, counting=True)  # t = 1.0
         p.delta(3, counting=True)  # t = 3.5: 2.5 s after the last line
         p.delta(2, counting=True)  # t = 4.0: too soon
     prog._on_event("/jax/core/compile/backend_compile_duration", 5.0)  # after: not reported
     assert buf.getvalue().splitlines()[1:] == [
         "ssd-jax:   compiled jit(verify) in 2.5 s (2.5 s compiling so far)",
+        "ssd-jax:   compiled draft process: jit(stored_draft_tree) in 4.8 s, persistent cache "
+        "(7.4 s compiling so far)",
         "ssd-jax: first tokens after 1.0 s",
         "ssd-jax:   4 tokens so far",
     ]
+    assert abs(timer.seconds - p.compile_s) < 1e-9  # one figure
+    assert timer.programs["draft process: jit(stored_draft_tree)"]["source"] == "persistent cache"
     # the loader's log lines inside a step: shown once, as progress, not by a root handler too
     import logging
     root_out, shown = io.StringIO(), io.StringIO()
@@ -369,6 +384,12 @@ def test_console_script_generate_json(pair):
         a, b = lay.cores
         assert f"ssd-jax: SSD with the draft in its own process on core {b}, the target on core {a}" \
             in proc.stderr
+        # the draft process's compiles (its tree among them) are the call's, in one figure
+        compiles = obj["metrics"]["compiles"]
+        draft = {n: p for n, p in compiles.items() if n.startswith("draft process: ")}
+        assert any("draft_tree" in n and p["count"] for n, p in draft.items()), compiles
+        total = sum(p["seconds"] for p in compiles.values())
+        assert abs(obj["metrics"]["compile_s"] - total) < 1e-6 * max(total, 1.0), compiles
     else:
         assert "ssd-jax: SSD with the draft in its own process cannot run here" in proc.stderr
 

@@ -168,6 +168,10 @@ def test_frames_round_trip_every_kind_and_dtype(link):
         for k in msg.arrays:
             assert got.arrays[k].dtype == msg.arrays[k].dtype
             np.testing.assert_array_equal(got.arrays[k], msg.arrays[k])
+    # what the draft compiled before a reply: one record a program
+    programs = [["jit(stored_draft_tree)", "persistent cache", 4.8, 0.1, 0.2, 4.5, 1]]
+    send.send(Message("compiled", {"programs": programs}))
+    assert recv.recv(REPLIES, timeout=5).fields["programs"] == programs
     send.send(Message("info", {"vocab_rows": 64, "vocab_size": 60, "fingerprint": None,
                                "name": "d", "backend": "xla"}))
     assert recv.recv(REPLIES, timeout=5).fields["fingerprint"] is None
@@ -201,6 +205,8 @@ BAD_FRAMES = {
         ["spec", "int32", [1, 1]], ["rows", "float32", [1, 1, 1]], ["hit", "bool", [1]]]},
         b"\0" * 8 + b"\x07"), "bool byte"),
     "extra key": (_raw({"kind": "ok", "fields": {}, "arrays": [], "code": "x"}), "header must be"),
+    "compile record": (_raw({"kind": "compiled", "fields": {"programs": [
+        ["jit(x)", "compiled", -1.0, 0, 0, 0, 1]]}, "arrays": []}), "'programs' must be records"),
 }
 
 

@@ -118,6 +118,7 @@ class DraftServer:
         self.pending: Exception | None = None  # raised after the last reply (a tree): told next
         self._send_lock = threading.Lock()  # replies and heartbeats: one frame at a time
         self._stop = threading.Event()
+        self.timer = None  # metrics.CompileTimer while serving: what each reply reports
 
     def send(self, msg: Message) -> None:
         """Send one frame (replies from the serving thread, heartbeats from their own)."""
@@ -133,6 +134,15 @@ class DraftServer:
                     self.send(Message("compiling"))
                 except TransportError:
                     return
+
+    def _send_compiles(self) -> None:
+        """The "compiled" frame of what compiled since the last one, if anything did."""
+        programs = self.timer.take() if self.timer is not None else {}
+        if programs:
+            self.send(Message("compiled", {"programs": [
+                [name[:MAX_STR], p["source"], *(float(p[k]) for k in
+                                                ("seconds", "trace_s", "lower_s", "compile_s")),
+                 int(p["count"])] for name, p in programs.items()]}))
 
     def _spec(self, spec, rows) -> Message:
         return Message("spec", {}, {"spec": np.asarray(spec), "rows": np.asarray(rows)})
@@ -182,12 +192,18 @@ class DraftServer:
 
     def serve(self) -> None:
         """Answer requests until "shutdown" or until the target goes away; a "compiling"
-        heartbeat goes out while a step compiles."""
+        heartbeat goes out while a step compiles, and before each reply a "compiled" frame with
+        what this process compiled or loaded since the last one (the target counts it in the
+        call's compile time: the call waited for it)."""
+        from ssd_jax.runtime.metrics import CompileTimer
+
         _watch_compiles()
         beat = threading.Thread(target=self._heartbeat, name="ssd_jax-draft-heartbeat", daemon=True)
         beat.start()
+        self.timer = CompileTimer()
         try:
-            self._serve()
+            with self.timer.measure():
+                self._serve()
         finally:
             self._stop.set()
             _COMPILING[0] = False
@@ -220,6 +236,7 @@ class DraftServer:
             _COMPILING[0] = False  # a trace that no compile followed (eval_shape) ends here
             if reply.kind == "resolved":
                 reply.fields["times"]["handle_s"] = time.perf_counter() - t0
+            self._send_compiles()
             self.send(reply)
             if after is not None:
                 try:

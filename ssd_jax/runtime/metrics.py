@@ -66,9 +66,10 @@ class Metrics:
     call finished with plain decoding on the target (`ssd_jax.runtime.fallback`), what failed:
     {draft, during, error, round, tokens_before, committed (per prompt)}; extra: anything else a
     caller attaches; memory: the bytes each device holds for weights, KV cache and speculation
-    cache (`memory_of`); compiles: what compile_s is made of, one entry per program this
-    process compiled during the call (`CompileTimer.programs`: its trace, lowering and backend
-    seconds and where the executable came from).
+    cache (`memory_of`); compiles: what compile_s is made of, one entry per program compiled
+    during the call (`CompileTimer.programs`: its trace, lowering and backend seconds and where
+    the executable came from), a draft process's as "draft process: <name>" (its replies report
+    them, `CompileTimer.add_remote`).
     """
 
     mode: str
@@ -378,6 +379,28 @@ class CompileTimer:
         if event == _CACHE_HIT:
             cls._thread.hit = True
 
+    @classmethod
+    def add_remote(cls, name: str, record: dict) -> None:
+        """A compile another process made for the call (the draft process's, reported with its
+        reply: `transport.RemoteDraft`), counted in every open timer under `name` with its
+        phases, count and source, and told to each of `REMOTE_LISTENERS` (the progress lines)."""
+        for t in list(cls._active):
+            t.seconds += record["seconds"]
+            p = t.programs.setdefault(name, dict(seconds=0.0, trace_s=0.0, lower_s=0.0,
+                                                 compile_s=0.0, count=0, source="traced"))
+            for key in ("seconds", "trace_s", "lower_s", "compile_s", "count"):
+                p[key] += record[key]
+            if record["count"]:
+                p["source"] = record["source"]
+        for listener in list(REMOTE_LISTENERS):
+            listener(name, record)
+
+    def take(self) -> dict:
+        """The programs counted so far, and a fresh start: `programs` and `seconds` emptied."""
+        with self._lock:
+            programs, self.programs, self.seconds = self.programs, {}, 0.0
+        return programs
+
     @contextlib.contextmanager
     def measure(self):
         """Context manager: add to `self.seconds` every compile event that ends while it is open
@@ -393,6 +416,9 @@ class CompileTimer:
         finally:
             with self._lock:
                 CompileTimer._active.remove(self)
+
+
+REMOTE_LISTENERS: list = []  # f(name, record) for each compile another process reports
 
 
 def _program_name(fun_name: str | None) -> str:

@@ -215,12 +215,15 @@ class RemoteDraft:
                                          f"engine.restart_draft() starts it again")
         t = self.reply_timeout if timeout is None else timeout
         expect = {reply: REPLIES[reply], "error": REPLIES["error"],
-                  "compiling": REPLIES["compiling"]}
+                  "compiling": REPLIES["compiling"], "compiled": REPLIES["compiled"]}
         try:
             self.channel.send(Message(kind, fields, arrays), timeout=t)
             cap = time.monotonic() + max(self.warmup_timeout, t)
             while True:  # heartbeats while the draft compiles: each restarts the reply clock
                 msg = self.channel.recv(expect, timeout=t, alive=self._alive)
+                if msg.kind == "compiled":  # what the reply waited for: the call's compile time
+                    _count_compiles(msg.fields["programs"])
+                    continue
                 if msg.kind != "compiling":
                     break
                 if time.monotonic() > cap:
@@ -325,6 +328,16 @@ class RemoteDraft:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=30)
+
+
+def _count_compiles(programs: list) -> None:
+    """A "compiled" frame's records into the call's compile time (`CompileTimer.add_remote`),
+    each program named "draft process: <its name>"."""
+    from ssd_jax.runtime.metrics import CompileTimer
+    for name, source, seconds, trace_s, lower_s, compile_s, count in programs:
+        CompileTimer.add_remote(f"draft process: {name}", dict(
+            seconds=seconds, trace_s=trace_s, lower_s=lower_s, compile_s=compile_s, count=count,
+            source=source))
 
 
 def start_two_process(draft: str | None, *, dtype: str = "float32", quant: str = "none",

@@ -33,7 +33,8 @@ import time
 import numpy as np
 
 MAGIC = b"SSDJ"
-VERSION = 3  # 2: the run's temperature / top-k / top-p are lists, one per request; 3: "compiling"
+VERSION = 4  # 2: the run's temperature / top-k / top-p are lists, one per request; 3: "compiling";
+# 4: "compiled"
 _PREFIX = struct.Struct("!4sBI")
 MAX_HEADER = 1 << 16  # bytes of JSON header
 MAX_MESSAGE_BYTES = 1 << 30  # default cap on one message's array bytes (1 GiB)
@@ -69,7 +70,7 @@ class TransportError(RuntimeError):
 
 # ------------------------------------------------------------------------------------ schemas
 # field types: int, float, str, bool, "ints" (a list of ints), "reals" (a list of finite numbers),
-# "floats" (a str -> float dict), "str?" / "float?" (or null)
+# "floats" (a str -> float dict), "str?" / "float?" (or null), "records" (compile records, below)
 _STATE = {"n": (("int32",), 1), "prev": (("int32",), 1), "bonus": (("int32",), 1),
           "active": (("bool",), 1), "history": (("int32",), 1), "history_lens": (("int32",), 1)}
 _RUN = {"seed": "int", "request_ids": "ints", "temperature": "reals", "top_k": "ints",
@@ -99,6 +100,9 @@ REPLIES = {  # draft -> target
     # a heartbeat, about every HEARTBEAT_S while the draft lowers or compiles a step (so a reply
     # timeout measures the answer, never a compile); the target skips it wherever it reads
     "compiling": ({}, {}),
+    # before a reply: what the draft compiled or loaded since its last reply, one record a program
+    # [name, source, seconds, trace_s, lower_s, compile_s, count] (`metrics.CompileTimer`'s)
+    "compiled": ({"programs": "records"}, {}),
 }
 HEARTBEAT_S = 0.25
 SCHEMAS = {**REQUESTS, **REPLIES}
@@ -127,6 +131,11 @@ def _check_field(kind: str, name: str, typ: str, v) -> None:
         "ints": lambda: type(v) is list and len(v) <= MAX_LIST and all(type(x) is int for x in v),
         "reals": lambda: type(v) is list and len(v) <= MAX_LIST and all(
             type(x) in (int, float) and math.isfinite(x) for x in v),
+        "records": lambda: type(v) is list and len(v) <= MAX_LIST and all(
+            type(r) is list and len(r) == 7 and all(type(x) is str and len(x) <= MAX_STR
+                                                    for x in r[:2])
+            and all(type(x) in (int, float) and math.isfinite(x) and x >= 0 for x in r[2:6])
+            and type(r[6]) is int and r[6] >= 0 for r in v),
         "floats": lambda: type(v) is dict and len(v) <= 64 and all(
             type(k) is str and len(k) <= 64 and type(x) in (int, float) and math.isfinite(x)
             for k, x in v.items()),

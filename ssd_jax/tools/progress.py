@@ -17,6 +17,8 @@ import sys
 import threading
 import time
 
+from ssd_jax.runtime.metrics import _COMPILE_EVENTS, REMOTE_LISTENERS, _program_name
+
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 _active: list["Progress"] = []  # the Progress that JAX's compile events report to
 _registered = False
@@ -24,9 +26,16 @@ _lock = threading.Lock()
 
 
 def _on_event(event: str, duration: float, fun_name: str | None = None, **_) -> None:
-    if event == _BACKEND_COMPILE:
+    # the events `metrics.CompileTimer` sums (trace, lowering, backend compile), so that the
+    # running figure here and out.metrics.compile_s are one figure
+    if event in _COMPILE_EVENTS:
         for p in list(_active):
-            p.compiled(duration, fun_name)
+            p.phase(_program_name(fun_name), duration, done=event == _BACKEND_COMPILE)
+
+
+def _on_remote(name: str, record: dict) -> None:
+    for p in list(_active):
+        p.phase(name, record["seconds"], done=True, source=record["source"])
 
 
 class _LogLines(logging.Handler):
@@ -53,6 +62,7 @@ class Progress:
             enabled = bool(isatty and isatty())
         self.enabled, self.every, self.clock = enabled, every, clock
         self.compile_s = 0.0
+        self._pending: dict[str, float] = {}  # a program's seconds until its compile ends
         self._start = self._last = None
         self.tokens = 0
 
@@ -97,6 +107,7 @@ class Progress:
             if not _registered:
                 import jax
                 jax.monitoring.register_event_duration_secs_listener(_on_event)
+                REMOTE_LISTENERS.append(_on_remote)
                 _registered = True
             _active.append(self)
         try:
@@ -105,13 +116,24 @@ class Progress:
             with _lock:
                 _active.remove(self)
 
-    def compiled(self, seconds: float, name: str | None = None) -> None:
-        """Program `name` (JAX's, e.g. "jit(verify)") finished compiling in `seconds` (those
-        under half a second are not shown); out.metrics.compiles holds every one."""
+    def phase(self, name: str, seconds: float, done: bool, source: str | None = None) -> None:
+        """`seconds` more of program `name`'s trace, lowering or compile (JAX's name, e.g.
+        "jit(verify)"; the draft process's as "draft process: ..."); `done`: its compile ended,
+        said in one line with its seconds (from half a second) and the running total, the same
+        total as out.metrics.compile_s. out.metrics.compiles holds every program."""
         self.compile_s += seconds
-        if seconds >= 0.5:
-            self.say(f"  compiled {name or 'a step'} in {seconds:.1f} s ({self.compile_s:.1f} s "
-                     "compiling so far)")
+        total = self._pending.pop(name, 0.0) + seconds
+        if not done:
+            self._pending[name] = total
+        elif total >= 0.5:
+            verb = "traced" if source == "traced" else "compiled"  # traced: inside another one
+            how = f", {source}" if source not in (None, "compiled", "traced") else ""
+            self.say(f"  {verb} {name} in {total:.1f} s{how} ({self.compile_s:.1f} s compiling "
+                     "so far)")
+
+    def compiled(self, seconds: float, name: str | None = None) -> None:
+        """Program `name` finished compiling in `seconds` (one call of `phase`)."""
+        self.phase(name or "a step", seconds, done=True)
 
     def delta(self, n_tokens: int, counting: bool) -> None:
         """`n_tokens` more tokens arrived: the first time, say how long they took; with
