@@ -35,6 +35,7 @@ def test_the_ssd_command_ends_cleanly_every_time(pair, tmp_path):  # noqa: F811
 
 
 @pytest.mark.real_weights
+@pytest.mark.slow  # 10 loads of the default draft, ~75 s: the main pass only
 def test_a_draft_process_whose_target_vanishes_exits_cleanly():
     """The target accepts the draft process, then goes away a second later, while the draft loads
     (what a target that failed to load did): the draft process exits 0 with nothing on stderr,
