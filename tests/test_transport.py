@@ -319,3 +319,26 @@ def test_no_pickle_in_the_transport():
                 imported.add(node.module.split(".")[0])
         assert not imported & {"pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve"}, mod
         assert "multihost_utils" not in src and "distributed.initialize" not in src, mod
+
+
+def test_the_draft_process_reports_many_compiles_in_frames_that_fit():
+    """A draft process that compiled 250 programs (long names) before a reply: "compiled" frames
+    of at most 100 records, each header within wire.MAX_HEADER, and its timer emptied."""
+    from ssd_jax.runtime.draft_process import DraftServer
+    from ssd_jax.runtime.metrics import CompileTimer
+
+    sent = []
+
+    class Channel:
+        def send(self, msg):
+            sent.append((msg, wire.encode(msg)))
+
+    server = DraftServer(Channel(), model=None)
+    server.timer = CompileTimer()
+    server.timer.programs = {f"jit({'x' * 5000}{i})": dict(
+        seconds=1.0, trace_s=0.1, lower_s=0.2, compile_s=0.7, count=1, source="compiled")
+        for i in range(250)}
+    server._send_compiles()
+    assert [len(m.fields["programs"]) for m, _ in sent] == [100, 100, 50]
+    assert all(len(frame[0]) <= wire.MAX_HEADER for _, frame in sent)
+    assert server.timer.programs == {} and server.timer.seconds == 0.0

@@ -136,13 +136,15 @@ class DraftServer:
                     return
 
     def _send_compiles(self) -> None:
-        """The "compiled" frame of what compiled since the last one, if anything did."""
+        """The "compiled" frames of what compiled since the last ones, if anything did: up to
+        100 programs a frame, each name cut to 200 characters (a frame's header is at most
+        wire.MAX_HEADER bytes)."""
         programs = self.timer.take() if self.timer is not None else {}
-        if programs:
-            self.send(Message("compiled", {"programs": [
-                [name[:MAX_STR], p["source"], *(float(p[k]) for k in
-                                                ("seconds", "trace_s", "lower_s", "compile_s")),
-                 int(p["count"])] for name, p in programs.items()]}))
+        records = [[name[:200], p["source"], *(float(p[k]) for k in
+                                               ("seconds", "trace_s", "lower_s", "compile_s")),
+                    int(p["count"])] for name, p in programs.items()]
+        for i in range(0, len(records), 100):
+            self.send(Message("compiled", {"programs": records[i:i + 100]}))
 
     def _spec(self, spec, rows) -> Message:
         return Message("spec", {}, {"spec": np.asarray(spec), "rows": np.asarray(rows)})
