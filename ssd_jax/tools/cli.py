@@ -225,10 +225,10 @@ def _fetch(args) -> int:
 
 
 def _validate_generate(args) -> None:
-    """Every generate argument (its error names the flag: `as_flags`), checked before any model loads (a ValueError naming the bad one):
-    the request's rules are the engine's own (`ssd_jax.runtime.config.check_request`:
-    mode, max-new-tokens, K, sampling, fan-out, Saguaro C, backup, seed, stop, and whether
-    max-new-tokens + K fit --max-len), then the backend, dtype, placement, max-len, draft-vocab
+    """Every generate argument, checked before any model loads (a ValueError naming the bad one;
+    `_generate` puts the flag in its message, `as_flags`): the request's rules are the engine's
+    own (`ssd_jax.runtime.config.check_request`: mode, max-new-tokens, K, sampling, fan-out,
+    Saguaro C, backup, seed, stop, and whether max-new-tokens + K fit --max-len), then the backend, dtype, placement, max-len, draft-vocab
     and cache-dir. The SSD knobs' values are checked in every mode (a bad value is an error even
     where the mode ignores it), but only --mode ssd lets --fanout set K."""
     from ssd_jax.algorithm.sampling import SamplingParams

@@ -131,10 +131,6 @@ class Progress:
             self.say(f"  {verb} {name} in {total:.1f} s{how} ({self.compile_s:.1f} s compiling "
                      "so far)")
 
-    def compiled(self, seconds: float, name: str | None = None) -> None:
-        """Program `name` finished compiling in `seconds` (one call of `phase`)."""
-        self.phase(name or "a step", seconds, done=True)
-
     def delta(self, n_tokens: int, counting: bool) -> None:
         """`n_tokens` more tokens arrived: the first time, say how long they took; with
         `counting` (no text on the terminal) say the running count every `every` seconds."""
