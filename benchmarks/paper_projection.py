@@ -263,6 +263,8 @@ class EngineCosts:
 
     def tv(self, k: int) -> float:
         (k0, k1), (v0, v1) = self.ks, (self._tv[self.ks[0]], self._tv[self.ks[1]])
+        if k in (k0, k1):  # the measured values themselves (the line's arithmetic can miss
+            return v0 if k == k0 else v1  # them by a rounding)
         return v0 + (v1 - v0) * (k - k0) / (k1 - k0)
 
 
