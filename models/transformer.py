@@ -194,8 +194,8 @@ def tree_step(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: ja
     tokens, positions, prefix_len [B, MQ]; cache: the draft's `KVCache` [B, S, KVH, D] per layer,
     read, never written; branch: `BranchKV` [B, MQ, K, KVH, D] per layer; step: int32 scalar
     (own-path slot written and the last one visible; the Python int 0 is the first step, whose
-    branch KV comes back as new buffers, zero past slot 0, whatever `branch` held); valid [B, MQ]. Returns logits [B, MQ, V]
-    fp32 and the branch KV with slot `step` filled. The write and the attention are
+    branch KV comes back as new buffers, zero past slot 0, whatever `branch` held); valid
+    [B, MQ]. Returns logits [B, MQ, V] fp32 and the branch KV with slot `step` filled. The write and the attention are
     `ops.tree_attention` (the plain-jnp reference, or the Pallas kernel of the `pallas` backend).
 
     tokens, positions, prefix_len and step must be integers, valid bool, tokens in

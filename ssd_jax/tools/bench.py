@@ -44,7 +44,7 @@ from pathlib import Path
 from ssd_jax.models import registry
 from ssd_jax.tools.bench_report import _agreement, _jsonable, plot, render_markdown
 from ssd_jax.tools.bench_workers import EVENT, LAYOUTS, MODES
-from ssd_jax.tools.flags import as_flags
+from ssd_jax.tools.flags import naming_flags
 
 
 class BenchError(RuntimeError):
@@ -333,10 +333,8 @@ def run(args) -> int:
     if args.suite == "paper":
         from ssd_jax.tools import bench_paper
         return bench_paper.run(args)
-    try:
+    with naming_flags():
         _validate(args)
-    except ValueError as e:
-        raise ValueError(as_flags(str(e))) from e
     _check_models(args)
     prompts, source = _prompts(args)
     if args.max_new_tokens is None:

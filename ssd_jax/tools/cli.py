@@ -16,7 +16,7 @@ import sys
 from ssd_jax.models import registry
 from ssd_jax.models.config import canonical_dtype
 from ssd_jax.runtime.batch import TokenSink
-from ssd_jax.tools.flags import as_flags
+from ssd_jax.tools.flags import naming_flags
 
 EXIT_USAGE = 2
 
@@ -226,7 +226,7 @@ def _fetch(args) -> int:
 
 def _validate_generate(args) -> None:
     """Every generate argument, checked before any model loads (a ValueError naming the bad one;
-    `_generate` puts the flag in its message, `as_flags`): the request's rules are the engine's
+    `_generate` puts the flag in its message, `naming_flags`): the request's rules are the engine's
     own (`ssd_jax.runtime.config.check_request`: mode, max-new-tokens, K, sampling, fan-out,
     Saguaro C, backup, seed, stop, and whether max-new-tokens + K fit --max-len), then the backend, dtype, placement, max-len, draft-vocab
     and cache-dir. The SSD knobs' values are checked in every mode (a bad value is an error even
@@ -378,10 +378,8 @@ def _flag(flag: str):
 
 
 def _generate(args) -> int:
-    try:
+    with naming_flags():
         _validate_generate(args)
-    except ValueError as e:
-        raise ValueError(as_flags(str(e))) from e
     prompt = args.prompt
     if args.prompt_file is not None:
         prompt = _read_prompt_file(args.prompt_file)

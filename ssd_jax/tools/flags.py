@@ -1,6 +1,7 @@
 """The flags of the `ssd-jax` commands in the library's messages."""
 from __future__ import annotations
 
+import contextlib
 import re
 
 # The library's argument names in its messages, as the flags that set them (one message names
@@ -22,3 +23,12 @@ def as_flags(message: str) -> str:
         seen.add(m.group(1))
         return _FLAGS[m.group(1)]
     return _LIBRARY_NAME.sub(flag, message)
+
+
+@contextlib.contextmanager
+def naming_flags():
+    """Around a command's argument checks: a ValueError raised inside comes out `as_flags`."""
+    try:
+        yield
+    except ValueError as e:
+        raise ValueError(as_flags(str(e))) from e
