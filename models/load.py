@@ -50,6 +50,20 @@ def _tokenizer(path: Path):
     return Tokenizer.from_hf_folder(path) if path.is_dir() else Tokenizer.from_gguf(path)
 
 
+def load_tokenizer(name_or_path: str | Path, cache_dir: str | Path | None = None):
+    """The model's tokenizer alone (no weights read), as `load_model` attaches it: what a
+    command needs to plan a call before the model loads (`ssd_jax.runtime.warmup`)."""
+    return _tokenizer(hub.resolve(name_or_path, cache_dir))
+
+
+def read_config(name_or_path: str | Path, dtype: str = "float32",
+                cache_dir: str | Path | None = None) -> ModelConfig:
+    """The model's `ModelConfig` from its file's header (no weights read): its shapes before it
+    loads (`load_model`'s for `sharding=None`)."""
+    return ModelConfig.from_hf(_read_config(hub.resolve(name_or_path, cache_dir)),
+                               canonical_dtype(dtype))
+
+
 log = logging.getLogger("ssd_jax.load")
 
 

@@ -384,12 +384,12 @@ def test_console_script_generate_json(pair):
         a, b = lay.cores
         assert f"ssd-jax: SSD with the draft in its own process on core {b}, the target on core {a}" \
             in proc.stderr
-        # the draft process's compiles (its tree among them) are the call's, in one figure
-        compiles = obj["metrics"]["compiles"]
-        draft = {n: p for n, p in compiles.items() if n.startswith("draft process: ")}
-        assert any("draft_tree" in n and p["count"] for n, p in draft.items()), compiles
-        total = sum(p["seconds"] for p in compiles.values())
-        assert abs(obj["metrics"]["compile_s"] - total) < 1e-6 * max(total, 1.0), compiles
+        # the draft process compiled its tree in the warm-up beside the target's load, and the
+        # target its verify after: the call compiles nothing (tests/test_warmup.py)
+        warmup, compiles = obj["metrics"]["warmup"], obj["metrics"]["compiles"]
+        assert any("draft_tree" in n and p["count"] for n, p in warmup["draft"]["programs"].items())
+        assert any("verify" in n and p["count"] for n, p in warmup["target"]["programs"].items())
+        assert obj["metrics"]["compile_s"] == 0 and compiles == {}, compiles
     else:
         assert "ssd-jax: SSD with the draft in its own process cannot run here" in proc.stderr
 

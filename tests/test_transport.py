@@ -172,6 +172,10 @@ def test_frames_round_trip_every_kind_and_dtype(link):
     programs = [["jit(stored_draft_tree)", "persistent cache", 4.8, 0.1, 0.2, 4.5, 1]]
     send.send(Message("compiled", {"programs": programs}))
     assert recv.recv(REPLIES, timeout=5).fields["programs"] == programs
+    # a warm-up's account, sent on its own after the "warm" request's "ok"
+    warmed = {"seconds": 11.2, "programs": programs, "error": None}
+    send.send(Message("warmed", warmed))
+    assert recv.recv(REPLIES, timeout=5).fields == warmed
     send.send(Message("info", {"vocab_rows": 64, "vocab_size": 60, "fingerprint": None,
                                "name": "d", "backend": "xla"}))
     assert recv.recv(REPLIES, timeout=5).fields["fingerprint"] is None

@@ -6,7 +6,9 @@ with a `DraftWorker` on its own device, one reply per request. After every specu
 (round 1's backup, or a resolve), it dispatches the tree for that speculation at once, so the tree
 runs while the target verifies it. An error in its own computation is reported to the target (the
 target falls back to plain decoding for that call) and serving goes on; the process ends when the
-target says "shutdown" or goes away.
+target says "shutdown" or goes away. A "warm" request (a coming call's `warmup.CallPlan`, sent
+while the target loads) is answered at once, then run as a throwaway first round
+(`DraftWorker.warm_up`) whose account goes back as "warmed".
 """
 from __future__ import annotations
 
@@ -135,36 +137,70 @@ class DraftServer:
                 except TransportError:
                     return
 
+    def _records(self) -> list:
+        """What compiled since the last call, one record a program (wire "records"), each name
+        cut to 200 characters (a frame's header is at most wire.MAX_HEADER bytes)."""
+        programs = self.timer.take() if self.timer is not None else {}
+        return [[name[:200], p["source"], *(float(p[k]) for k in
+                                            ("seconds", "trace_s", "lower_s", "compile_s")),
+                 int(p["count"])] for name, p in programs.items()]
+
     def _send_compiles(self) -> None:
         """The "compiled" frames of what compiled since the last ones, if anything did: up to
-        100 programs a frame, each name cut to 200 characters (a frame's header is at most
-        wire.MAX_HEADER bytes)."""
-        programs = self.timer.take() if self.timer is not None else {}
-        records = [[name[:200], p["source"], *(float(p[k]) for k in
-                                               ("seconds", "trace_s", "lower_s", "compile_s")),
-                    int(p["count"])] for name, p in programs.items()]
+        100 programs a frame."""
+        records = self._records()
         for i in range(0, len(records), 100):
             self.send(Message("compiled", {"programs": records[i:i + 100]}))
+
+    def _worker(self, row_vocab: int):
+        """The DraftWorker for proposal rows of `row_vocab` (made on the first call, and anew
+        for another target's rows)."""
+        import jax
+
+        from ssd_jax.runtime.draft_worker import DraftWorker
+        from ssd_jax.runtime.placement import make_placement
+
+        if self.worker is None or self.worker.row_vocab != row_vocab:
+            placement = make_placement("colocated", jax.local_devices())
+            self.worker = DraftWorker(self.model, placement.draft, row_vocab)
+        return self.worker
+
+    def _warm(self, call) -> None:
+        """Run the warm-up `call` asked for (`DraftWorker.warm_up`), then send the "warmed" frame:
+        its seconds, what it compiled or loaded, the error if it failed (the call then meets that
+        error itself, and says so)."""
+        t0, error = time.perf_counter(), None
+        try:
+            self._worker(call.row_vocab).warm_up(call)
+        except Exception as e:  # noqa: BLE001 - the call that follows reports it
+            error = f"{type(e).__name__}: {e}"[:MAX_STR]
+            if self.worker is not None:
+                self.worker._tree = None
+        _COMPILING[0] = False
+        self.send(Message("warmed", {"seconds": time.perf_counter() - t0,
+                                     "programs": self._records()[:100], "error": error}))
 
     def _spec(self, spec, rows) -> Message:
         return Message("spec", {}, {"spec": np.asarray(spec), "rows": np.asarray(rows)})
 
     def handle(self, msg: Message):
         """(reply Message, a function to run after sending it, or None)."""
-        import jax
-
-        from ssd_jax.runtime.draft_worker import DraftWorker
-        from ssd_jax.runtime.placement import make_placement
-
         kind, a, f, w = msg.kind, msg.arrays, msg.fields, self.worker
-        if kind == "start":
-            if a["tokens"].shape[0] != len(a["lens"]) or f["cache_len"] < a["tokens"].shape[1]:
+        if kind in ("start", "warm"):  # the block may be wider than the cache, a prompt not
+            lens, width = a["lens"], a["tokens"].shape[1]
+            if a["tokens"].shape[0] != len(lens) or len(lens) and (
+                    lens.min() < 1 or lens.max() > min(width, f["cache_len"])):
                 raise ValueError("prompt tokens, lengths and cache length do not fit together")
-            if w is None or w.row_vocab != f["row_vocab"]:
-                placement = make_placement("colocated", jax.local_devices())
-                self.worker = w = DraftWorker(self.model, placement.draft, f["row_vocab"])
-            w.start(a["tokens"], a["lens"], f["cache_len"])
+        if kind == "start":
+            self._worker(f["row_vocab"]).start(a["tokens"], a["lens"], f["cache_len"])
             return Message("ok"), None
+        if kind == "warm":
+            from ssd_jax.runtime.warmup import CallPlan
+            if f["mode"] not in ("sd", "ssd"):
+                raise ValueError(f"warm-up for mode {f['mode']!r}: the draft serves 'sd' and 'ssd'")
+            call = CallPlan(f["mode"], a["tokens"], a["lens"], f["cache_len"], f["row_vocab"],
+                            None, decode_run(f, len(a["lens"])))  # the target's sampling: not sent
+            return Message("ok"), lambda: self._warm(call)
         if w is None:
             raise ValueError(f"{kind!r} before 'start'")
         if kind == "ready":

@@ -66,6 +66,13 @@ class DraftRun:
         return cls(seed=int(run.get("seed_host", run["seed"])), request_ids=tuple(int(r) for r in rids),
                    sampling=run["draft_sampling"], k=run["k"], **kw)
 
+    @classmethod
+    def of_ssd_call(cls, rids, run: dict, ssd) -> "DraftRun":
+        """SSD's draft view of a call whose run dict holds f_hit / f_backup (`SSDConfig.lists`):
+        backup "auto" drafts the neural backup (the engine's `BackupChooser` switches per round)."""
+        return dataclasses.replace(cls.of_call(rids, run, ssd),
+                                   backup="neural" if ssd.backup == "auto" else ssd.backup)
+
 
 @step_jit(static_argnames=("cfg", "ops"))
 def _logits(params, cfg, tokens, cache, ops):
@@ -176,6 +183,29 @@ class DraftWorker:
         self.cache = settle(self.cache, self._serial)
         self.history = None  # the rows' tokens by position, for the device loop's n-gram backup
         self._prompt = (prompt_tokens, cache_len)
+
+    def warm_up(self, call) -> None:
+        """Run a throwaway call of `call`'s shapes and statics (a `warmup.CallPlan`), so that the
+        call itself finds its draft programs compiled or loaded: the prefill, then SD's proposal,
+        or SSD's first backup, its tree, and a lookup that misses (an outcome no branch holds)
+        with the backup that follows. The next `start` replaces what it leaves."""
+        B, run = len(call.lens), call.run
+        self.start(call.tokens, call.lens, call.cache_len)
+        lens = np.asarray(call.lens, np.int32)
+        prompts = [[int(t) for t in row[:n]] for row, n in zip(call.tokens, lens)]
+        s = RoundState(n=lens, prev=np.asarray(call.tokens, np.int32)[np.arange(B), lens - 1],
+                       bonus=np.zeros(B, np.int32), active=np.ones(B, bool),
+                       history=[p + [0] for p in prompts])
+        if call.mode == "sd":
+            jax.block_until_ready(self.propose(s, run))
+            return
+        spec, _ = self.backup(s, run)
+        self.dispatch_tree(s, spec, np.ones(B, bool), run, wait=True)
+        keys = np.asarray(self._tree.keys)  # [B, MQ, 2]: (accepted, bonus) each branch assumed
+        bonus = np.asarray([min(set(range(len(k) + 1)) - set(k[k[:, 0] == 0, 1].tolist()))
+                            for k in keys], np.int32)
+        jax.block_until_ready(self.resolve(np.zeros(B, np.int32), bonus, s, run)[1])
+        self._tree = None
 
     def start_history(self, outcome) -> None:
         """The device loop's n-gram backup: each row's tokens by position `[B, cache_len]` on

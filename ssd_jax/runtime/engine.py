@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -403,8 +404,40 @@ class Engine(HostLoop):
         check_budget(batch.size, sum(f_hit), k, vocab_rows, ssd.row_dtype, ssd.cache_budget_bytes)
         run = dict(run, f_hit=f_hit, f_backup=f_backup)
         chooser = BackupChooser(batch.size) if ssd.backup == "auto" else None
-        kind = "neural" if chooser else ssd.backup
-        return run, dataclasses.replace(DraftRun.of_call(rids, run, ssd), backup=kind), chooser
+        return run, DraftRun.of_ssd_call(rids, run, ssd), chooser
+
+    @_one_call_at_a_time
+    def warm_up(self, plan) -> dict:
+        """Run the target's side of a throwaway first round of `plan` (a
+        `ssd_jax.runtime.warmup.CallPlan`) on the host loop, the loop of a remote draft's calls
+        (and of timeline=True): its prefill, then a verify of a speculation of K zeros. The call
+        of that plan then finds the target's programs compiled or loaded; the draft's side is
+        `RemoteDraft.warm` (`DraftWorker.warm_up` in process). Returns {"seconds": its wall
+        time, "compile_s": the part spent compiling or loading, "programs": {name: {"source",
+        "seconds", "count"}}}, as `RemoteDraft.warmed` accounts for the draft's."""
+        t0, timer = time.perf_counter(), CompileTimer()
+        with timer.measure():
+            self._warm_up(plan)
+        return dict(seconds=time.perf_counter() - t0, compile_s=timer.seconds,
+                    programs={name: dict(source=p["source"], seconds=p["seconds"], count=p["count"])
+                              for name, p in timer.programs.items()})
+
+    def _warm_up(self, plan) -> None:
+        B, V = len(plan.lens), self.target.cfg.vocab_size
+        batch = Batch([[int(t) for t in row[:n]] for row, n in zip(plan.tokens, plan.lens)],
+                      2, (), ())
+        rids = np.asarray(plan.run.request_ids, np.int32)
+        run = dict(seed=jnp.int32(plan.run.seed), k=plan.run.k, verifier=_default_verifier(),
+                   sampling=to_mesh(plan.sampling, self.placement.target))
+        first, lp, self.tcache, _ = self._prefill_target(batch, rids, plan.cache_len, run)
+        first, lp = np.asarray(first), np.asarray(lp)
+        for b in range(B):
+            batch.emit(b, [first[b]], [lp[b]])
+        rows = np.full((B, plan.run.k, V), 1.0 / V, jnp.dtype(plan.run.row_dtype))
+        res, _ = self._verify(batch, np.zeros((B, plan.run.k), np.int32), rows,
+                              to_mesh(rids, self.placement.target), run)
+        jax.block_until_ready(res)
+        self.tcache = None
 
     @_one_call_at_a_time
     def restart_draft(self) -> float:

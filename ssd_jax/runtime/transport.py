@@ -136,6 +136,8 @@ class RemoteDraft:
         self.channel: Channel | None = None
         self.down: str | None = "not connected"
         self.info: dict = {}
+        self._warming: float | None = None  # when `warm` was sent, until its "warmed" is read
+        self.warmup: dict | None = None  # the last warm-up's account (`warmed`)
         self._connect()
         self.row_vocab = self.info["vocab_rows"]  # set by the engine to the target's rows
         atexit.register(self.close)
@@ -214,21 +216,9 @@ class RemoteDraft:
             raise TransportError("down", f"the draft process is down: {self.down}; "
                                          f"engine.restart_draft() starts it again")
         t = self.reply_timeout if timeout is None else timeout
-        expect = {reply: REPLIES[reply], "error": REPLIES["error"],
-                  "compiling": REPLIES["compiling"], "compiled": REPLIES["compiled"]}
         try:
             self.channel.send(Message(kind, fields, arrays), timeout=t)
-            cap = time.monotonic() + max(self.warmup_timeout, t)
-            while True:  # heartbeats while the draft compiles: each restarts the reply clock
-                msg = self.channel.recv(expect, timeout=t, alive=self._alive)
-                if msg.kind == "compiled":  # what the reply waited for: the call's compile time
-                    _count_compiles(msg.fields["programs"])
-                    continue
-                if msg.kind != "compiling":
-                    break
-                if time.monotonic() > cap:
-                    raise TransportError("timeout", f"still compiling after {self.warmup_timeout:g} "
-                                                    f"s (warmup_timeout) during {kind!r}")
+            msg = self._await(kind, reply, t)
         except TransportError as e:
             raise self._fail(e) from e
         except BaseException:  # e.g. KeyboardInterrupt: a reply may be half read or still due
@@ -238,6 +228,43 @@ class RemoteDraft:
             raise TransportError("remote", f"the draft process raised during {kind!r}: "
                                            f"{msg.fields['message']}")
         return msg
+
+    def _await(self, kind: str, reply: str, t: float) -> Message:
+        """The reply to request `kind` (or an "error"), reading past the heartbeats, "compiled"
+        frames (the call's compile time: the reply waited for them) and a warm-up's "warmed"."""
+        expect = {reply: REPLIES[reply], "error": REPLIES["error"],
+                  "compiling": REPLIES["compiling"], "compiled": REPLIES["compiled"]}
+        if self._warming is not None:
+            expect["warmed"] = REPLIES["warmed"]
+        t0 = time.monotonic()
+        cap = t0 + max(self.warmup_timeout, t)
+        while True:  # heartbeats while the draft compiles: each restarts the reply clock
+            msg = self.channel.recv(expect, timeout=t, alive=self._alive)
+            if msg.kind == "compiled":
+                _count_compiles(msg.fields["programs"])
+            elif msg.kind == "warmed" and reply != "warmed":
+                self._take_warmed(msg, t0)
+                expect.pop("warmed")
+            elif msg.kind != "compiling":
+                return msg
+            if time.monotonic() > cap:
+                raise TransportError("timeout", f"still compiling after {self.warmup_timeout:g} "
+                                                f"s (warmup_timeout) during {kind!r}")
+
+    def _take_warmed(self, msg: Message, since: float, count: bool = True) -> dict:
+        """Keep a "warmed" frame's account in `warmup`, with the seconds waited for it since
+        `since`. Read while a request of a call waited (`count`), those seconds count as that
+        call's compile time, one program "draft process: the warm-up, still running"."""
+        f = msg.fields
+        waited = max(time.monotonic() - since, 0.0)
+        self.warmup = dict(seconds=float(f["seconds"]), waited_s=waited, error=f["error"],
+                           programs={name: dict(source=source, seconds=seconds, count=count)
+                                     for name, source, seconds, _, _, _, count in f["programs"]})
+        self._warming = None
+        if count and waited >= 1e-3:
+            _count_compiles([["the warm-up, still running", "compiled", waited, 0.0, 0.0, waited,
+                              1]])
+        return self.warmup
 
     def _spec(self, msg: Message, batch: int, k: int, hit: bool = False):
         a = msg.arrays
@@ -280,6 +307,37 @@ class RemoteDraft:
     def dispatch_tree(self, s, spec, from_backup, run):
         """Nothing to do here: the draft process dispatched the tree when it sent `spec`."""
 
+    def warm(self, call) -> None:
+        """Have the draft process run a throwaway call of `call`'s shapes (a
+        `ssd_jax.runtime.warmup.CallPlan`) so that call finds the draft's programs compiled or
+        loaded. Returns once the draft process has the request: it warms up while this process
+        goes on (loading the target); `warmed()` waits for the end, and so does the next call."""
+        self._ask("warm", dict(run_fields(call.run), cache_len=int(call.cache_len),
+                               row_vocab=int(call.row_vocab), mode=str(call.mode)),
+                  {"tokens": np.asarray(call.tokens, np.int32),
+                   "lens": np.asarray(call.lens, np.int32)}, "ok")
+        self._warming, self.warmup = time.monotonic(), None
+
+    def warmed(self) -> dict | None:
+        """Wait for the warm-up `warm` started to end (heartbeats keep a compile from counting
+        as a hang) and return its account: {"seconds": its time in the draft process,
+        "waited_s": the part of it this call waited for, "programs": {name: {"source",
+        "seconds", "count"}}, "error": its error or None}; None if no warm-up was asked for.
+        The waited seconds are the caller's: no call counts them."""
+        if self._warming is None:
+            return self.warmup
+        if self.down is not None:
+            raise TransportError("down", f"the draft process is down: {self.down}")
+        t0 = time.monotonic()
+        try:
+            msg = self._await("warm", "warmed", max(self.timeout, self.reply_timeout))
+        except TransportError as e:
+            raise self._fail(e) from e
+        if msg.kind == "error":  # a frame no request asked for: the exchange is broken
+            raise self._fail(TransportError("malformed", "an error frame while no request was "
+                                                         f"pending: {msg.fields['message']}"))
+        return self._take_warmed(msg, t0, count=False)
+
     def resolve(self, num_accepted, bonus, s, run):
         """Send the outcome (num_accepted `[B]`, bonus `[B]`); receive (spec `[B, K]`, rows
         `[B, K, V]`, hit `[B]` bool, times dict); times["exchange_s"]: the round trip less the
@@ -304,6 +362,7 @@ class RemoteDraft:
         must be the same model as the old (embedding rows and tokenizer)."""
         old = dict(self.info)
         self._kill()
+        self._warming = None
         self.down = "restarting"
         self._connect()
         for key in ("vocab_rows", "vocab_size", "fingerprint"):

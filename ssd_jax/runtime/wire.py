@@ -33,8 +33,8 @@ import time
 import numpy as np
 
 MAGIC = b"SSDJ"
-VERSION = 4  # 2: the run's temperature / top-k / top-p are lists, one per request; 3: "compiling";
-# 4: "compiled"
+VERSION = 5  # 2: the run's temperature / top-k / top-p are lists, one per request; 3: "compiling";
+# 4: "compiled"; 5: "warm" / "warmed"
 _PREFIX = struct.Struct("!4sBI")
 MAX_HEADER = 1 << 16  # bytes of JSON header
 MAX_MESSAGE_BYTES = 1 << 30  # default cap on one message's array bytes (1 GiB)
@@ -89,6 +89,10 @@ REQUESTS = {  # target -> draft
                        "outcome_bonus": (("int32",), 1)}),
     "finish": ({}, {}),
     "shutdown": ({}, {}),
+    # a throwaway call of a coming call's shapes (`warmup.CallPlan`), run after the "ok": the
+    # draft's programs compile or load while the target loads; "warmed" says when it is done
+    "warm": ({**_RUN, "cache_len": "int", "row_vocab": "int", "mode": "str"},
+             {"tokens": (("int32",), 2), "lens": (("int32",), 1)}),
 }
 REPLIES = {  # draft -> target
     "info": ({"vocab_rows": "int", "vocab_size": "int", "fingerprint": "str?", "name": "str",
@@ -103,6 +107,9 @@ REPLIES = {  # draft -> target
     # before a reply: what the draft compiled or loaded since its last reply, one record a program
     # [name, source, seconds, trace_s, lower_s, compile_s, count] (`metrics.CompileTimer`'s)
     "compiled": ({"programs": "records"}, {}),
+    # after a "warm" request's "ok", once its warm-up ended: its seconds, what it compiled or
+    # loaded (up to 100 records), its error if it failed; read before the next reply
+    "warmed": ({"seconds": "float", "programs": "records", "error": "str?"}, {}),
 }
 HEARTBEAT_S = 0.25
 SCHEMAS = {**REQUESTS, **REPLIES}

@@ -394,15 +394,37 @@ def _generate(args) -> int:
     if args.mode != "ar":
         with _flag("--draft"):
             check_source(args.draft, args.cache_dir)
+    from ssd_jax.runtime.config import SSDConfig
+
+    request = dict(mode=args.mode, max_new_tokens=args.max_new_tokens, sampling=args.sampling,
+                   k=args.k, ssd=SSDConfig(fanout=args.fanout_used, saguaro_c=args.saguaro_c,
+                                           backup=args.backup),
+                   seed=args.seed, stop=args.stop)
+    if args.system is not None:  # a system prompt, then the prompt as the user's turn
+        request["messages"] = [{"role": "system", "content": args.system},
+                               {"role": "user", "content": prompt}]
+    else:
+        request.update(prompts=[prompt], chat=args.chat)
     progress = Progress(args.progress)
     placement, cores, line = _layout(args)
-    remote = None
+    remote = plan = tokenizer = warmup = warm_error = None
     if placement == "two-process":
         _native_stdout_to_stderr()
         # the draft process first, so this process's core pinning covers XLA's threads: the
         # backend and formats are chosen without starting JAX
         choice = _choose(args, platform="cpu")
+        from ssd_jax.models.load import load_tokenizer, read_config
         from ssd_jax.runtime.transport import start_two_process
+        from ssd_jax.runtime.wire import TransportError
+        from ssd_jax.runtime.warmup import call_plan
+
+        # the call's shapes from the target's tokenizer and header, so that the draft process
+        # readies its first round's programs while this one loads the target
+        with _flag("--target"):
+            tokenizer = load_tokenizer(args.target, args.cache_dir)
+            target_cfg = read_config(args.target, choice["dtype"], args.cache_dir)
+        with naming_flags():  # the call's own checks, before any process starts
+            plan = call_plan(tokenizer, target_cfg, max_len=args.max_len, **request)
         try:
             with progress.step(f"starting the draft process ({args.draft})", "draft process ready"):
                 remote = start_two_process(args.draft, dtype=choice["dtype"],
@@ -412,12 +434,16 @@ def _generate(args) -> int:
         except RuntimeError as e:
             raise GenerateError(f"the draft process (--draft {args.draft}) did not start: {e} "
                                 f"(--placement split runs in one process)") from e
+        if plan is not None:
+            try:
+                remote.warm(plan)
+            except TransportError as e:  # the call meets the failure itself, and says so
+                plan, warm_error = None, str(e)
         backend = args.backend  # the target process selects it for its own device
     else:
         choice = _choose(args)
         backend = choice["backend"]
     from ssd_jax.models.load import load_draft, load_model
-    from ssd_jax.runtime.config import SSDConfig
     from ssd_jax.runtime.defaults import cpu_features
     from ssd_jax.runtime.engine import Engine
     from ssd_jax.runtime.metrics import memory_of
@@ -425,10 +451,28 @@ def _generate(args) -> int:
     dtype, quant = choice["dtype"], choice["draft_quant"]
     with progress.step(f"loading target {args.target} ({dtype})", "target loaded"):
         with _flag("--target"):
-            target = load_model(args.target, dtype, cache_dir=args.cache_dir)
+            target = load_model(args.target, dtype, cache_dir=args.cache_dir,
+                                with_tokenizer=tokenizer is None)
+    if tokenizer is not None:
+        target.tokenizer = tokenizer
     if remote is not None:
         engine = Engine(target, remote_draft=remote, max_len=args.max_len, backend=backend,
                         step_store=args.step_store)
+        if plan is not None:
+            with progress.step("readying the first round's programs in both processes",
+                               "ready"):
+                t = engine.warm_up(plan)
+                try:
+                    d = remote.warmed()
+                except TransportError as e:  # the draft process is down: the call falls back
+                    d = dict(seconds=0.0, waited_s=0.0, programs={}, error=str(e))
+            warmup = dict(target=t, draft=d)
+            progress.say(f"  the draft process readied {_programs(d)} in {d['seconds']:.1f} s "
+                         f"beside the target's load ({d['waited_s']:.1f} s waited for); this one "
+                         f"{_programs(t)} in {t['seconds']:.1f} s"
+                         + (f"; the draft's warm-up failed: {d['error']}" if d["error"] else ""))
+        elif warm_error is not None:
+            progress.say(f"  the draft process could not warm up: {warm_error}")
     else:
         draft = None
         if args.mode != "ar":
@@ -440,15 +484,6 @@ def _generate(args) -> int:
                         step_store=args.step_store)
     if line:  # said once the layout runs (errors before this are one line each)
         print(line, file=sys.stderr)
-    request = dict(mode=args.mode, max_new_tokens=args.max_new_tokens, sampling=args.sampling,
-                   k=args.k, ssd=SSDConfig(fanout=args.fanout_used, saguaro_c=args.saguaro_c,
-                                           backup=args.backup),
-                   seed=args.seed, stop=args.stop)
-    if args.system is not None:  # a system prompt, then the prompt as the user's turn
-        request["messages"] = [{"role": "system", "content": args.system},
-                               {"role": "user", "content": prompt}]
-    else:
-        request.update(prompts=[prompt], chat=args.chat)
     with progress.generating():
         out = engine.generate(**request, on_tokens=_Printer(target.tokenizer, args.stop, progress,
                                                            text=not args.json))
@@ -458,6 +493,8 @@ def _generate(args) -> int:
         metrics.update(dtype=dtype, draft_quant=quant if args.mode != "ar" else None,
                        backend=metrics.get("backend") or engine.backend, placement=placement,
                        cpu_features=cpu_features())
+        if warmup is not None:
+            metrics["warmup"] = warmup
         print(json.dumps({"text": out.texts[0], "token_ids": out.token_ids[0],
                           "logprobs": [x if math.isfinite(x) else None for x in out.logprobs[0]],
                           "finish_reason": out.finish_reasons[0],
@@ -466,6 +503,13 @@ def _generate(args) -> int:
         sys.stdout.write("\n")
         print(out.metrics.summary(), file=sys.stderr)
     return 0
+
+
+def _programs(warmup: dict) -> str:
+    """How many programs a warm-up's account compiled or loaded ("3 programs"; a program only
+    traced inside another one is not counted)."""
+    n = sum(1 for p in warmup["programs"].values() if p["count"])
+    return f"{n} program{'s' * (n != 1)}"
 
 
 def _bench(args) -> int:

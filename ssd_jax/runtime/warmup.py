@@ -1,0 +1,79 @@
+"""What a generate call will run, from the request alone: its first round's programs readied
+before the call.
+
+In the two-process layout the draft process loads in half the target's time and then idles, and
+a call's first round used to wait while the draft traced and loaded its chain and tree, and the
+target its verify (seconds, with every cache warm). `call_plan` computes, from the target's
+tokenizer and config (no weights), the shapes and statics of the call: the prompt block both
+sides prefill, the cache length, the target's sampling values and the draft's `DraftRun`.
+`DraftWorker.warm_up` and `Engine.warm_up` run a throwaway first round of exactly those, the
+draft's in its own process while the target loads (`RemoteDraft.warm`), so the call's rounds
+find every program compiled or loaded.
+
+    plan = call_plan(tokenizer, target_cfg, prompts=["def fib(n):"], mode="ssd", k=4)
+    remote.warm(plan)            # returns at once; the draft process warms up meanwhile
+    engine = Engine(load_model(...), remote_draft=remote)  # the slow part, in this process
+    engine.warm_up(plan)         # the target's verify and prefill
+    remote.warmed()              # {"seconds", "waited_s", "programs", "error"}
+    engine.generate(prompts=["def fib(n):"], mode="ssd", k=4)
+
+The request goes through the checks and steps `Engine.generate` runs (`check_request`,
+`chat_prompts`, `encode`, `cache_length`, `SSDConfig.lists`, `check_budget`), so a bad request raises here the
+ValueError the call would raise, before anything starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ssd_jax.algorithm.sampling import SamplingParams
+from ssd_jax.algorithm.speculation_cache import check_budget
+from ssd_jax.runtime.chat import chat_prompts
+from ssd_jax.runtime.config import SSDConfig, check_request
+from ssd_jax.runtime.draft_worker import DraftRun
+from ssd_jax.runtime.request import cache_length, encode, right_padded
+
+
+@dataclasses.dataclass(frozen=True)
+class CallPlan:
+    """One SD or SSD generate call's shapes and statics, as its first round meets them."""
+    mode: str  # "sd" | "ssd"
+    tokens: np.ndarray  # [B, T] int32: the prompts right-padded to the prefill bucket
+    lens: np.ndarray  # [B] int32: the prompts' lengths
+    cache_len: int  # the KV cache's slots S
+    row_vocab: int  # V: the target's embedding rows, the width of the draft's proposal rows
+    sampling: SamplingParams  # the target's, [B] numpy values
+    run: DraftRun  # the draft's view (its sampling, K, fan-out, backup, row dtype)
+
+
+def call_plan(tokenizer, target_cfg, *, max_len: int = 4096, prompts=None, messages=None,
+               mode: str = "ssd", max_new_tokens: int = 64,
+               sampling: SamplingParams = SamplingParams(), draft_sampling=None, k: int = 4,
+               ssd: SSDConfig = SSDConfig(), seed: int = 0, stop=(), chat: bool = False,
+               eos_ids=None, request_ids=None) -> CallPlan | None:
+    """The `CallPlan` of `Engine(target, max_len=max_len).generate(**request)` for a target with
+    this tokenizer (None: prompts are token ids) and `ModelConfig`; None where the call asks
+    nothing of a draft model (mode "ar") or its fan-out is planned from the engine's own
+    measurements (`fanout="plan"`). ValueError / TypeError for a request the call would refuse."""
+    vocab = tokenizer.vocab_size if tokenizer is not None else target_cfg.vocab_size
+    prompts, chat = chat_prompts(tokenizer, prompts, messages, chat)
+    check_request(mode, max_new_tokens, k, sampling, draft_sampling, ssd, vocab, seed=seed,
+                  stop=stop, eos_ids=eos_ids, chat=chat, request_ids=request_ids)
+    if mode == "ar" or (mode == "ssd" and ssd.fanout == "plan"):
+        return None
+    ids = encode(prompts, tokenizer, vocab, chat)
+    lens = np.fromiter(map(len, ids), np.int32, len(ids))
+    cache_len = cache_length(lens, max_new_tokens, k, max_len, target_cfg.max_position_embeddings)
+    rids = np.asarray(request_ids if request_ids is not None else range(len(ids)), np.int32)
+    run = dict(seed=int(seed), seed_host=int(seed), k=int(k), draft_sampling=SamplingParams.per_request(
+        sampling if draft_sampling is None else draft_sampling, len(ids)))
+    if mode == "ssd":
+        f_hit, f_backup = ssd.lists(k, vocab)
+        check_budget(len(ids), sum(f_hit), k, target_cfg.vocab_size, ssd.row_dtype,
+                     ssd.cache_budget_bytes)
+        drun = DraftRun.of_ssd_call(rids, dict(run, f_hit=f_hit, f_backup=f_backup), ssd)
+    else:
+        drun = DraftRun.of_call(rids, run)
+    return CallPlan(mode, right_padded(ids), lens, int(cache_len), int(target_cfg.vocab_size),
+                    SamplingParams.per_request(sampling, len(ids)), drun)
