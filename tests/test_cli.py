@@ -127,6 +127,11 @@ def test_generate_json_each_mode_agrees(pair, capsys):
     assert got["sd"]["token_ids"] == got["ar"]["token_ids"] == got["ssd"]["token_ids"]
     assert got["ssd"]["metrics"]["lookups"] > 0
     assert got["sd"]["metrics"]["accept_hist"] and sum(got["sd"]["metrics"]["accept_hist"]) > 0
+    # every backup the library takes, "auto" included (ssd_jax.runtime.config.BACKUPS): the same tokens
+    for backup in ("neural", "random", "ngram", "auto"):
+        rc, out, err = run_cli(gen_args(pair, "--mode", "ssd", "--backup", backup, "--json"), capsys)
+        assert rc == 0, err
+        assert json.loads(out)["token_ids"] == got["ar"]["token_ids"], backup
     # an int8 or int4 draft (models/quant.py) changes acceptance only: the target's tokens all the same
     for quant in ("int8", "int4"):
         rc, out, err = run_cli(gen_args(pair, "--mode", "sd", "--draft-quant", quant, "--json"), capsys)

@@ -18,7 +18,7 @@ import numpy as np
 
 from ssd_jax.algorithm import sampling as smp
 
-BACKUPS = ("neural", "random", "ngram")  # the backup speculator names the engine accepts
+BACKUPS = ("neural", "random", "ngram")  # the backup speculators a round can run
 
 
 @functools.partial(jax.jit, static_argnames=("k", "vocab_size", "row_vocab", "row_dtype"))

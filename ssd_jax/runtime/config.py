@@ -9,11 +9,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ssd_jax.algorithm import fanout as fo
+from ssd_jax.algorithm import backups as _backups, fanout as fo
 from ssd_jax.algorithm.sampling import SamplingParams
 
 MODES = ("ar", "sd", "ssd")
-BACKUPS = ("neural", "random", "ngram", "auto")
+BACKUPS = (*_backups.BACKUPS, "auto")  # SSDConfig.backup: a speculator, or one chosen per round
 ROW_DTYPES = ("float32", "bfloat16", "float16")  # what the proposal rows may be stored in
 _INT32 = (-(2 ** 31), 2 ** 31 - 1)
 # Bounds on what one call may ask for, so every accepted call compiles in bounded time and memory

@@ -27,7 +27,6 @@ import numpy as np
 from ssd_jax.runtime.wire import (HEARTBEAT_S, MAX_STR, REQUESTS, ROWS, Channel, Message,
                                   TransportError, handshake_draft, parse_address, read_secret)
 
-BACKUPS = ("neural", "random", "ngram")
 MAX_K = 256
 QUANTS = ("auto", "none", "int8", "int4")  # auto: ssd_jax.runtime.defaults.choose, in this process
 
@@ -75,6 +74,8 @@ def decode_run(f: dict, batch: int):
         raise ValueError(f"{len(f['request_ids'])} request ids for a batch of {batch}")
     if not 1 <= f["k"] <= MAX_K:
         raise ValueError(f"K = {f['k']} outside [1, {MAX_K}]")
+    from ssd_jax.algorithm.backups import BACKUPS  # the speculators: "auto" is the target's choice
+
     if f["backup"] not in BACKUPS or f["row_dtype"] not in ROWS:
         raise ValueError(f"backup {f['backup']!r} / row dtype {f['row_dtype']!r} not served")
     if not len(f["temperature"]) == len(f["top_k"]) == len(f["top_p"]) == batch:

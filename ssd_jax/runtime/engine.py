@@ -299,9 +299,7 @@ class Engine(HostLoop):
             return False
         if mode == "ar":
             return True
-        if not isinstance(self.worker, DraftWorker):
-            return False
-        return mode == "sd" or ssd.backup in ("neural", "random", "ngram", "auto")
+        return isinstance(self.worker, DraftWorker)
 
     def _generate_on_device(self, batch: Batch, rids, cache_len: int, run: dict, m: Metrics,
                             mode: str, ssd: SSDConfig, draft) -> None:

@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 from ssd_jax.models import registry
+from ssd_jax.runtime.config import BACKUPS
 from ssd_jax.tools.bench_report import _agreement, _jsonable, plot, render_markdown
 from ssd_jax.tools.bench_workers import EVENT, LAYOUTS, MODES
 from ssd_jax.tools.flags import naming_flags
@@ -92,8 +93,9 @@ def add_arguments(b: argparse.ArgumentParser, fanout_type) -> None:
                    help="SSD F_0..F_K, e.g. 2,2,1,1,1, or 'plan' (from this layout's AR and SD runs; "
                         "default: one candidate per position, 1,1,...,1)")
     b.add_argument("--saguaro-c", type=float, default=1.0, help="Saguaro C in (0, 1] (default 1)")
-    b.add_argument("--backup", choices=("neural", "random", "ngram", "auto"), default="neural",
-                   help="what SSD proposes after a miss (default neural: the draft)")
+    b.add_argument("--backup", choices=BACKUPS, default="neural",
+                   help="what SSD proposes after a miss (default neural: the draft; auto: "
+                        "chosen each round, ssd_jax.runtime.auto_backup)")
     b.add_argument("--temperature", type=float, default=0.0, help=">= 0; 0 = greedy (default)")
     b.add_argument("--top-k", type=int, default=0, help=">= 0; 0 = off (default)")
     b.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off (default)")

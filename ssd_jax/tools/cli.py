@@ -16,6 +16,7 @@ import sys
 from ssd_jax.models import registry
 from ssd_jax.models.config import canonical_dtype
 from ssd_jax.runtime.batch import TokenSink
+from ssd_jax.runtime.config import BACKUPS
 from ssd_jax.tools.flags import naming_flags
 
 EXIT_USAGE = 2
@@ -173,8 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{_default_fanout_text()})")
     g.add_argument("--saguaro-c", type=float, default=1.0,
                    help="Saguaro sampling C in (0, 1] (default 1: off)")
-    g.add_argument("--backup", choices=("neural", "random", "ngram"), default="neural",
-                   help="what SSD proposes after a miss (default neural: the draft)")
+    g.add_argument("--backup", choices=BACKUPS, default="neural",
+                   help="what SSD proposes after a miss (default neural: the draft; auto: "
+                        "chosen each round, ssd_jax.runtime.auto_backup)")
     g.add_argument("--placement", choices=("auto", "split", "colocated", "two-process"),
                    default="auto",
                    help="where target and draft run: two-process (the draft in its own process "
