@@ -161,21 +161,25 @@ def _two_process(pair, tmp_path, *extra):  # noqa: F811
                                              "--json", "--max-new-tokens", "40", *extra)],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)["metrics"]
+    return json.loads(proc.stdout)["metrics"], proc.stderr
 
 
 def test_a_warm_second_cli_run_waits_on_no_compile(pair, tmp_path):  # noqa: F811
     """The two-process SSD command twice with one compilation cache: both runs' calls compile
     nothing (the warm-ups did, and say what); the second's draft programs come from the cache, and
     its first round is within 3x of its median round (it was ~200x: 0.5 s against 2.5 ms)."""
-    runs = [_two_process(pair, tmp_path) for _ in range(2)]
-    for m in runs:
+    runs = [_two_process(pair, tmp_path, "--progress") for _ in range(2)]
+    for m, err in runs:
+        lines = err.splitlines()
+        ready = [ln for ln in lines if ln.startswith("ssd-jax:   the draft process readied ")]
+        assert len(ready) == 1 and "beside the target's load (" in ready[0], err
+        assert "ssd-jax: generating" in lines and "a first run compiles" not in err, err
         assert m["compile_s"] == 0 and m["compiles"] == {}, m["compiles"]
         draft = m["warmup"]["draft"]
         assert draft["error"] is None and {"jit(stored_draft_tree)", "jit(stored_draft_chain)"} \
             <= set(draft["programs"]), draft
         assert m["warmup"]["target"]["programs"], m["warmup"]
-    second = runs[1]
+    second = runs[1][0]
     assert all("persistent cache" in p["source"] for p in second["warmup"]["draft"]["programs"]
                .values() if p["count"]), second["warmup"]["draft"]
     rounds = [r["round_s"] for r in second["timeline"]]

@@ -470,7 +470,7 @@ def _generate(args) -> int:
                     d = dict(seconds=0.0, waited_s=0.0, programs={}, error=str(e))
             warmup = dict(target=t, draft=d)
             progress.say(f"  the draft process readied {_programs(d)} in {d['seconds']:.1f} s "
-                         f"beside the target's load ({d['waited_s']:.1f} s waited for); this one "
+                         f"beside the target's load ({d['waited_s']:.1f} s waited for), the target "
                          f"{_programs(t)} in {t['seconds']:.1f} s"
                          + (f"; the draft's warm-up failed: {d['error']}" if d["error"] else ""))
         elif warm_error is not None:
@@ -486,7 +486,7 @@ def _generate(args) -> int:
                         step_store=args.step_store)
     if line:  # said once the layout runs (errors before this are one line each)
         print(line, file=sys.stderr)
-    with progress.generating():
+    with progress.generating(warmed=warmup is not None):
         out = engine.generate(**request, on_tokens=_Printer(target.tokenizer, args.stop, progress,
                                                            text=not args.json))
     if args.json:

@@ -93,12 +93,13 @@ class Progress:
         self.say(f"{done} in {self.clock() - t0:.1f} s")
 
     @contextlib.contextmanager
-    def generating(self):
-        """Around the generate call: say that a first run compiles, report each step's
-        compile as JAX finishes it (its backend compile events)."""
+    def generating(self, warmed: bool = False):
+        """Around the generate call: say that a first run compiles (`warmed`: that the warm-up
+        compiled the steps already), report each step's compile as JAX finishes it (its backend
+        compile events)."""
         global _registered
-        self.say("generating; a first run compiles its steps (JAX's compile cache serves later "
-                 "runs)")
+        self.say("generating" if warmed else "generating; a first run compiles its steps (JAX's "
+                                              "compile cache serves later runs)")
         self._start = self._last = self.clock()
         if not self.enabled:
             yield self
