@@ -18,8 +18,8 @@ find every program compiled or loaded.
     engine.generate(prompts=["def fib(n):"], mode="ssd", k=4)
 
 The request goes through the checks and steps `Engine.generate` runs (`check_request`,
-`chat_prompts`, `encode`, `cache_length`, `SSDConfig.lists`, `check_budget`), so a bad request raises here the
-ValueError the call would raise, before anything starts.
+`chat_prompts`, `encode`, `cache_length`, `SSDConfig.lists`, `check_budget`), so a bad request
+raises here the ValueError the call would raise, before anything starts.
 """
 from __future__ import annotations
 
@@ -66,8 +66,9 @@ def call_plan(tokenizer, target_cfg, *, max_len: int = 4096, prompts=None, messa
     lens = np.fromiter(map(len, ids), np.int32, len(ids))
     cache_len = cache_length(lens, max_new_tokens, k, max_len, target_cfg.max_position_embeddings)
     rids = np.asarray(request_ids if request_ids is not None else range(len(ids)), np.int32)
-    run = dict(seed=int(seed), seed_host=int(seed), k=int(k), draft_sampling=SamplingParams.per_request(
-        sampling if draft_sampling is None else draft_sampling, len(ids)))
+    run = dict(seed=int(seed), seed_host=int(seed), k=int(k),
+               draft_sampling=SamplingParams.per_request(
+                   sampling if draft_sampling is None else draft_sampling, len(ids)))
     if mode == "ssd":
         f_hit, f_backup = ssd.lists(k, vocab)
         check_budget(len(ids), sum(f_hit), k, target_cfg.vocab_size, ssd.row_dtype,
