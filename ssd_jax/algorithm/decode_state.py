@@ -21,6 +21,7 @@ from flax import struct
 # finish codes: 0 while the row runs; the names are GenerationResult.finish_reasons'
 RUNNING, EOS, LENGTH, STOP, CANCELLED = range(5)
 FINISH_NAMES = ("", "eos", "length", "stop", "cancelled")
+ROW_FIELDS = ("count", "n", "bonus", "prev", "finish")  # DecodeState.per_row's columns
 
 
 @struct.dataclass
@@ -28,26 +29,41 @@ class DecodeState:
     """Per-row state of one generate call (a pytree; every leaf a device array).
 
     tokens `[B, L]` int32: generated ids (L = max_new_tokens; -1 where none yet); logprobs
-    `[B, L]` float32: the target's raw log-probability of each; count `[B]`: generated so far;
-    n `[B]`: position of the bonus; bonus `[B]`: the last committed token; prev `[B]`: the one
-    before it (the bonus itself for a one-token history); finish `[B]` int32: a finish code
-    (`FINISH_NAMES`); eos `[E]` int32: ids that end a row (-1 padding); max_new `[]` int32: the
-    budget; accept_hist / accept_hist_after_hit / accept_hist_after_miss `[K+1]` int32:
-    sequence-rounds by accepted draft tokens, overall and after a cache hit / a backup (SSD).
+    `[B, L]` float32: the target's raw log-probability of each; per_row `[B, 5]` int32, read as
+    count `[B]`: generated so far; n `[B]`: position of the bonus; bonus `[B]`: the last
+    committed token; prev `[B]`: the one before it (the bonus itself for a one-token history);
+    finish `[B]`: a finish code (`FINISH_NAMES`); eos `[E]` int32: ids that end a row (-1
+    padding); max_new `[]` int32: the budget; accept_hist / accept_hist_after_hit /
+    accept_hist_after_miss `[K+1]` int32: sequence-rounds by accepted draft tokens, overall and
+    after a cache hit / a backup (SSD).
+
+    The five per-row numbers are one array (`ROW_FIELDS`, set with `with_rows`) because a round
+    updates all of them: on a GPU five arrays took five kernels a round, one array takes one.
     """
 
     tokens: jax.Array
     logprobs: jax.Array
-    count: jax.Array
-    n: jax.Array
-    bonus: jax.Array
-    prev: jax.Array
-    finish: jax.Array
+    per_row: jax.Array
     eos: jax.Array
     max_new: jax.Array
     accept_hist: jax.Array
     accept_hist_after_hit: jax.Array
     accept_hist_after_miss: jax.Array
+
+    count = property(lambda self: self.per_row[:, 0], doc="`[B]` tokens generated so far")
+    n = property(lambda self: self.per_row[:, 1], doc="`[B]` the bonus token's position")
+    bonus = property(lambda self: self.per_row[:, 2], doc="`[B]` the last committed token")
+    prev = property(lambda self: self.per_row[:, 3], doc="`[B]` the token before the bonus")
+    finish = property(lambda self: self.per_row[:, 4], doc="`[B]` the finish code")
+
+    def with_rows(self, **fields) -> "DecodeState":
+        """The state with some of its per-row numbers (`ROW_FIELDS`, each `[B]`) replaced."""
+        unknown = set(fields) - set(ROW_FIELDS)
+        if unknown:
+            raise TypeError(f"DecodeState.with_rows: no per-row field {sorted(unknown)}")
+        cols = [fields[f] if f in fields else self.per_row[:, j]
+                for j, f in enumerate(ROW_FIELDS)]
+        return self.replace(per_row=jnp.stack([c.astype(jnp.int32) for c in cols], axis=1))
 
     @property
     def active(self) -> jax.Array:
@@ -61,12 +77,13 @@ def initial_state(prompts, max_new_tokens: int, eos_ids, k: int) -> DecodeState:
     B, L = len(prompts), int(max_new_tokens)
     eos = np.asarray(sorted(set(int(e) for e in eos_ids)) or [-1], np.int32)
     hist = np.zeros(max(int(k), 0) + 1, np.int32)
+    per_row = np.stack([np.zeros(B, np.int32), np.asarray([len(p) - 1 for p in prompts], np.int32),
+                        np.asarray([p[-1] for p in prompts], np.int32),
+                        np.asarray([p[-2] if len(p) > 1 else p[-1] for p in prompts], np.int32),
+                        np.zeros(B, np.int32)], axis=1)  # ROW_FIELDS
     return DecodeState(
         tokens=np.full((B, L), -1, np.int32), logprobs=np.zeros((B, L), np.float32),
-        count=np.zeros(B, np.int32), n=np.asarray([len(p) - 1 for p in prompts], np.int32),
-        bonus=np.asarray([p[-1] for p in prompts], np.int32),
-        prev=np.asarray([p[-2] if len(p) > 1 else p[-1] for p in prompts], np.int32),
-        finish=np.zeros(B, np.int32), eos=eos, max_new=np.int32(L),
+        per_row=per_row, eos=eos, max_new=np.int32(L),
         accept_hist=hist, accept_hist_after_hit=hist.copy(), accept_hist_after_miss=hist.copy())
 
 
@@ -94,11 +111,22 @@ def commit(state: DecodeState, tokens: jax.Array, logprobs: jax.Array, num: jax.
     new = state.replace(
         tokens=state.tokens.at[rows, at].set(tokens.astype(jnp.int32), mode="drop"),
         logprobs=state.logprobs.at[rows, at].set(logprobs.astype(jnp.float32), mode="drop"),
+    ).with_rows(
         count=state.count + kept, n=state.n + kept,
         bonus=jnp.where(kept > 0, last, state.bonus),
         prev=jnp.where(kept >= 2, before_last, jnp.where(kept == 1, state.bonus, state.prev)),
         finish=jnp.where(active & ended, jnp.where(eos_end, EOS, LENGTH), state.finish))
     return new, kept
+
+
+def since(state: DecodeState, count0: jax.Array, width: int, kept: jax.Array):
+    """Each row's tokens and log-probs generated since it had `count0` `[B]`: `[B, width]` int32
+    (-1 past the row's `kept` `[B]`) and float32 (0 past it)."""
+    j = jnp.arange(width, dtype=jnp.int32)[None, :]
+    at = jnp.minimum(count0[:, None] + j, state.tokens.shape[1] - 1)
+    new = j < kept[:, None]
+    return (jnp.where(new, jnp.take_along_axis(state.tokens, at, axis=1), -1),
+            jnp.where(new, jnp.take_along_axis(state.logprobs, at, axis=1), 0.0))
 
 
 def count_accepts(state: DecodeState, num_accepted: jax.Array, active: jax.Array,
@@ -118,7 +146,7 @@ def count_accepts(state: DecodeState, num_accepted: jax.Array, active: jax.Array
 
 def end_rows(state: DecodeState, rows: jax.Array, code: int) -> DecodeState:
     """Rows `[B]` bool that the host ended (a stop string, a closed stream) get finish `code`."""
-    return state.replace(finish=jnp.where(rows & state.active, code, state.finish))
+    return state.with_rows(finish=jnp.where(rows & state.active, code, state.finish))
 
 
 # report columns: active before the round, kept, finish after, hit (-1: no lookup), then the

@@ -124,26 +124,23 @@ def decode_chunk(params, cfg, cache, state: ds.DecodeState, seed, request_ids, s
     Static: the target's `cfg`, `vocab_size`, `steps_max`, `ops`; seed, request_ids `[B]` and
     sampling are traced."""
     B = state.bonus.shape[0]
-    active0 = state.active
-    toks = jnp.full((B, steps_max), -1, jnp.int32)
-    lps = jnp.zeros((B, steps_max), jnp.float32)
+    active0, count0 = state.active, state.count
 
-    def running(c):
-        i, st = c[0], c[1]
-        return (i < steps_max) & jnp.any(st.active)
-
+    # The loop carries whether to go on, computed at the end of a step, so the condition is a
+    # read; the report's tokens are read from the state's buffer once, after the loop (a row
+    # keeps one token a step until it ends, so its chunk's tokens are contiguous there).
     def step(c):
-        i, st, cache, toks, lps, kept = c
+        i, _, st, cache = c
         with inside_step():  # traced into this step, not a call of its own
             tok, lp, cache = steps.decode(params, cfg, cache, st.bonus, st.active, seed,
                                           request_ids, sampling, vocab_size, ops=ops)
-        st, k1 = ds.commit(st, tok[:, None], lp[:, None], jnp.ones(B, jnp.int32))
-        toks = toks.at[:, i].set(jnp.where(k1 > 0, tok, -1))
-        lps = lps.at[:, i].set(jnp.where(k1 > 0, lp, 0.0))
-        return i + 1, st, cache, toks, lps, kept + k1
+        st, _ = ds.commit(st, tok[:, None], lp[:, None], jnp.ones(B, jnp.int32))
+        return i + 1, (i + 1 < steps_max) & jnp.any(st.active), st, cache
 
-    init = (jnp.int32(0), state, cache, toks, lps, jnp.zeros(B, jnp.int32))
-    _, state, cache, toks, lps, kept = jax.lax.while_loop(running, step, init)
+    init = (jnp.int32(0), jnp.any(active0), state, cache)
+    _, _, state, cache = jax.lax.while_loop(lambda c: c[1], step, init)
+    kept = state.count - count0
+    toks, lps = ds.since(state, count0, steps_max, kept)
     return cache, state, state.active, ds.report(active0, kept, state, toks, lps)
 
 
@@ -174,13 +171,10 @@ def sd_chunk(tparams, tcfg, tcache, dparams, dcfg, dcache, state: ds.DecodeState
     request_ids `[B]`, `sampling` and `draft_sampling` are traced.
     """
     B = state.bonus.shape[0]
-    active0 = state.active
+    active0, count0 = state.active, state.count
 
-    def running(c):
-        return (c[0] < rounds_max) & jnp.any(c[1].active)
-
-    def one_round(c):
-        i, st, tc, dc, spec, rows, kept, per_round = c
+    def one_round(c):  # as decode_chunk's step: whether to go on is carried, the condition reads it
+        i, _, st, tc, dc, spec, rows, per_round = c
         with inside_step():  # traced into this step, not calls of their own
             res, lp, tc = steps.verify(tparams, tcfg, tc, st.bonus, spec, rows, st.active, seed,
                                        request_ids, sampling, vocab_size, verifier, ops=tops)
@@ -190,14 +184,15 @@ def sd_chunk(tparams, tcfg, tcache, dparams, dcfg, dcache, state: ds.DecodeState
                 dparams, dcfg, dc, st.prev, st.bonus, st.n, draft_seed, request_ids, draft_sampling,
                 draft_vocab_size, k, (), 1.0, row_dtype, ops=dops)
         nrows = fit_rows(nrows, row_vocab).astype(rows.dtype)
-        return (i + 1, st, tc, dc, nspec, nrows, kept + k1,
+        return (i + 1, (i + 1 < rounds_max) & jnp.any(st.active), st, tc, dc, nspec, nrows,
                 jax.lax.dynamic_update_index_in_dim(per_round, k1, i, axis=1))
 
-    init = (jnp.int32(0), state, tcache, dcache, spec, rows, jnp.zeros(B, jnp.int32),
+    init = (jnp.int32(0), jnp.any(active0), state, tcache, dcache, spec, rows,
             jnp.zeros((B, rounds_max), jnp.int32))
-    _, state, tcache, dcache, spec, rows, kept, per_round = jax.lax.while_loop(
-        running, one_round, init)
-    rep = ds.report(active0, kept, state, per_round, jnp.zeros((B, rounds_max), jnp.float32))
+    _, _, state, tcache, dcache, spec, rows, per_round = jax.lax.while_loop(
+        lambda c: c[1], one_round, init)
+    rep = ds.report(active0, state.count - count0, state, per_round,
+                    jnp.zeros((B, rounds_max), jnp.float32))
     return tcache, dcache, state, state.active, spec, rows, rep
 
 
@@ -233,15 +228,12 @@ def ssd_chunk(tparams, tcfg, tcache, dparams, dcfg, dcache, state: ds.DecodeStat
     """
     from ssd_jax.algorithm.tree import draft_tree
     B = state.bonus.shape[0]
-    active0 = state.active
+    active0, count0 = state.active, state.count
     top_hit = tuple(f + 1 for f in fanout_hit[:-1])
     top_backup = tuple(f + 1 for f in fanout_backup[:-1])
 
-    def running(c):
-        return (c[0] < rounds_max) & jnp.any(c[1].active)
-
-    def one_round(c):
-        i, st, tc, dc, spec, rows, fb, counters, history, kept, per_round, hits = c
+    def one_round(c):  # as sd_chunk's: whether to go on carried; each round's kept and hit in one
+        i, _, st, tc, dc, spec, rows, fb, counters, history, per_round = c
         with inside_step():  # traced into this step, not calls of their own
             res, lp, tc = steps.verify(tparams, tcfg, tc, st.bonus, spec, rows, st.active, seed,
                                        request_ids, sampling, vocab_size, verifier, ops=tops)
@@ -255,17 +247,21 @@ def ssd_chunk(tparams, tcfg, tcache, dparams, dcfg, dcache, state: ds.DecodeStat
             dparams, dcfg, dc, tree, packed, counters, draft_seed, request_ids, draft_sampling,
             saguaro_c, history, neural, vocab_size=draft_vocab_size, row_vocab=row_vocab, k=k,
             backup=backup, saguaro_top_n=top_backup, row_dtype=row_dtype, ops=dops)
-        put = functools.partial(jax.lax.dynamic_update_index_in_dim, index=i, axis=1)
-        return (i + 1, st, tc, dc, spec, rows, fb, counters, history, kept + k1,
-                put(per_round, k1), put(hits, rep[:, ds.R_HIT]))
+        per_round = jax.lax.dynamic_update_index_in_dim(
+            per_round, jnp.stack([k1, rep[:, ds.R_HIT]], axis=1), i, axis=2)
+        return (i + 1, (i + 1 < rounds_max) & jnp.any(st.active), st, tc, dc, spec, rows, fb,
+                counters, history, per_round)
 
-    zeros = jnp.zeros((B, rounds_max), jnp.int32)
-    init = (jnp.int32(0), state, tcache, dcache, spec, rows, from_backup, counters, history,
-            jnp.zeros(B, jnp.int32), zeros, zeros - 1)
-    (_, state, tcache, dcache, spec, rows, from_backup, counters, history, kept, per_round,
-     hits) = jax.lax.while_loop(running, one_round, init)
-    rep = ds.report(active0, kept, state, per_round, jnp.zeros((B, rounds_max), jnp.float32))
-    rep = rep.at[:, ds.R_TOKENS + rounds_max:].set(hits)
+    # [B, 2, R]: each round's kept tokens (0: the row did not run it) and hit code (-1: none)
+    per_round = jnp.stack([jnp.zeros((B, rounds_max), jnp.int32),
+                           jnp.full((B, rounds_max), -1, jnp.int32)], axis=1)
+    init = (jnp.int32(0), jnp.any(active0), state, tcache, dcache, spec, rows, from_backup,
+            counters, history, per_round)
+    (_, _, state, tcache, dcache, spec, rows, from_backup, counters, history,
+     per_round) = jax.lax.while_loop(lambda c: c[1], one_round, init)
+    rep = ds.report(active0, state.count - count0, state, per_round[:, 0],
+                    jnp.zeros((B, rounds_max), jnp.float32))
+    rep = rep.at[:, ds.R_TOKENS + rounds_max:].set(per_round[:, 1])
     return (tcache, dcache, state, state.active, spec, rows, from_backup, counters, history, rep)
 
 
