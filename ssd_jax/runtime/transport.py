@@ -258,8 +258,8 @@ class RemoteDraft:
         f = msg.fields
         waited = max(time.monotonic() - since, 0.0)
         self.warmup = dict(seconds=float(f["seconds"]), waited_s=waited, error=f["error"],
-                           programs={name: dict(source=source, seconds=seconds, count=count)
-                                     for name, source, seconds, _, _, _, count in f["programs"]})
+                           programs={name: dict(source=source, seconds=seconds, count=n)
+                                     for name, source, seconds, _, _, _, n in f["programs"]})
         self._warming = None
         if count and waited >= 1e-3:
             _count_compiles([["the warm-up, still running", "compiled", waited, 0.0, 0.0, waited,
