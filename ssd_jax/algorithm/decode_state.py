@@ -50,11 +50,30 @@ class DecodeState:
     accept_hist_after_hit: jax.Array
     accept_hist_after_miss: jax.Array
 
-    count = property(lambda self: self.per_row[:, 0], doc="`[B]` tokens generated so far")
-    n = property(lambda self: self.per_row[:, 1], doc="`[B]` the bonus token's position")
-    bonus = property(lambda self: self.per_row[:, 2], doc="`[B]` the last committed token")
-    prev = property(lambda self: self.per_row[:, 3], doc="`[B]` the token before the bonus")
-    finish = property(lambda self: self.per_row[:, 4], doc="`[B]` the finish code")
+    @property
+    def count(self) -> jax.Array:
+        """`[B]` tokens generated so far."""
+        return self.per_row[:, 0]
+
+    @property
+    def n(self) -> jax.Array:
+        """`[B]` the bonus token's position."""
+        return self.per_row[:, 1]
+
+    @property
+    def bonus(self) -> jax.Array:
+        """`[B]` the last committed token."""
+        return self.per_row[:, 2]
+
+    @property
+    def prev(self) -> jax.Array:
+        """`[B]` the token before the bonus."""
+        return self.per_row[:, 3]
+
+    @property
+    def finish(self) -> jax.Array:
+        """`[B]` the finish code (`FINISH_NAMES`)."""
+        return self.per_row[:, 4]
 
     def with_rows(self, **fields) -> "DecodeState":
         """The state with some of its per-row numbers (`ROW_FIELDS`, each `[B]`) replaced."""
