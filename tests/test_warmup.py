@@ -182,9 +182,16 @@ def test_a_warm_second_cli_run_waits_on_no_compile(pair, tmp_path):  # noqa: F81
     second = runs[1][0]
     assert all("persistent cache" in p["source"] for p in second["warmup"]["draft"]["programs"]
                .values() if p["count"]), second["warmup"]["draft"]
-    rounds = [r["round_s"] for r in second["timeline"]]
-    assert len(rounds) >= 8 and not any(r["compiled"] for r in second["timeline"])
-    assert rounds[0] <= 3 * statistics.median(rounds), rounds
+    assert len(second["timeline"]) >= 8 and not any(r["compiled"] for r in second["timeline"])
+    # one round is a single sample of a ~2 ms step on a shared machine: a warm run whose first
+    # round met a scheduler hiccup is run once more (the bug this holds off was 200x, every run)
+    ratios = []
+    for m in (run() for run in (lambda: second, lambda: _two_process(pair, tmp_path)[0])):
+        rounds = [r["round_s"] for r in m["timeline"]]
+        ratios.append(rounds[0] / statistics.median(rounds))
+        if ratios[-1] <= 3:
+            break
+    assert ratios[-1] <= 3, ratios
 
 
 def test_a_call_that_starts_before_the_warm_up_ends_counts_the_wait(pair, tmp_path):  # noqa: F811
