@@ -24,6 +24,16 @@ FINISH_NAMES = ("", "eos", "length", "stop", "cancelled")
 ROW_FIELDS = ("count", "n", "bonus", "prev", "finish")  # DecodeState.per_row's columns
 
 
+def _row_field(name: str, doc: str) -> property:
+    """A reader of one of `DecodeState.per_row`'s columns (`ROW_FIELDS`)."""
+    j = ROW_FIELDS.index(name)
+
+    def read(self) -> jax.Array:
+        return self.per_row[:, j]
+    read.__name__, read.__doc__ = name, doc
+    return property(read)
+
+
 @struct.dataclass
 class DecodeState:
     """Per-row state of one generate call (a pytree; every leaf a device array).
@@ -50,30 +60,11 @@ class DecodeState:
     accept_hist_after_hit: jax.Array
     accept_hist_after_miss: jax.Array
 
-    @property
-    def count(self) -> jax.Array:
-        """`[B]` tokens generated so far."""
-        return self.per_row[:, 0]
-
-    @property
-    def n(self) -> jax.Array:
-        """`[B]` the bonus token's position."""
-        return self.per_row[:, 1]
-
-    @property
-    def bonus(self) -> jax.Array:
-        """`[B]` the last committed token."""
-        return self.per_row[:, 2]
-
-    @property
-    def prev(self) -> jax.Array:
-        """`[B]` the token before the bonus."""
-        return self.per_row[:, 3]
-
-    @property
-    def finish(self) -> jax.Array:
-        """`[B]` the finish code (`FINISH_NAMES`)."""
-        return self.per_row[:, 4]
+    count = _row_field("count", "`[B]` tokens generated so far.")
+    n = _row_field("n", "`[B]` the bonus token's position.")
+    bonus = _row_field("bonus", "`[B]` the last committed token.")
+    prev = _row_field("prev", "`[B]` the token before the bonus.")
+    finish = _row_field("finish", "`[B]` the finish code (`FINISH_NAMES`).")
 
     def with_rows(self, **fields) -> "DecodeState":
         """The state with some of its per-row numbers (`ROW_FIELDS`, each `[B]`) replaced."""

@@ -192,10 +192,9 @@ class DraftWorker:
         B, run = len(call.lens), call.run
         self.start(call.tokens, call.lens, call.cache_len)
         lens = np.asarray(call.lens, np.int32)
-        prompts = [[int(t) for t in row[:n]] for row, n in zip(call.tokens, lens)]
         s = RoundState(n=lens, prev=np.asarray(call.tokens, np.int32)[np.arange(B), lens - 1],
                        bonus=np.zeros(B, np.int32), active=np.ones(B, bool),
-                       history=[p + [0] for p in prompts])
+                       history=[p + [0] for p in call.prompts()])
         if call.mode == "sd":
             jax.block_until_ready(self.propose(s, run))
             return

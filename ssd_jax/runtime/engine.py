@@ -422,8 +422,7 @@ class Engine(HostLoop):
 
     def _warm_up(self, plan) -> None:
         B, V = len(plan.lens), self.target.cfg.vocab_size
-        batch = Batch([[int(t) for t in row[:n]] for row, n in zip(plan.tokens, plan.lens)],
-                      2, (), ())
+        batch = Batch(plan.prompts(), 2, (), ())
         rids = np.asarray(plan.run.request_ids, np.int32)
         run = dict(seed=jnp.int32(plan.run.seed), k=plan.run.k, verifier=_default_verifier(),
                    sampling=to_mesh(plan.sampling, self.placement.target))

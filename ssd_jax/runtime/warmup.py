@@ -46,6 +46,10 @@ class CallPlan:
     sampling: SamplingParams  # the target's, [B] numpy values
     run: DraftRun  # the draft's view (its sampling, K, fan-out, backup, row dtype)
 
+    def prompts(self) -> list[list[int]]:
+        """The prompts as B lists of token ids (`tokens` without their padding)."""
+        return [[int(t) for t in row[:n]] for row, n in zip(self.tokens, self.lens)]
+
 
 def call_plan(tokenizer, target_cfg, *, max_len: int = 4096, prompts=None, messages=None,
                mode: str = "ssd", max_new_tokens: int = 64,
