@@ -97,11 +97,13 @@ BACKUP_INDEX = {"neural": 0, "random": 1, "ngram": 2}
 @functools.partial(jax.jit, donate_argnames=("state",))
 def commit_tokens(state: ds.DecodeState, tokens: jax.Array, logprobs: jax.Array):
     """One token per row (`[B]`, log-probs `[B]`: the prefill's or a decode step's) into `state`
-    (donated). Returns (state, active `[B]` after it, report)."""
+    (donated). Returns (state, active `[B]` and bonus `[B]` after it, report): the next step's
+    inputs as outputs of this one, so the host does not slice them out of the state (an op of
+    its own, every round)."""
     active = state.active
     tokens, logprobs = tokens[:, None], logprobs[:, None]
     new, kept = ds.commit(state, tokens, logprobs, jnp.ones(tokens.shape[0], jnp.int32))
-    return new, new.active, ds.report(active, kept, new, tokens, logprobs)
+    return new, new.active, new.bonus, ds.report(active, kept, new, tokens, logprobs)
 
 
 AR_CHUNK = 16  # plain decode steps per dispatch (and per report read) when nothing streams
@@ -241,7 +243,7 @@ def ssd_chunk(tparams, tcfg, tcache, dparams, dcfg, dcache, state: ds.DecodeStat
                                   draft_seed, request_ids, draft_sampling, draft_vocab_size,
                                   fanout_hit, fanout_backup, top_hit, saguaro_c, row_dtype,
                                   ops=dops)
-        st, _, packed = _commit_verify(st, res.num_accepted, res.bonus, res.tokens, lp, fb)
+        st, _, _, packed = _commit_verify(st, res.num_accepted, res.bonus, res.tokens, lp, fb)
         k1 = packed[:, 6 + ds.R_KEPT]
         spec, rows, fb, dc, counters, rep, _, history = resolve(
             dparams, dcfg, dc, tree, packed, counters, draft_seed, request_ids, draft_sampling,
@@ -284,16 +286,16 @@ def _commit_verify(state: ds.DecodeState, num_accepted: jax.Array, bonus_out: ja
                    tokens: jax.Array, logprobs: jax.Array, from_backup: jax.Array | None = None):
     """A verify's outcome into `state` (donated): num_accepted `[B]`, bonus_out `[B]`, tokens
     `[B, K+1]` (accepted run, bonus, -1 padding), their log-probs `[B, K+1]`; from_backup `[B]`
-    bool for SSD's after-hit / after-miss histograms (None: SD). Returns (state, active `[B]`
-    after it, the `Outcome` for the draft mesh, packed). `commit_verify_kept` leaves `state`
+    bool for SSD's after-hit / after-miss histograms (None: SD). Returns (state, active `[B]` and
+    bonus `[B]` after it (as `commit_tokens`), the `Outcome` for the draft mesh, packed). `commit_verify_kept` leaves `state`
     valid: the pipelined loop keeps the state before a round it has not read yet."""
     active = state.active
     new = ds.count_accepts(state, num_accepted, active, from_backup)
     new, kept = ds.commit(new, tokens, logprobs, num_accepted + 1)
     rep = ds.report(active, kept, new, tokens, logprobs)
-    return new, new.active, Outcome(num_accepted=num_accepted, bonus_out=bonus_out, n=new.n,
-                                    prev=new.prev, bonus=new.bonus, active=new.active,
-                                    report=rep).pack()
+    out = Outcome(num_accepted=num_accepted, bonus_out=bonus_out, n=new.n, prev=new.prev,
+                  bonus=new.bonus, active=new.active, report=rep)
+    return new, new.active, new.bonus, out.pack()
 
 
 commit_verify = jax.jit(_commit_verify, donate_argnames=("state",))

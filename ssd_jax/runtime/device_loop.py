@@ -75,6 +75,26 @@ class DeviceLoop(RoundChunks, RoundReports):
                               hits_by_accept=np.zeros(k + 1, np.int64),
                               backups=np.zeros(len(rs.BACKUP_INDEX), np.int64))
 
+    @property
+    def state(self) -> ds.DecodeState:
+        """The call's `DecodeState` on the target mesh."""
+        return self._state
+
+    @state.setter
+    def state(self, new: ds.DecodeState) -> None:
+        # A new state voids the bonus kept beside it; a commit step assigns the bonus it returns
+        # right after (`self.state, self.active, self._bonus, ... = ...`, left to right).
+        self._state, self._bonus = new, None
+
+    @property
+    def bonus(self) -> jax.Array:
+        """`[B]` the state's bonus tokens: the one a commit step returned, or, after a rollback
+        or a chunk, sliced from the state once (on the host that slice is an op of its own, which
+        the per-round paths would otherwise dispatch every round)."""
+        if self._bonus is None:
+            self._bonus = self._state.bonus
+        return self._bonus
+
     # ------------------------------------------------------------------ prefill
     def prefill(self, cache_len: int, draft) -> None:
         """The target's prefill and its first token committed on the device; the draft's
@@ -85,7 +105,8 @@ class DeviceLoop(RoundChunks, RoundReports):
         first, lp, e.tcache, toks = e._prefill_target(b, self.rids_np, cache_len, self.run)
         if draft is not None:
             draft.start(toks, b.prompt_lens, cache_len)
-        self.state, self.active, self.pending = rs.commit_tokens(self.state, first, lp)
+        self.state, self.active, self._bonus, self.pending = rs.commit_tokens(
+            self.state, first, lp)
         try:
             if draft is not None and hasattr(e.worker, "ready"):
                 draft.ready()
@@ -154,9 +175,9 @@ class DeviceLoop(RoundChunks, RoundReports):
         t0, c0 = time.perf_counter(), e._timer.seconds
         while self.running:
             tok, lp, e.tcache = steps.decode(
-                e.tparams, e.tcfg, e.tcache, self.state.bonus, self.active, run["seed"],
+                e.tparams, e.tcfg, e.tcache, self.bonus, self.active, run["seed"],
                 self.rids_t, run["sampling"], e.vocab_size, ops=e.tops)
-            self.state, self.active, rep = rs.commit_tokens(self.state, tok, lp)
+            self.state, self.active, self._bonus, rep = rs.commit_tokens(self.state, tok, lp)
             if prev is not None:
                 self.read(prev)
                 prev = None
@@ -192,7 +213,7 @@ class DeviceLoop(RoundChunks, RoundReports):
         tspec = move(spec, self.tgt)
         trows = move(rows, e.placement.target_rows(rows.shape[-1]))
         res, lp, e.tcache = steps.verify(
-            e.tparams, e.tcfg, e.tcache, self.state.bonus, tspec, trows, self.active,
+            e.tparams, e.tcfg, e.tcache, self.bonus, tspec, trows, self.active,
             run["seed"], self.rids_t, run["sampling"], e.vocab_size, run["verifier"], ops=e.tops)
         return res, lp
 
@@ -200,8 +221,8 @@ class DeviceLoop(RoundChunks, RoundReports):
         """The verify's outcome into the state; its packed `Outcome` is the unread report.
         Pipelined, the state before it stays valid (a failure rolls back to it)."""
         commit = rs.commit_verify_kept if self.pipelined else rs.commit_verify
-        self.state, self.active, packed = commit(self.state, res.num_accepted, res.bonus,
-                                                 res.tokens, lp, from_backup)
+        self.state, self.active, self._bonus, packed = commit(
+            self.state, res.num_accepted, res.bonus, res.tokens, lp, from_backup)
         self.pending, self.pending_packed = packed, True
         return packed
 
