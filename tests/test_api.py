@@ -109,3 +109,54 @@ def test_public_functions_and_classes_have_docstrings(module_name):
 def test_the_version_is_the_installed_distributions():
     from importlib.metadata import version
     assert ssd_jax.__version__ == version("ssd_jax")
+
+
+def test_no_two_modules_import_each_other_even_lazily():
+    """The package's imports go one way (docs/ARCHITECTURE.md): no chain of imports, top-level or
+    inside a function, leads from a module back to itself. A lazy import that closes a circle
+    hides the circle, it does not remove it (it broke twice: `aot` <-> `round_steps`,
+    `bench` -> `bench_paper` -> `cli` -> `bench`)."""
+    import ast
+    import importlib.util
+
+    graph = {}
+    for name in DOCUMENTED_MODULES:
+        path = importlib.util.find_spec(name).origin
+        tree = ast.parse(open(path, encoding="utf-8").read())
+        package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+        deps = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
+                                    + ([base] if base else []))
+                # `from pkg import sub` imports the module pkg.sub; `from pkg import name`, pkg
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in DOCUMENTED_MODULES
+                           else base for a in node.names]
+            else:
+                continue
+            for t in targets:
+                while t and t not in DOCUMENTED_MODULES:
+                    t = t.rpartition(".")[0]
+                # a package importing its own modules is how a package is built, not a circle
+                if t and t != name and not name.startswith(t + "."):
+                    deps.add(t)
+        graph[name] = deps
+
+    def circle_from(start):
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph.get(node, ()):
+                if nxt == start:
+                    return path + [start]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, path + [nxt]))
+        return None
+
+    circles = [c for c in map(circle_from, graph) if c]
+    assert not circles, " ; ".join(" -> ".join(c) for c in circles)

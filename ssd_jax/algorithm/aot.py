@@ -197,7 +197,7 @@ def _register_outputs() -> None:
     """Register the steps' output classes before reading a file: a process that only reads the
     store never exported, so never met them in `_register_nodes`."""
     from ssd_jax.algorithm.decode_state import DecodeState
-    from ssd_jax.algorithm.round_steps import LookupCounters
+    from ssd_jax.algorithm.lookup_counters import LookupCounters
     from ssd_jax.algorithm.speculation_cache import SpeculationCache
     from ssd_jax.algorithm.verify import VerifyResult
     from ssd_jax.models.kv_cache import KVCache

@@ -32,6 +32,7 @@ from ssd_jax.models.ops import XLA, Ops
 from ssd_jax.algorithm import backups, steps
 from ssd_jax.algorithm.aot import inside_step, step_jit, stored_jit
 from ssd_jax.algorithm import decode_state as ds
+from ssd_jax.algorithm.lookup_counters import BACKUP_INDEX, LookupCounters  # noqa: F401 - rs.*
 from ssd_jax.algorithm.speculation_cache import SpeculationCache, lookup
 
 
@@ -63,35 +64,6 @@ class Outcome:
         c = [packed[:, i] for i in range(6)]
         return cls(num_accepted=c[0], bonus_out=c[1], n=c[2], prev=c[3], bonus=c[4],
                    active=c[5] > 0, report=packed[:, 6:])
-
-
-@struct.dataclass
-class LookupCounters:
-    """SSD's lookup counters on the draft mesh, per row: lookups_by_accept / hits_by_accept
-    `[B, K+1]` by the accepted count looked up; backups `[B, 3]`: rounds the row was served by
-    the neural / random / n-gram backup (`BACKUP_INDEX`). Per row, so a round adds to them
-    without a reduction across rows (on a data-parallel draft, a collective between its shards);
-    the host sums them once a call (`totals`)."""
-    lookups_by_accept: jax.Array
-    hits_by_accept: jax.Array
-    backups: jax.Array
-
-    @classmethod
-    def zeros(cls, k: int, batch: int) -> "LookupCounters":
-        """Zero counters for lookahead k and `batch` rows (host arrays, placed by the caller)."""
-        import numpy as np
-        z = np.zeros((batch, k + 1), np.int32)
-        return cls(lookups_by_accept=z, hits_by_accept=z.copy(),
-                   backups=np.zeros((batch, len(BACKUP_INDEX)), np.int32))
-
-    def totals(self) -> "LookupCounters":
-        """Host side, on fetched counters: the call's counts, summed over the rows."""
-        import numpy as np
-        return LookupCounters(*(np.asarray(x, np.int64).sum(0) for x in
-                                (self.lookups_by_accept, self.hits_by_accept, self.backups)))
-
-
-BACKUP_INDEX = {"neural": 0, "random": 1, "ngram": 2}
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

@@ -45,7 +45,7 @@ from ssd_jax.models import registry
 from ssd_jax.runtime.config import BACKUPS
 from ssd_jax.tools.bench_report import _agreement, _jsonable, plot, render_markdown
 from ssd_jax.tools.bench_workers import EVENT, LAYOUTS, MODES
-from ssd_jax.tools.flags import naming_flags
+from ssd_jax.tools.flags import add_suite_arguments, naming_flags, resolve_formats  # noqa: F401 - bench.resolve_formats
 
 
 class BenchError(RuntimeError):
@@ -130,7 +130,6 @@ def add_arguments(b: argparse.ArgumentParser, fanout_type) -> None:
     b.add_argument("--out", default=None, help="output folder (default benchmarks/results/<timestamp>/)")
     b.add_argument("--cache-dir", default=None,
                    help="where models are cached (default $SSD_JAX_HOME or ~/.cache/ssd_jax)")
-    from ssd_jax.tools.bench_paper import add_suite_arguments
     add_suite_arguments(b)
 
 
@@ -219,20 +218,6 @@ def _hf_available() -> bool:
 
 
 # ------------------------------------------------------------------------------------------ parent
-def resolve_formats(args, default_dtype: str, default_quant: str) -> None:
-    """--dtype / --draft-quant: None takes the defaults given, "auto" what
-    ssd_jax.runtime.defaults.choose picks for a CPU process (without starting JAX)."""
-    from ssd_jax.models.config import canonical_dtype
-    from ssd_jax.runtime.defaults import choose
-
-    dtype = args.dtype or default_dtype
-    quant = args.draft_quant or default_quant
-    if "auto" in (dtype, quant):
-        c = choose("auto", dtype, quant, platform="cpu")
-        dtype, quant = c["dtype"], c["draft_quant"]
-    args.dtype, args.draft_quant = canonical_dtype(dtype), quant
-
-
 def _validate(args) -> None:
     from ssd_jax.runtime.engine import SSDConfig
     from ssd_jax.algorithm.sampling import SamplingParams
@@ -331,10 +316,11 @@ def _last_line(path: Path) -> str:
 
 
 def run(args) -> int:
-    """The `ssd-jax bench` command (`--suite paper`: ssd_jax.tools.bench_paper)."""
-    if args.suite == "paper":
-        from ssd_jax.tools import bench_paper
-        return bench_paper.run(args)
+    """The `ssd-jax bench` command without `--suite` (`--suite paper` is
+    ssd_jax.tools.bench_paper's `run`, which the CLI calls instead)."""
+    if args.suite is not None:
+        raise ValueError(f"bench.run runs no --suite; --suite {args.suite}: "
+                         "ssd_jax.tools.bench_paper.run")
     with naming_flags():
         _validate(args)
     _check_models(args)

@@ -46,30 +46,6 @@ from ssd_jax.tools.bench_paper_report import PAPER, plot, render_markdown  # noq
 N_BOOT = 2000
 LEVEL = 0.95
 
-def add_suite_arguments(b: argparse.ArgumentParser) -> None:
-    """`--suite`, `--datasets`, `--per-dataset` on the bench parser."""
-    from ssd_jax.tools.datasets import PAPER_SUITE
-
-    def names(text: str) -> tuple[str, ...]:
-        items = tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
-        bad = [x for x in items if x not in PAPER_SUITE]
-        if not items or bad:
-            raise argparse.ArgumentTypeError(f"--datasets must be a comma-separated subset of "
-                                             f"{','.join(PAPER_SUITE)}, got {text!r}")
-        return items
-
-    b.add_argument("--suite", choices=("paper",), default=None,
-                   help="paper: the paper's table per dataset (ssd_jax.tools.bench_paper): AR and "
-                        "SD on core A, SSD adding the draft's core B (default: no suite, the "
-                        "benchmark set or --prompts-file)")
-    b.add_argument("--datasets", type=names, default=PAPER_SUITE,
-                   help=f"--suite paper: comma-separated subset of {','.join(PAPER_SUITE)} "
-                        "(default all, the paper's order)")
-    b.add_argument("--per-dataset", type=int, default=8, metavar="N",
-                   help="--suite paper: the first N prompts of each set's sample (default 8; the "
-                        "paper: 128)")
-
-
 # ------------------------------------------------------------------------------------------ statistics
 def ratio_interval(num_tokens, num_seconds, den_tokens, den_seconds, *, level: float = LEVEL,
                    n_boot: int = N_BOOT, seed: int = 0) -> tuple[float, float, float]:
@@ -190,8 +166,7 @@ def _validate(args) -> None:
     """Every suite flag, before any model loads or worker starts (ValueError naming the flag)."""
     from ssd_jax.algorithm.sampling import SamplingParams
     from ssd_jax.runtime.engine import SSDConfig
-    from ssd_jax.tools.bench import resolve_formats
-    from ssd_jax.tools.cli import DEFAULT_K, default_fanout
+    from ssd_jax.tools.flags import DEFAULT_K, default_fanout, resolve_formats
 
     if args.prompts_file is not None or args.limit:
         raise ValueError("--suite paper takes its prompts from ssd_jax.tools.datasets: use "

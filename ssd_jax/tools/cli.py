@@ -17,25 +17,13 @@ from ssd_jax.models import registry
 from ssd_jax.models.config import canonical_dtype
 from ssd_jax.runtime.batch import TokenSink
 from ssd_jax.runtime.config import BACKUPS
-from ssd_jax.tools.flags import naming_flags
+from ssd_jax.tools.flags import DEFAULT_K, default_fanout, naming_flags  # noqa: F401 - cli.DEFAULT_K
 
 EXIT_USAGE = 2
 
 
 class GenerateError(RuntimeError):
     """The run could not start (e.g. the draft process did not join)."""
-
-# The CLI's lookahead K per mode and its SSD fan-out, as measured best on a 2-core Xeon
-# (benchmarks/README.md, "CLI defaults"): SD at K=4; SSD at K=5 with the narrow fan-out
-# 0,...,0,1 (pre-draft only the all-accepted outcome: a wide tree outlasts the verify on a CPU).
-DEFAULT_K = {"ar": 4, "sd": 4, "ssd": 5}
-
-
-def default_fanout(k: int) -> tuple[int, ...]:
-    """The CLI's SSD fan-out at lookahead `k` when --fanout is not given: F_0..F_{K-1} = 0,
-    F_K = 1 (one tree branch, for the outcome where every draft token is accepted)."""
-    return (0,) * int(k) + (1,)
-
 
 def _default_fanout_text() -> str:
     return ",".join(map(str, default_fanout(DEFAULT_K["ssd"]))) + \
@@ -515,6 +503,9 @@ def _programs(warmup: dict) -> str:
 
 
 def _bench(args) -> int:
+    if args.suite == "paper":
+        from ssd_jax.tools import bench_paper
+        return bench_paper.run(args)
     from ssd_jax.tools import bench
     return bench.run(args)
 

@@ -1,6 +1,9 @@
-"""The flags of the `ssd-jax` commands in the library's messages."""
+"""The flags the `ssd-jax` commands share: their names in the library's messages, the CLI's
+defaults (K, fan-out), and the arguments `generate`, `bench` and `bench --suite paper` parse alike.
+Imported by those commands' modules, importing none of them."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import re
 
@@ -32,3 +35,53 @@ def naming_flags():
         yield
     except ValueError as e:
         raise ValueError(as_flags(str(e))) from e
+
+
+# The CLI's lookahead K per mode and its SSD fan-out, as measured best on a 2-core Xeon
+# (benchmarks/README.md, "CLI defaults"): SD at K=4; SSD at K=5 with the narrow fan-out
+# 0,...,0,1 (pre-draft only the all-accepted outcome: a wide tree outlasts the verify on a CPU).
+DEFAULT_K = {"ar": 4, "sd": 4, "ssd": 5}
+
+
+def default_fanout(k: int) -> tuple[int, ...]:
+    """The CLI's SSD fan-out at lookahead `k` when --fanout is not given: F_0..F_{K-1} = 0,
+    F_K = 1 (one tree branch, for the outcome where every draft token is accepted)."""
+    return (0,) * int(k) + (1,)
+
+
+def resolve_formats(args, default_dtype: str, default_quant: str) -> None:
+    """--dtype / --draft-quant: None takes the defaults given, "auto" what
+    ssd_jax.runtime.defaults.choose picks for a CPU process (without starting JAX)."""
+    from ssd_jax.models.config import canonical_dtype
+    from ssd_jax.runtime.defaults import choose
+
+    dtype = args.dtype or default_dtype
+    quant = args.draft_quant or default_quant
+    if "auto" in (dtype, quant):
+        c = choose("auto", dtype, quant, platform="cpu")
+        dtype, quant = c["dtype"], c["draft_quant"]
+    args.dtype, args.draft_quant = canonical_dtype(dtype), quant
+
+
+def add_suite_arguments(b: argparse.ArgumentParser) -> None:
+    """`--suite`, `--datasets`, `--per-dataset` on the bench parser."""
+    from ssd_jax.tools.datasets import PAPER_SUITE
+
+    def names(text: str) -> tuple[str, ...]:
+        items = tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+        bad = [x for x in items if x not in PAPER_SUITE]
+        if not items or bad:
+            raise argparse.ArgumentTypeError(f"--datasets must be a comma-separated subset of "
+                                             f"{','.join(PAPER_SUITE)}, got {text!r}")
+        return items
+
+    b.add_argument("--suite", choices=("paper",), default=None,
+                   help="paper: the paper's table per dataset (ssd_jax.tools.bench_paper): AR and "
+                        "SD on core A, SSD adding the draft's core B (default: no suite, the "
+                        "benchmark set or --prompts-file)")
+    b.add_argument("--datasets", type=names, default=PAPER_SUITE,
+                   help=f"--suite paper: comma-separated subset of {','.join(PAPER_SUITE)} "
+                        "(default all, the paper's order)")
+    b.add_argument("--per-dataset", type=int, default=8, metavar="N",
+                   help="--suite paper: the first N prompts of each set's sample (default 8; the "
+                        "paper: 128)")
