@@ -324,3 +324,26 @@ def test_saguaro_scale_by_hand_and_with_a_traced_top_n():
     assert saguaro_scale(q, raw, 0, 0.5) is q
     # C = 1 is plain sampling: q itself
     np.testing.assert_array_equal(np.asarray(saguaro_scale(q, raw, 2, 1.0)), np.asarray(q))
+
+
+@pytest.mark.parametrize("row_dtype", [jnp.float32, jnp.bfloat16])
+def test_a_greedy_proposal_under_saguaro_is_the_one_hot_row_the_scaling_gives(row_dtype):
+    """`saguaro_propose` draws a greedy token without running Saguaro's scaling: the scaled row
+    of a one-hot row is that row bit for bit (C x 1 renormalised by C), whatever C and top-n, so
+    the token and the row are what the scaling path gives. Padded vocabulary rows and ties
+    included (the first maximum, as greedy decoding breaks them)."""
+    from ssd_jax.algorithm.saguaro import propose, saguaro_scale
+    rng = np.random.default_rng(9)
+    logits = rng.normal(size=(6, 40)).astype(np.float32)
+    logits[1, [3, 17]] = 9.0  # a tie: token 3
+    logits[2, 38] = 50.0  # the largest logit on a padded row (vocab_size 36): not drawn
+    logits = jnp.asarray(logits)
+    greedy = SamplingParams(temperature=0.0)
+    for top_n in (1, 3, 40):
+        for c in (0.5, jnp.asarray([0.1, 0.3, 0.5, 0.7, 0.9, 1.0], jnp.float32)):
+            tok, rows = propose(logits, greedy, None, vocab_size=36, saguaro_top_n=top_n,
+                                saguaro_c=c, row_dtype=row_dtype)
+            q = saguaro_scale(probs_from_logits(logits, greedy, 36), logits, top_n, c)
+            np.testing.assert_array_equal(np.asarray(rows), np.asarray(q.astype(row_dtype)))
+            np.testing.assert_array_equal(np.asarray(tok), np.asarray(jnp.argmax(q, -1)))
+            assert int(tok[1]) == 3 and int(tok[2]) != 38

@@ -26,8 +26,13 @@ C = 0.5
 SEED = jnp.int32(3)
 
 
-@pytest.fixture(scope="module")
-def setup():
+# (draft sampling, Saguaro top-n, C) of the trees drafted here, both with Saguaro's scaling:
+# sampled, and greedy, whose one-hot rows the tree keeps implicit (`one_hot_vocab`)
+CASES = {"sampled": (SAMPLING, TOP_N, C), "greedy": (SamplingParams(temperature=0.0), TOP_N, C)}
+
+
+def _drafted(case):
+    sampling, top_n, c = CASES[case]
     params = MODEL.params
     prompts = np.array([[1, 2, 3, 4, 5, 6], [7, 8, 9, 0, 0, 0]], np.int32)
     lens = np.array([6, 3], np.int32)
@@ -38,12 +43,29 @@ def setup():
     n = jnp.asarray(lens)
     prev = jnp.asarray([prompts[0, 5], prompts[1, 2]])
     bonus = jnp.asarray([11, 12], jnp.int32)
-    spec, rows, cache = steps.draft_chain(params, CFG, cache, prev, bonus, n, SEED, rids, SAMPLING,
+    spec, rows, cache = steps.draft_chain(params, CFG, cache, prev, bonus, n, SEED, rids, sampling,
                                           IDS, K)
     tree, cache = draft_tree(params, CFG, cache, bonus, spec, n, jnp.asarray([True, True]),
-                             jnp.asarray([False, False]), SEED, rids, SAMPLING, IDS,
-                             FAN, FAN, TOP_N, C)
+                             jnp.asarray([False, False]), SEED, rids, sampling, IDS,
+                             FAN, FAN, top_n, c)
     return params, prompts, lens, rids, np.asarray(bonus), np.asarray(spec), tree
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return _drafted("sampled")
+
+
+@pytest.fixture(scope="module")
+def greedy_setup():
+    return _drafted("greedy")
+
+
+def test_a_greedy_tree_keeps_its_one_hot_rows_implicit(setup, greedy_setup):
+    *_, sampled = setup
+    *_, greedy = greedy_setup
+    assert sampled.one_hot_vocab == 0 and sampled.rows.shape == (2, sum(FAN), K, CFG.vocab_size)
+    assert greedy.one_hot_vocab == CFG.vocab_size and greedy.rows.shape == (2, sum(FAN), K, 0)
 
 
 def test_keys_exclude_the_drafted_token_and_follow_the_fan_out(setup):
@@ -59,8 +81,11 @@ def test_keys_exclude_the_drafted_token_and_follow_the_fan_out(setup):
         assert len({(int(j), int(c)) for j, c in keys[b]}) == sum(FAN)  # unique keys
 
 
-def test_a_hit_equals_a_direct_draft_from_that_outcome(setup):
-    params, prompts, lens, rids, bonus, spec, tree = setup
+@pytest.mark.parametrize("case", CASES)
+def test_a_hit_equals_a_direct_draft_from_that_outcome(case, request):
+    params, prompts, lens, rids, bonus, spec, tree = request.getfixturevalue(
+        "setup" if case == "sampled" else "greedy_setup")
+    sampling, top_n, sag_c = CASES[case]
     for b in range(2):
         for m in range(sum(FAN)):
             j, c = (int(x) for x in np.asarray(tree.keys)[b, m])
@@ -74,8 +99,8 @@ def test_a_hit_equals_a_direct_draft_from_that_outcome(setup):
             cache = steps.prefill_cache(params, CFG, init_cache(CFG, 2, 64), jnp.asarray(toks), hl)
             prev = jnp.asarray([h[-1] for h in hist], jnp.int32)
             direct_tok, direct_rows, _ = steps.draft_chain(
-                params, CFG, cache, prev, jnp.full((2,), c, jnp.int32), hl, SEED, rids, SAMPLING,
-                IDS, K, TOP_N, C)
+                params, CFG, cache, prev, jnp.full((2,), c, jnp.int32), hl, SEED, rids, sampling,
+                IDS, K, top_n, sag_c)
             outcome_k = np.full(2, j, np.int32)
             outcome_b = np.full(2, c, np.int32)
             hit, tokens, rows = lookup(tree, jnp.asarray(outcome_k), jnp.asarray(outcome_b))
@@ -84,8 +109,9 @@ def test_a_hit_equals_a_direct_draft_from_that_outcome(setup):
             np.testing.assert_allclose(np.asarray(rows[b]), np.asarray(direct_rows[b]), atol=1e-5)
 
 
-def test_a_miss_returns_no_speculation(setup):
-    *_, tree = setup
+@pytest.mark.parametrize("case", CASES)
+def test_a_miss_returns_no_speculation(case, request):
+    *_, tree = request.getfixturevalue("setup" if case == "sampled" else "greedy_setup")
     outcome_k = [0, K]
     hit, tokens, rows = lookup(tree, jnp.asarray(outcome_k, jnp.int32), jnp.asarray([47, 47], jnp.int32))
     keys = np.asarray(tree.keys)
@@ -110,12 +136,14 @@ def test_row_dtype_and_budget():
 
 
 @pytest.mark.parametrize("temperature,top_n,c,backend",
-                         [(1.0, TOP_N, C, "xla"), (0.0, (2, 2, 2), 0.7, "cpu")])
+                         [(1.0, TOP_N, C, "xla"), (0.0, (2, 2, 2), 0.7, "cpu"),
+                          (0.0, (), 1.0, "xla")])
 def test_the_scanned_tree_is_the_unrolled_tree(setup, temperature, top_n, c, backend):
     # tree_loop="scan" traces one branch step inside lax.scan: the same keys, tokens and rows,
     # bit for bit, as the K unrolled steps, with Saguaro's top-n varying by depth (TOP_N, indexed
     # by the traced depth; sampled, plain-XLA table) or the same at every depth (a Python int;
-    # greedy, the CPU plug-in's kernels inside the loop body)
+    # greedy, the CPU plug-in's kernels inside the loop body, the rows implicit in both; and
+    # greedy without Saguaro)
     params, prompts, lens, rids, bonus, spec, _ = setup
     ops = backends.select(backend, jax.devices()[:1])
     prepared = ops.prepare(params)

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from ssd_jax.models.config import tiny_config
+from ssd_jax.algorithm.sampling import SamplingParams
 from ssd_jax.runtime.engine import Engine, SSDConfig
 from ssd_jax.algorithm.near_tie import assert_greedy_agreement
 
@@ -104,9 +105,15 @@ def test_ssd_colocated_equals_split(target, drafts):
 
 
 def test_speculation_cache_budget_error(target, drafts):
+    """A sampled draft's cache holds its V-wide rows and the budget refuses them; a greedy
+    draft's rows are implicit in its tokens (`SpeculationCache.one_hot_vocab`): nothing to
+    refuse."""
     eng = Engine(target, drafts["same"], compilation_cache=False)
+    tight = SSDConfig(cache_budget_bytes=1000)
     with pytest.raises(ValueError, match="speculation cache needs"):
-        eng.generate(PROMPTS, mode="ssd", k=3, ssd=SSDConfig(cache_budget_bytes=1000))
+        eng.generate(PROMPTS, mode="ssd", k=3, ssd=tight, sampling=SamplingParams(temperature=1.0))
+    out = eng.generate(PROMPTS, mode="ssd", k=3, max_new_tokens=4, ssd=tight)
+    assert all(len(t) == 4 for t in out.token_ids)
 
 
 def test_planned_fanout_comes_from_the_engines_own_measurements(target, drafts, ar_reference):

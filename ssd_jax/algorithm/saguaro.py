@@ -18,7 +18,7 @@ import numpy as np
 from ssd_jax.algorithm import sampling as smp
 from ssd_jax.models import arguments as args
 from ssd_jax.algorithm.sampling import SamplingParams, probs_from_logits, sample_from_probs
-from ssd_jax.algorithm.small_topk import argmax, kth_largest, kth_largest_per_row
+from ssd_jax.algorithm.small_topk import kth_largest, kth_largest_per_row
 
 
 def saguaro_scale(q: jax.Array, raw_logits: jax.Array, top_n: int, c) -> jax.Array:
@@ -62,7 +62,7 @@ def propose(logits: jax.Array, sampling: SamplingParams, keys: jax.Array, *,
     from; normalise them (`normalise_rows`) before verifying).
 
     `sampling`: the draft's sampling parameters, values traced or not (`sampling.greedy`, static,
-    draws the argmax of the rows and uses no key); `saguaro_c`: Saguaro's scale C, a number or a
+    draws the argmax and uses no key: its row is the one-hot row there, Saguaro's or not); `saguaro_c`: Saguaro's scale C, a number or a
     (traced) array, scalar or one per leading row (1.0 = off). Static: `vocab_size`, real rows of
     V (the rest get probability 0); `saguaro_top_n`, Saguaro's top-n (`saguaro_scale`; 0 = off);
     `row_dtype`, the speculation cache's row dtype, to which q' is rounded before the draw.
@@ -74,15 +74,15 @@ def propose(logits: jax.Array, sampling: SamplingParams, keys: jax.Array, *,
     (no rows) give empty results.
     """
     _check_propose(logits, sampling, keys, vocab_size, saguaro_top_n, saguaro_c, row_dtype)
-    if sampling.greedy and isinstance(saguaro_top_n, (int, np.integer)) and saguaro_top_n <= 0:
-        # q' is q, the one-hot row at the greedy token: no second pass over V for its argmax
+    if sampling.greedy:
+        # q is the one-hot row at the greedy token, and so is q': Saguaro's scaling multiplies its
+        # one nonzero entry by C and renormalises it to C / C = 1. No pass over V but the argmax
+        # (the scaling's top-n passes and a second argmax of the rows drew the same token).
         tok = smp.greedy_token(logits, vocab_size)
         return tok, jax.nn.one_hot(tok, logits.shape[-1], dtype=row_dtype)
     q = probs_from_logits(logits, sampling, vocab_size)
     q = saguaro_scale(q, logits, saguaro_top_n, saguaro_c)
     rows = q.astype(row_dtype)
-    if sampling.greedy:
-        return argmax(rows), rows
     return sample_from_probs(rows.astype(jnp.float32), keys), rows
 
 

@@ -21,12 +21,19 @@ class SpeculationCache:
     keys `[B, MQ, 2]` int32: the outcome (j, c) each branch assumed; tokens `[B, MQ, K]` int32: the
     K tokens it drafted; rows `[B, MQ, K, V]` (the row dtype): the proposal rows those tokens were
     drawn from; valid `[B, MQ]` bool: whether the branch holds a speculation (inactive rows do not).
+
+    one_hot_vocab (static): 0, or V when every proposal row is the one-hot row of V entries at its
+    token (a greedy draft, Saguaro's scaling or not): rows are then `[B, MQ, K, 0]`, implicit in the
+    tokens, and `lookup` builds the V-wide rows of the one branch it takes. A tree writing MQ x K
+    one-hot rows that only a hit reads, and only one branch's, was most of what SSD's round moved
+    beyond the weights (at the default pair's batch 16, 350 MB of fp32 rows a round, copied twice).
     """
 
     keys: jax.Array  # [B, MQ, 2] int32: (j, c)
     tokens: jax.Array  # [B, MQ, K] int32: the speculation each branch drafted
     rows: jax.Array  # [B, MQ, K, V] (row dtype): the exact proposal rows those tokens were drawn from
     valid: jax.Array  # [B, MQ] bool
+    one_hot_vocab: int = struct.field(pytree_node=False, default=0)
 
     @property
     def num_branches(self) -> int:
@@ -36,7 +43,7 @@ class SpeculationCache:
 
 def cache_bytes(batch: int, branches: int, k: int, vocab: int, row_dtype) -> int:
     """Bytes of the proposal rows `[B, MQ, K, V]` in `row_dtype`, which dominate the cache
-    (batch = B, branches = MQ, k = K, vocab = V)."""
+    (batch = B, branches = MQ, k = K, vocab = V; 0 for a greedy draft's implicit rows)."""
     return batch * branches * k * vocab * jnp.dtype(row_dtype).itemsize
 
 
@@ -66,13 +73,24 @@ def lookup(cache: SpeculationCache, num_accepted: jax.Array, bonus: jax.Array, *
     """
     fn = "lookup"
     B, MQ, K = args.shape(fn, "cache.tokens", cache.tokens, 3, "[B, MQ, K]")
-    V = jnp.shape(cache.rows)[-1]
-    args.same(fn, "cache.rows", jnp.shape(cache.rows), (B, MQ, K, V), "[B, MQ, K, V]")
+    if cache.one_hot_vocab:
+        V = cache.one_hot_vocab
+        args.same(fn, "cache.rows", jnp.shape(cache.rows), (B, MQ, K, 0),
+                  "[B, MQ, K, 0] (one_hot_vocab: rows implicit in the tokens)")
+    else:
+        V = jnp.shape(cache.rows)[-1]
+        args.same(fn, "cache.rows", jnp.shape(cache.rows), (B, MQ, K, V), "[B, MQ, K, V]")
     args.same(fn, "cache.keys", jnp.shape(cache.keys), (B, MQ, 2), "[B, MQ, 2]")
     for name, x, hi in (("num_accepted", num_accepted, K + 1), ("bonus", bonus, V)):
         args.integer(fn, name, x)
         args.same(fn, name, jnp.shape(x), (B,), "[B] (the cache's batch)")
         args.in_range(fn, name, x, 0, hi)
     outcome = jnp.stack([num_accepted, bonus], axis=-1).astype(jnp.int32)
+    if cache.one_hot_vocab:
+        # no rows to gather: the keys and tokens are a few bytes a branch, the plain gather's work
+        hit, _, tokens, _ = XLA.cache_gather(cache.keys, cache.valid, cache.tokens, cache.rows,
+                                             outcome)
+        rows = jnp.where(hit[:, None, None], jax.nn.one_hot(tokens, V, dtype=cache.rows.dtype), 0)
+        return hit, tokens, rows.astype(cache.rows.dtype)
     hit, _, tokens, rows = ops.cache_gather(cache.keys, cache.valid, cache.tokens, cache.rows, outcome)
     return hit, tokens, rows

@@ -88,15 +88,19 @@ def _check_tree_args(cfg, bonus, spec, n, active, from_backup, request_ids, voca
     return B, K
 
 
-def _decode_unrolled(step, K: int, tok, branch, saguaro_top_n):
-    """The K branch steps traced one after another -> (tokens `[B, MQ, K]`, rows `[B, MQ, K, V]`)."""
+def _decode_unrolled(step, K: int, tok, branch, saguaro_top_n, implicit: bool, row_dtype):
+    """The K branch steps traced one after another -> (tokens `[B, MQ, K]`, rows `[B, MQ, K, V]`,
+    or `[B, MQ, K, 0]` where the rows are `implicit` one-hot rows: the steps' rows go unused)."""
     toks, rows = [], []
     for d in range(K):
         # d a Python int: the first step starts the branch buffers (`tree_step`)
         tok, r, branch = step(tok, branch, d, saguaro_top_n[d] if saguaro_top_n else 0)
         toks.append(tok)
         rows.append(r)
-    return jnp.stack(toks, 2), jnp.stack(rows, 2)
+    toks = jnp.stack(toks, 2)
+    if implicit:
+        return toks, jnp.zeros(toks.shape + (0,), row_dtype)
+    return toks, jnp.stack(rows, 2)
 
 
 def _decode_scan(step, K: int, tok, branch, saguaro_top_n, V: int, row_dtype):
@@ -111,7 +115,8 @@ def _decode_scan(step, K: int, tok, branch, saguaro_top_n, V: int, row_dtype):
         tok, branch, toks, rows = carry
         tok, r, branch = step(tok, branch, d, top if same else top[d])
         toks = jax.lax.dynamic_update_index_in_dim(toks, tok, d, axis=2)
-        rows = jax.lax.dynamic_update_index_in_dim(rows, r, d, axis=2)
+        if V:  # V = 0: implicit one-hot rows (`_decode_unrolled`)
+            rows = jax.lax.dynamic_update_index_in_dim(rows, r, d, axis=2)
         return (tok, branch, toks, rows), None
 
     init = (tok, branch, jnp.zeros((B, MQ, K), jnp.int32), jnp.zeros((B, MQ, K, V), row_dtype))
@@ -137,7 +142,8 @@ def draft_tree(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Arra
     the same draw a direct draft from outcome (j, c) makes, so a hit equals a direct draft. The glue
     pass leaves KV for positions n..n+K in the cache (lengths n+K+1; `cache` is donated). Rows with
     active `[B]` False get valid = False branches. seed: scalar int or key; request_ids `[B]`.
-    The result's keys are `[B, MQ, 2]`, tokens `[B, MQ, K]`, rows `[B, MQ, K, V]` in `row_dtype`.
+    The result's keys are `[B, MQ, 2]`, tokens `[B, MQ, K]`, rows `[B, MQ, K, V]` in `row_dtype`
+    (a greedy draft: `[B, MQ, K, 0]`, the one-hot rows implicit in the tokens, `SpeculationCache.one_hot_vocab` = V; `lookup` gives the same rows either way).
 
     Traced, so new values compile nothing: `sampling` (the draft's SamplingParams, one value or
     `[B]`; only `sampling.greedy` is static) and `saguaro_c` (Saguaro's C, a scalar or `[B]`).
@@ -183,11 +189,17 @@ def draft_tree(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Arra
                          saguaro_c=saguaro_c, row_dtype=jnp.dtype(row_dtype))
         return tok, r, branch
 
+    # a greedy draft's rows are the one-hot rows at its tokens (`saguaro.propose`; Saguaro's
+    # scaling multiplies the one nonzero entry by C and renormalises it to C / C = 1 exactly):
+    # the rows are the tokens, kept implicit (`SpeculationCache`)
+    implicit = sampling.greedy
+    V = glue.shape[-1]
     if tree_loop == "scan":
-        tokens, rows = _decode_scan(step, K, kc, branch, saguaro_top_n, glue.shape[-1],
+        tokens, rows = _decode_scan(step, K, kc, branch, saguaro_top_n, 0 if implicit else V,
                                     jnp.dtype(row_dtype))
     else:
-        tokens, rows = _decode_unrolled(step, K, kc, branch, saguaro_top_n)
+        tokens, rows = _decode_unrolled(step, K, kc, branch, saguaro_top_n, implicit,
+                                        jnp.dtype(row_dtype))
     spec_cache = SpeculationCache(keys=jnp.stack([kj, kc], -1), tokens=tokens, rows=rows,
-                                  valid=valid)
+                                  valid=valid, one_hot_vocab=V if implicit else 0)
     return spec_cache, cache
