@@ -62,9 +62,10 @@ def propose(logits: jax.Array, sampling: SamplingParams, keys: jax.Array, *,
     from; normalise them (`normalise_rows`) before verifying).
 
     `sampling`: the draft's sampling parameters, values traced or not (`sampling.greedy`, static,
-    draws the argmax and uses no key: its row is the one-hot row there, Saguaro's or not); `saguaro_c`: Saguaro's scale C, a number or a
-    (traced) array, scalar or one per leading row (1.0 = off). Static: `vocab_size`, real rows of
-    V (the rest get probability 0); `saguaro_top_n`, Saguaro's top-n (`saguaro_scale`; 0 = off);
+    draws the argmax and uses no key: its row is the one-hot row there, Saguaro's or not);
+    `saguaro_c`: Saguaro's scale C, a number or a (traced) array, scalar or one per leading row
+    (1.0 = off). Static: `vocab_size`, real rows of V (the rest get probability 0);
+    `saguaro_top_n`, Saguaro's top-n (`saguaro_scale`; 0 = off);
     `row_dtype`, the speculation cache's row dtype, to which q' is rounded before the draw.
 
     A `ValueError` naming the argument, before anything is traced: logits that are not floating

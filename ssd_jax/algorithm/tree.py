@@ -143,7 +143,8 @@ def draft_tree(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Arra
     pass leaves KV for positions n..n+K in the cache (lengths n+K+1; `cache` is donated). Rows with
     active `[B]` False get valid = False branches. seed: scalar int or key; request_ids `[B]`.
     The result's keys are `[B, MQ, 2]`, tokens `[B, MQ, K]`, rows `[B, MQ, K, V]` in `row_dtype`
-    (a greedy draft: `[B, MQ, K, 0]`, the one-hot rows implicit in the tokens, `SpeculationCache.one_hot_vocab` = V; `lookup` gives the same rows either way).
+    (a greedy draft: `[B, MQ, K, 0]`, the one-hot rows implicit in the tokens,
+    `SpeculationCache.one_hot_vocab` = V; `lookup` gives the same rows either way).
 
     Traced, so new values compile nothing: `sampling` (the draft's SamplingParams, one value or
     `[B]`; only `sampling.greedy` is static) and `saguaro_c` (Saguaro's C, a scalar or `[B]`).
