@@ -45,7 +45,7 @@ from ssd_jax.models import registry
 from ssd_jax.runtime.config import BACKUPS
 from ssd_jax.tools.bench_report import _agreement, _jsonable, plot, render_markdown
 from ssd_jax.tools.bench_workers import EVENT, LAYOUTS, MODES
-from ssd_jax.tools.flags import add_suite_arguments, naming_flags, resolve_formats  # noqa: F401 - bench.resolve_formats
+from ssd_jax.tools.flags import add_suite_arguments, naming_flags, resolve_formats
 
 
 class BenchError(RuntimeError):
