@@ -32,7 +32,7 @@ from ssd_jax.models.ops import XLA, Ops
 from ssd_jax.algorithm import backups, steps
 from ssd_jax.algorithm.aot import inside_step, step_jit, stored_jit
 from ssd_jax.algorithm import decode_state as ds
-from ssd_jax.algorithm.lookup_counters import BACKUP_INDEX, LookupCounters  # noqa: F401 - rs.*
+from ssd_jax.algorithm.lookup_counters import BACKUP_INDEX, LookupCounters
 from ssd_jax.algorithm.speculation_cache import SpeculationCache, lookup
 
 
@@ -259,8 +259,9 @@ def _commit_verify(state: ds.DecodeState, num_accepted: jax.Array, bonus_out: ja
     """A verify's outcome into `state` (donated): num_accepted `[B]`, bonus_out `[B]`, tokens
     `[B, K+1]` (accepted run, bonus, -1 padding), their log-probs `[B, K+1]`; from_backup `[B]`
     bool for SSD's after-hit / after-miss histograms (None: SD). Returns (state, active `[B]` and
-    bonus `[B]` after it (as `commit_tokens`), the `Outcome` for the draft mesh, packed). `commit_verify_kept` leaves `state`
-    valid: the pipelined loop keeps the state before a round it has not read yet."""
+    bonus `[B]` after it (as `commit_tokens`), the `Outcome` for the draft mesh, packed).
+    `commit_verify_kept` leaves `state` valid: the pipelined loop keeps the state before a round
+    it has not read yet."""
     active = state.active
     new = ds.count_accepts(state, num_accepted, active, from_backup)
     new, kept = ds.commit(new, tokens, logprobs, num_accepted + 1)

@@ -41,16 +41,21 @@ class SpeculationCache:
         return self.keys.shape[1]
 
 
-def cache_bytes(batch: int, branches: int, k: int, vocab: int, row_dtype) -> int:
+def cache_bytes(batch: int, branches: int, k: int, vocab: int, row_dtype,
+                draft_greedy: bool = False) -> int:
     """Bytes of the proposal rows `[B, MQ, K, V]` in `row_dtype`, which dominate the cache
-    (batch = B, branches = MQ, k = K, vocab = V; 0 for a greedy draft's implicit rows)."""
+    (batch = B, branches = MQ, k = K, vocab = V); 0 for a greedy draft (`draft_greedy`), whose
+    rows are implicit in its tokens (`SpeculationCache.one_hot_vocab`)."""
+    if draft_greedy:
+        return 0
     return batch * branches * k * vocab * jnp.dtype(row_dtype).itemsize
 
 
-def check_budget(batch: int, branches: int, k: int, vocab: int, row_dtype, budget_bytes: int | None):
+def check_budget(batch: int, branches: int, k: int, vocab: int, row_dtype, budget_bytes: int | None,
+                 draft_greedy: bool = False):
     """A clear ValueError (before anything is allocated) when the cache rows `[B, MQ, K, V]` would
     not fit `budget_bytes` (None: no budget); otherwise returns their bytes (`cache_bytes`)."""
-    need = cache_bytes(batch, branches, k, vocab, row_dtype)
+    need = cache_bytes(batch, branches, k, vocab, row_dtype, draft_greedy)
     if budget_bytes is not None and need > budget_bytes:
         raise ValueError(
             f"the speculation cache needs {need / 2**20:.1f} MiB (batch {batch} x {branches} branches "
@@ -90,7 +95,7 @@ def lookup(cache: SpeculationCache, num_accepted: jax.Array, bonus: jax.Array, *
         # no rows to gather: the keys and tokens are a few bytes a branch, the plain gather's work
         hit, _, tokens, _ = XLA.cache_gather(cache.keys, cache.valid, cache.tokens, cache.rows,
                                              outcome)
-        rows = jnp.where(hit[:, None, None], jax.nn.one_hot(tokens, V, dtype=cache.rows.dtype), 0)
-        return hit, tokens, rows.astype(cache.rows.dtype)
+        return hit, tokens, jnp.where(hit[:, None, None],
+                                      jax.nn.one_hot(tokens, V, dtype=cache.rows.dtype), 0)
     hit, _, tokens, rows = ops.cache_gather(cache.keys, cache.valid, cache.tokens, cache.rows, outcome)
     return hit, tokens, rows

@@ -398,9 +398,8 @@ class Engine(HostLoop):
             ssd = dataclasses.replace(ssd, fanout=self.plan_fanout(k, batch.size), fanout_backup=None)
         f_hit, f_backup = ssd.lists(k, self.vocab_size)
         m.fanout = f_hit
-        # a greedy draft's rows are implicit in its tokens (`SpeculationCache.one_hot_vocab`)
-        vocab_rows = 0 if run["draft_sampling"].greedy else self.target.cfg.vocab_size
-        check_budget(batch.size, sum(f_hit), k, vocab_rows, ssd.row_dtype, ssd.cache_budget_bytes)
+        check_budget(batch.size, sum(f_hit), k, self.target.cfg.vocab_size, ssd.row_dtype,
+                     ssd.cache_budget_bytes, draft_greedy=run["draft_sampling"].greedy)
         run = dict(run, f_hit=f_hit, f_backup=f_backup)
         chooser = BackupChooser(batch.size) if ssd.backup == "auto" else None
         return run, DraftRun.of_ssd_call(rids, run, ssd), chooser

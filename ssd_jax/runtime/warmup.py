@@ -75,9 +75,8 @@ def call_plan(tokenizer, target_cfg, *, max_len: int = 4096, prompts=None, messa
                    sampling if draft_sampling is None else draft_sampling, len(ids)))
     if mode == "ssd":
         f_hit, f_backup = ssd.lists(k, vocab)
-        check_budget(len(ids), sum(f_hit), k,
-                     0 if run["draft_sampling"].greedy else target_cfg.vocab_size, ssd.row_dtype,
-                     ssd.cache_budget_bytes)
+        check_budget(len(ids), sum(f_hit), k, target_cfg.vocab_size, ssd.row_dtype,
+                     ssd.cache_budget_bytes, draft_greedy=run["draft_sampling"].greedy)
         drun = DraftRun.of_ssd_call(rids, dict(run, f_hit=f_hit, f_backup=f_backup), ssd)
     else:
         drun = DraftRun.of_call(rids, run)

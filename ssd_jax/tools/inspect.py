@@ -218,7 +218,8 @@ def analyse(text: str, *, layers: int, cache_elems, small_weight_bytes: int) -> 
                   and nbytes(ins.shape) >= small_weight_bytes):
                 large.append(f"{ins.op} {ins.shape.split('{')[0]}")
     return dict(kernels=kernels, per_layer=kernels / max(layers, 1), kernel_ops=ops,
-                cache_copies=copies, large_temporaries=large)
+                cache_copies=copies, large_temporaries=large,
+                gather_excess=_gather_excess(comps, entry))
 
 
 def _operands(ins: Instr) -> list[str]:
@@ -229,9 +230,11 @@ def gather_excess(text: str) -> int:
     """Bytes XLA's cost analysis counts beyond what the fused gathers of optimized HLO `text`
     read: a fusion parameter whose one use is a gather's table counts whole there, where the
     gather reads its result's bytes. Summed as the analysis sums (a loop body once, the largest
-    branch of a conditional)."""
-    comps, entry = parse_hlo(text)
+    branch of a conditional). `analyse` reports it too."""
+    return _gather_excess(*parse_hlo(text))
 
+
+def _gather_excess(comps: dict[str, list[Instr]], entry: str) -> int:
     def fused(name: str) -> int:
         body = comps.get(name, [])
         params = {i.name: i for i in body if i.op == "parameter"}
@@ -527,11 +530,10 @@ def report(name: str, compiled, cfg, shapes: Shapes, params, kv_bytes: int,
     if cache_elems is None:
         cache_elems = shapes.batch * shapes.max_len * cfg.num_kv_heads * cfg.head_dim
     layers = cfg.num_layers if layers is None else layers
-    text = compiled.as_text()
-    counts = analyse(text, layers=layers, cache_elems=cache_elems,
+    counts = analyse(compiled.as_text(), layers=layers, cache_elems=cache_elems,
                      small_weight_bytes=small)
-    accessed, excess = _bytes_accessed(compiled), gather_excess(text)
-    accessed = None if accessed is None else accessed - excess
+    accessed = _bytes_accessed(compiled)
+    accessed = None if accessed is None else accessed - counts["gather_excess"]
     m = compiled.memory_analysis()
     memory = {} if m is None else dict(arguments=m.argument_size_in_bytes,
                                        outputs=m.output_size_in_bytes, alias=m.alias_size_in_bytes,
@@ -540,7 +542,7 @@ def report(name: str, compiled, cfg, shapes: Shapes, params, kv_bytes: int,
     return ProgramReport(step=name, batch=shapes.batch, layers=layers, **counts,
                          bytes_accessed=accessed, must_read=must,
                          bytes_ratio=None if accessed is None else accessed / must,
-                         memory=memory, compile_s=compile_s, gather_excess=excess)
+                         memory=memory, compile_s=compile_s)
 
 
 # The default pair's published shapes (HF config.json of Qwen2.5-Coder-1.5B- / 0.5B-Instruct).
