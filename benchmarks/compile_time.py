@@ -20,9 +20,6 @@ persistent cache saves a second start.
 first exports each step, the second reads the exported modules back instead of tracing and
 lowering them, as the CLI does by default).
 
-`--variant platform-switch` runs both processes with the CPU kernels traced as before 138cbc4, under
-`lax.platform_dependent` (benchmarks/compile_probe.py says what that is; same executables).
-
 The persistent cache is the Engine's (`ssd_jax.runtime.compile_cache`), pointed at a fresh
 temporary directory (`--compile-cache` to give one) so the first process really starts cold. The
 table goes to stdout, the JSON (with the CPU's features and the load average before and after
@@ -121,10 +118,7 @@ def child(args) -> dict:
     from ssd_jax.runtime.engine import Engine
     from ssd_jax.tools.cli import DEFAULT_K, default_fanout
 
-    if args.variant != "as-is":  # benchmarks/compile_probe.py: the cpu kernels traced another way
-        from compile_probe import _patch
-        _patch(args.variant)
-    out = dict(phase=args.phase, variant=args.variant, loadavg_start=_loadavg(), cpu_features=cpu_features(),
+    out = dict(phase=args.phase, loadavg_start=_loadavg(), cpu_features=cpu_features(),
                jax=jax.__version__, devices=[str(d) for d in jax.devices()])
     out["import_s"] = round(time.perf_counter() - t_import, 2)
     ev = Events()
@@ -192,7 +186,7 @@ def _table(res: dict) -> str:
     cold, warm = res["cold"], res.get("warm")
     lines = [f"# compile time: {res['target']} target, {res['draft']} draft "
              f"({cold['dtype']}, draft {cold['draft_quant']}, backend {cold['backend']}, "
-             f"kernels traced {cold.get('variant', 'as-is')}, step store "
+             f"step store "
              f"{'on' if res.get('step_store') else 'off'})",
              f"CPU: {res['cpu']}; jax {cold['jax']}; load average (1, 5, 15 min) "
              f"{cold['loadavg_start']} at the start, {(warm or cold)['loadavg_end']} at the end", ""]
@@ -242,8 +236,6 @@ def main(argv=None) -> int:
                     help="also time a conversion from the GGUF files in the first process")
     ap.add_argument("--no-warm", action="store_true", help="skip the second process")
     ap.add_argument("--no-sweep", action="store_true", help="skip the first process's sweep")
-    ap.add_argument("--variant", default="as-is", choices=("as-is", "platform-switch"),
-                    help="how the cpu kernels are traced (benchmarks/compile_probe.py; default as-is)")
     ap.add_argument("--step-store", action="store_true",
                     help="the Engine's step store on in both processes (default off)")
     ap.add_argument("--out", default=None, help="the JSON's path (default benchmarks/results/)")
@@ -269,7 +261,7 @@ def main(argv=None) -> int:
             args.dtype, "--draft-quant", args.draft_quant, "--backend", args.backend,
             "--placement", args.placement, "--modes", ",".join(args.modes), "--max-new-tokens",
             str(args.max_new_tokens), "--max-len", str(args.max_len), "--compile-cache",
-            args.compile_cache, "--variant", args.variant] + (["--no-sweep"] if args.no_sweep else []) + (
+            args.compile_cache] + (["--no-sweep"] if args.no_sweep else []) + (
                 ["--step-store"] if args.step_store else [])
     for phase in ("cold",) if args.no_warm else ("cold", "warm"):
         with tempfile.NamedTemporaryFile(suffix=".json") as f:

@@ -37,7 +37,7 @@ Op signatures (shapes per sequence batch B, new tokens T, heads H, kv heads KVH,
   un-prepared weights are released as it goes (one copy on the device). A layout class must not
   equal, as a pytree node, the weight it replaces: on JAX 0.10.2 two dataclass nodes with as many
   children compare equal whatever their classes, and jit may then run one's program on the other
-  (give the layout a static field, as models/cpu/layouts.py does; tests/test_pytree_nodes.py).
+  (give the layout a static field, as models/cpu/layouts.py does; tests/unit/test_pytree_nodes.py).
 
 Two hints travel with a table, for choosing defaults (`ssd_jax.models.backends.defaults`):
 `fast_dtypes`, the weight dtypes its ops run fastest in, best first; `fast_quant`, the draft

@@ -1,13 +1,13 @@
 """How hard XLA:CPU optimizes what the tests compile.
 
 Most of the suite compiles far more than it runs: tiny models, a few calls per program, and about
-two thirds of a worker's time in XLA:CPU's compiler (benchmarks/README.md, "backup="auto" on the
+two thirds of a worker's time in XLA:CPU's compiler (benchmarks/README.md at 8faea7c, "backup="auto" on the
 device loop, and where the suite's time goes"). JAX's `jax_disable_most_optimizations` (LLVM at
 -O0, its expensive passes off; XLA's HLO passes still run) compiles those programs in about half the
 time. Where a program runs long instead - a statistical case's 100k requests through one compiled
 step, the real weights - lean code runs slower, so those keep full optimization: `optimized()`
 around the runs, and every `real_weights` test (tests/conftest.py). The figures:
-benchmarks/README.md, "The suite compiled lean".
+benchmarks/README.md at 8faea7c, "The suite compiled lean".
 
 The switch is read when a program is compiled and is part of the persistent cache's key, so the
 two levels never share an executable on disk. It is also exported as JAX's environment variable,
@@ -18,7 +18,7 @@ then LLVM), not in the HLO passes; the suite compiles with its classic elemental
 (`--xla_cpu_use_fusion_emitters=false` in `XLA_FLAGS`, which XLA reads once, when the CPU client
 starts, so for the whole session and the processes its tests start). Three compile-bound modules
 ran in 0.6x the time, every test passing, and the statistical cases' runs no slower
-(benchmarks/README.md, "XLA:CPU's classic emitters for the suite"). A session that selects the
+(benchmarks/README.md at 8faea7c, "XLA:CPU's classic emitters for the suite"). A session that selects the
 real-weight tests (CI's second and third commands) keeps XLA's defaults: its long runs were ~10%
 slower with the classic emitters. So do the notebooks' test (as users have them) and
 `SSD_JAX_TEST_FULL_OPT=1` (everything fully optimized, XLA's own choices).
@@ -99,8 +99,8 @@ def release_executables_near_the_map_limit(share: float) -> bool:
 
     XLA:CPU's JIT maps three pages (code, read-only data, data) per compiled kernel, and JAX's caches
     keep every program a process ever compiled; a test worker compiles thousands, so it reached the
-    kernel's default limit of 65,530 mappings (`tests/test_device_loop.py` then
-    `tests/test_speculative.py` in one process: 54,714 after 40 tests). Past it LLVM's JIT linker
+    kernel's default limit of 65,530 mappings (`tests/unit/test_device_loop.py` then
+    `tests/unit/test_speculative.py` in one process: 54,714 after 40 tests). Past it LLVM's JIT linker
     cannot map a new section and aborts (`report_fatal_error` in `RuntimeDyldImpl::emitSection`,
     read from a crashed worker's core) or segfaults: the crashes in `backend_compile_and_load`
     that `tests/_crash_rerun.py` kept rerunning."""

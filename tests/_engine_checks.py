@@ -1,5 +1,5 @@
-"""The engine checks that are not distribution tests, shared by tests/test_engine_exactness.py
-(run on the correct engine, where they must hold exactly) and tests/test_planted_bugs.py (run with
+"""The engine checks that are not distribution tests, shared by tests/statistical/test_engine_exactness.py
+(run on the correct engine, where they must hold exactly) and tests/statistical/test_planted_bugs.py (run with
 a bug planted, where they must fail): SSD emits SD's tokens, a request's tokens do not depend on
 its batch row, and every speculated token is drawn from the rows handed to the verifier with it.
 All on `_engine_stats.make_pair`'s V = 4 pair, K = 2, from its one prompt."""

@@ -6,7 +6,7 @@ most steps if a path let them, `ssd_jax.testing.pad_vocabulary`), the exact wind
 enumerated from the target's forward, and `sample_windows`: N independent requests (distinct request ids, so
 independent keys) through a real `Engine`, their generated tokens `skip .. skip + window - 1`
 [N, window]. `verdict` tests them with the calibrated chi-square of `ssd_jax.testing`, cells of
-probability below POOL pooled (`min_expected`; why: tests/test_engine_exactness.py's docstring).
+probability below POOL pooled (`min_expected`; why: tests/statistical/test_engine_exactness.py's docstring).
 Each generate call is recorded round by round (tests/_round_record.py), and
 `assert_every_path_ran` reads that record: a window's tokens came through a hit and a miss at
 every accept length.
@@ -65,7 +65,7 @@ def make_pair(rows: int = ROWS) -> tuple[Model, Model]:
     """(target, draft): a random tiny transformer and, as its draft, its first layer perturbed (a
     layer-skip draft), each padded to `rows` embedding rows (V ids: `rows=V` leaves them
     unpadded). One layer halves the draft's work, most of an SSD case's time; every accept
-    length, hits and misses still occur in each case's window (benchmarks/README.md "A one-layer
+    length, hits and misses still occur in each case's window (benchmarks/README.md at 8faea7c, "A one-layer
     draft for the statistical pair")."""
     target = Model(CFG, random_params(CFG, 3, scale=2.0))
     perturbed = perturb(target.params, jax.random.key(5), 0.6)
@@ -202,7 +202,7 @@ _E_DIST = f"{_E}::test_engine_output_has_the_target_distribution"
 _E_HEAD = f"{_E}::test_a_draft_head_cut_to_half_the_vocabulary_keeps_the_target_distribution"
 
 STAT_CASES: dict[str, StatCase] = {
-    # tests/test_engine_exactness.py: n is the smallest of 100k..175k with power >= 0.95 at TV 0.01
+    # tests/statistical/test_engine_exactness.py: n is the smallest of 100k..175k with power >= 0.95 at TV 0.01
     "sd-t1.0": StatCase("SD, T 1", _E_DIST, T10, 175_000),
     "sd-t0.7-topk3": StatCase("SD, T 0.7 top-k 3", _E_DIST, SamplingParams(temperature=0.7, top_k=3),
                               125_000),
@@ -230,7 +230,7 @@ STAT_CASES: dict[str, StatCase] = {
         f"{_E}::test_quick_ssd_output_has_the_target_distribution", T10, 20_000, skip=4,
         power_tv=0.03, why="the quick loop's case (`-m 'not slow'`): it catches a broken path, "
                            "not a subtle bias"),
-    # tests/test_engine_paths.py
+    # tests/statistical/test_engine_paths.py
     "ar-t0.8": StatCase("AR, T 0.8", f"{_P}::test_ar_sampling_at_temperature", T08, 175_000),
     "ssd-topk3-t0.9": StatCase("SSD, target and draft top-k 3, T 0.9",
                                f"{_P}::test_ssd_top_k_and_top_p",

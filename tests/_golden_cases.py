@@ -27,7 +27,7 @@ mismatch names both. compilation_cache=False: nothing read from or written to a 
 
 backup="auto" picks neural or random per round from measured times, which no test can repeat;
 here `deterministic_auto` replaces BackupChooser.choose by one that alternates random, neural,
-random, ... per call (everything else is the engine's), as tests/test_engine_paths.py does.
+random, ... per call (everything else is the engine's), as tests/statistical/test_engine_paths.py does.
 
 `python tests/_golden_cases.py --write` (from the repository root) rewrites the file: only do
 that at a commit whose outputs are the reference.

@@ -1,4 +1,4 @@
-"""Subprocess worker for tests/test_sharding.py: the CPU device count is fixed once JAX starts, so each
+"""Subprocess worker for tests/unit/test_sharding.py: the CPU device count is fixed once JAX starts, so each
 case runs in its own process with `--devices N` virtual CPU devices and prints one `RESULT {json}`
 line for the test to check.
 

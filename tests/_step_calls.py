@@ -1,5 +1,5 @@
 """Counting how often the engine calls its jitted steps (`ssd_jax.algorithm.steps`), for the tests
-that assert which prefill path a batch took (tests/test_shared_prefill.py, tests/test_own_model.py)."""
+that assert which prefill path a batch took (tests/unit/test_shared_prefill.py, tests/unit/test_own_model.py)."""
 from __future__ import annotations
 
 from ssd_jax.algorithm import steps

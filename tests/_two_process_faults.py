@@ -1,4 +1,4 @@
-"""Faults planted in a draft, for tests/test_faults_draft.py (in this process or a draft process).
+"""Faults planted in a draft, for tests/faults/test_faults_draft.py (in this process or a draft process).
 
 A fault is armed by writing "KIND M" to a file: the M-th draft tree dispatched from then on
 (KIND "raise" or "hang") passes through a device callback that raises, or sleeps for an hour, when

@@ -17,7 +17,7 @@ from ssd_jax.runtime.transport import start_two_process
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17]]
-# the T = 1 batch (reported in the JSON; tests/test_transport.py runs it in-process): 16 prompts of
+# the T = 1 batch (reported in the JSON; tests/faults/test_transport.py runs it in-process): 16 prompts of
 # 2..8 tokens, 16 tokens each
 T1 = dict(prompts=[[(7 * b + 3 * i) % 60 + 1 for i in range(2 + b % 7)] for b in range(16)],
           max_new_tokens=16, k=3, seed=11, request_ids=list(range(100, 116)))

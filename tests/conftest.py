@@ -1,5 +1,6 @@
 """Tests run on the CPU with two virtual devices (one per mesh) unless a test spawns its own process."""
 import os
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -30,6 +31,7 @@ from _compile_level import (  # noqa: E402
     LEAN_BY_DEFAULT, release_executables_near_the_map_limit, set_lean, use_classic_cpu_emitters)
 
 # a test whose worker dies of a signal runs once more (tests/_crash_rerun.py says why and how)
+from _cli_models import pair  # noqa: E402,F401 - the `ssd-jax` tests' tiny HF folders, a fixture
 from _crash_rerun import (  # noqa: E402,F401
     pytest_handlecrashitem, pytest_report_teststatus, pytest_terminal_summary)
 
@@ -42,10 +44,10 @@ from _crash_rerun import (  # noqa: E402,F401
 # this spread, which keeps both workers busy to the end. The modules that hold the real 0.5B /
 # 1.5B weights, or run the CLI or HF's fp32 oracle on them, are marked `real_weights` and run
 # after, in two workers of their own (peak 8.6 GB used for both; 266 s against 390 s in one
-# process, benchmarks/README.md "The test suite's time"), except the test marked `alone`: its
+# process, benchmarks/README.md at 8faea7c, "The test suite's time"), except the test marked `alone`: its
 # 1.5B fp32 HF oracle takes 13 GB, which beside two workers (5-6 GB each by then) did not fit a
 # 24 GiB machine, so it runs last, in a process of its own.
-REAL_WEIGHT_MODULES = {"test_real_models.py", "test_loading.py", "test_cli.py"}
+REAL_WEIGHTS = Path(__file__).resolve().parent / "real_weights"  # the folder of those modules
 
 
 def pytest_configure(config):
@@ -58,8 +60,7 @@ def pytest_configure(config):
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects on the marker added here
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        name = item.path.name
-        if name in REAL_WEIGHT_MODULES:
+        if item.path.resolve().parent == REAL_WEIGHTS:
             item.add_marker(pytest.mark.real_weights)
 
 

@@ -44,9 +44,10 @@ main_pass() {
   deactivate
 }
 
-FLOOR_MODULES=(tests/test_generate.py tests/test_engine_exactness.py tests/test_golden_ids.py
-               tests/test_loading.py tests/test_checkpoint.py tests/test_tokenizer.py
-               tests/test_model_oracle.py tests/test_api.py)
+FLOOR_MODULES=(tests/unit/test_generate.py tests/statistical/test_engine_exactness.py
+               tests/unit/test_golden_ids.py tests/real_weights/test_loading.py
+               tests/unit/test_checkpoint.py tests/unit/test_tokenizer.py
+               tests/unit/test_model_oracle.py tests/unit/test_api.py)
 
 floor_pass() {
   venv .venv-floor "$(find_python 3.11 "${PYTHON311:-}")"
@@ -60,8 +61,8 @@ floor_pass() {
   # again with the CPU kernels built for AVX2 only (SSD_JAX_CPU_ISA=avx2 compiles out the AVX-512
   # BF16 / VNNI paths and ssd_jax.runtime.defaults masks those features, so everything is chosen as
   # on a CPU without them). The algorithm's rules do not depend on the ISA; the kernels' numerics do.
-  SSD_JAX_CPU_ISA=avx2 python -m pytest -q -n 2 -m "not slow" tests/test_backends.py \
-    tests/test_generate.py tests/test_model_oracle.py tests/test_defaults.py
+  SSD_JAX_CPU_ISA=avx2 python -m pytest -q -n 2 -m "not slow" tests/unit/test_backends.py \
+    tests/unit/test_generate.py tests/unit/test_model_oracle.py tests/unit/test_defaults.py
   deactivate
 }
 

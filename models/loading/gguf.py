@@ -9,7 +9,7 @@ Two things differ from a transformers checkpoint besides the names:
 * llama.cpp's converter reorders the rows of the q and k projections of `llama` checkpoints, per head,
   from HF's "rotate half" rotary layout to its interleaved-pairs layout: within each head of size d,
   row `i*2 + j` of the file is HF row `j*(d/2) + i`. We undo that. Qwen2/Qwen3 are not reordered by
-  the converter (llama.cpp runs them with the NEOX rotary layout, which is HF's). tests/test_loading.py
+  the converter (llama.cpp runs them with the NEOX rotary layout, which is HF's). tests/real_weights/test_loading.py
   settles both by the model's own next-token loss on real text: un-permuting gives the lower loss for
   SmolLM2 (llama), keeping the stored order the lower one for Qwen2.5-Coder-0.5B.
 
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-# _llama3_freq_factors is re-exported for tests/test_loading.py.
+# _llama3_freq_factors is re-exported for tests/real_weights/test_loading.py.
 from ssd_jax.models.loading.gguf_config import SUPPORTED_ARCHITECTURES, _config, _llama3_freq_factors  # noqa: F401
 from ssd_jax.models.loading.gguf_layout import (_NON_PARAMETER_TENSORS, _PERMUTED_QK, _expected_names, _hf_name,
                                                 _permuted_rows)

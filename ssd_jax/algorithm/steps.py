@@ -94,7 +94,7 @@ def prefill_shared(params: Params, cfg: ModelConfig, cache: KVCache, tokens: jax
     once; its KV and last logits are copied to the B rows, and each row draws its first token with
     its own key, as `prefill` does: the same tokens as `prefill` of the B rows, the KV and
     log-probs to float32 rounding (a forward over one row rounds its dots as a batch of one;
-    tests/test_shared_prefill.py). For the built-in transformer's cache (every leaf `[B, ...]`)."""
+    tests/unit/test_shared_prefill.py). For the built-in transformer's cache (every leaf `[B, ...]`)."""
     one, rows = _one_row(cache)
     one = with_lengths(one, jnp.zeros_like(lens))
     logits, one = forward(params, cfg, tokens, one, lens, last_only=True, ops=ops)

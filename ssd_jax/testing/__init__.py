@@ -34,11 +34,11 @@ has more power against deviations spread over many cells; the fine term keeps th
 one confined to a few rare cells, or moved among them (the `within_tail` and
 `within_pooled_group` alternatives of the power simulation).
 
-Chosen sizes. The synthetic SD (tests/test_exactness_harness.py): vocabulary 4 (+1 padded row),
+Chosen sizes. The synthetic SD (tests/statistical/test_exactness_harness.py): vocabulary 4 (+1 padded row),
 K = 2, window 4 (= K + 2, so every sample crosses at least one round boundary), 256 cells,
 n = 100_000, cells pooled only up to expected count 5; it requires power >= 0.95 against
 total-variation-0.02 alternatives (`detection_power`) and checks the calibrated false-alarm rate.
-The real engine (tests/test_engine_exactness.py): the same vocabulary and K, 4-token windows
+The real engine (tests/statistical/test_engine_exactness.py): the same vocabulary and K, 4-token windows
 (tokens 1-4 for SD, 5-8 for SSD, so that every token follows a cache lookup), cells below 1%
 probability pooled into groups of >= 1%, n = 100k-175k per case, which gives power
 >= 0.95 against every TV-0.01 alternative on each case's exact distribution (that module's

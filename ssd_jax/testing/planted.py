@@ -7,7 +7,7 @@ backups and the draft's tree (three of them change only what a cache hit hands t
 only what a model with more embedding rows than ids shows), planted in the
 running process by `plant_ssd_bug(name)`. A harness that cannot tell them from
 the real thing is too weak to trust; which test catches which, and why some cannot be caught by a
-distribution test at all: tests/test_planted_bugs.py.
+distribution test at all: tests/statistical/test_planted_bugs.py.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Int4 weights on the CPU (models/cpu/int4.py, layouts.Int4Tiles): the tile layout, the kernel
 against the plain-`jnp` reference of its sums and against XLA's dense, its row-count invariance
 and dispatch, and the int4 model with the cpu backend against the reference. The logical format
-and its quantizer are tests/test_quant.py's."""
+and its quantizer are tests/unit/test_quant.py's."""
 import jax
 import jax.numpy as jnp
 import numpy as np

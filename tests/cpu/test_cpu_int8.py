@@ -1,7 +1,7 @@
 """Int8 weights on the CPU (models/cpu/matmul.py, layouts.TiledInt8Weight): the int8 kernel against
 the exact product, its activation quantization, its row-count invariance, the tile layout, where
 the cpu backend's dense dispatches to it, and the int8 model with the cpu backend against the
-reference. The logical format and its quantizer are tests/test_quant.py's."""
+reference. The logical format and its quantizer are tests/unit/test_quant.py's."""
 import dataclasses
 
 import jax
