@@ -147,7 +147,7 @@ def main() -> None:
     p.add_argument("--k-sd", type=int, default=4, help="SD lookahead K (default %(default)s)")
     p.add_argument("--fanout", default="1,1,1,1,1,1", help="SSD F_0..F_K; its length sets K "
                    "(default %(default)s: one guess per outcome, as ssd_crossover.py; the CLI's "
-                   "0,...,0,1 leaves the random backup no way back to a hit, see benchmarks/README.md)")
+                   "0,...,0,1 leaves the random backup no way back to a hit, see benchmarks/README.md at 8faea7c)")
     p.add_argument("--dtype", default="bfloat16", help="default %(default)s")
     p.add_argument("--draft-quant", default="int4", choices=("none", "int8", "int4"),
                    help="default %(default)s")

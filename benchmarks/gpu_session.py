@@ -41,8 +41,8 @@ engine_check_bf16,step_graphs,kernels_pair,chunk_memory` on this commit.
    persistent cache and step store, `pair_b1_warm` is a second process that finds them filled.
    `chunk_memory`: `pair --chunk-memory`: each chunk of steps or rounds (on by default on a
    GPU) compiled as the engine calls it, its temporaries beside the embedding's bytes; on a CPU a
-   hoisted fp32 copy of the table made them 1.4 GB (benchmarks/README.md, "A chunk's loop
-   rewrote the embedding in fp32").
+   hoisted fp32 copy of the table made them 1.4 GB (benchmarks/README.md at 8faea7c, "A chunk's
+   loop rewrote the embedding in fp32").
 5. `kernels_pair` / `kernels_paper`: pallas_kernels/bench_gpu.py at the default pair's draft
    shape (batch 16) and at the paper's shape: max error against the jnp reference, time per call,
    bytes/s against the HBM roofline, against XLA's forms.

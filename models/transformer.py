@@ -33,7 +33,7 @@ def embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
     through an fp32 convert of the whole table; at top level that convert fuses into the gather,
     but in a loop body (`round_steps.decode_chunk` / `sd_chunk` / `ssd_chunk`, the scanned tree)
     loop-invariant code motion hoisted it out of the loop, so every chunk wrote the whole table
-    again in fp32 (benchmarks/README.md, "A chunk's loop rewrote the embedding in fp32"). Tied
+    again in fp32 (benchmarks/README.md at 8faea7c, "A chunk's loop rewrote the embedding in fp32"). Tied
     to the loop-varying tokens, the table is not invariant and nothing is hoisted; the barrier
     costs nothing at run time and the rows are the same.
     """

@@ -6,7 +6,7 @@ what a second start pays). `stored_jit` is `jax.jit` plus a store of the *lowere
 process exports each step (`jax.export`: StableHLO with its input and output pytrees) into
 `<dir>/<step>-<sha256>.jaxexport`, and a later process deserialises that file and runs it under
 `jax.jit`, whose XLA compile the persistent cache then serves. Same computation: the exported
-module is what `jax.jit` would have lowered (tests/test_step_store.py compares the tokens of AR
+module is what `jax.jit` would have lowered (tests/unit/test_step_store.py compares the tokens of AR
 and of sampled SSD, whose steps include SD's, with and without the store, across two processes).
 
 Off unless turned on (`set_store`; the Engine's `step_store`, on in the CLI): with it off a
@@ -210,7 +210,7 @@ def _register_outputs() -> None:
 # XLA:GPU turns a vector-matrix product whose weight is below a size threshold (a decode step's
 # qkv and o projections) into an elementwise multiply that writes a weight-sized temporary, then a
 # reduce: its `dot-strength-reduction` pass. Kept as GEMMs, a decode step reads each weight once
-# (benchmarks/README.md, "What the steps compile to for an H100": the default pair's b = 1 decode
+# (benchmarks/README.md, "The Pallas path for an H100": the default pair's b = 1 decode
 # step moves 1.01x its weights and KV instead of 1.21x, 57 kernels fewer). The pass is XLA:GPU's:
 # CPU and TPU programs compile as without the option. Every jitted step that runs a model takes it.
 COMPILER_OPTIONS = {"xla_disable_hlo_passes": "dot-strength-reduction"}
@@ -243,7 +243,7 @@ class _Step:
         return getattr(self.__dict__["top"], name)
 
     def __call__(self, *args, **kwargs):
-        # a private JAX function (pinned by tests/test_inspect.py): True outside every trace
+        # a private JAX function (pinned by tests/tools/test_inspect.py): True outside every trace
         if jax_core.trace_state_clean():
             return self.top(*args, **kwargs)
         return self.nested(*args, **kwargs)

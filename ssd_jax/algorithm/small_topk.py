@@ -7,7 +7,7 @@ top-n scaling and top-k sampling need only k <= a few, so they use these; above 
 back to `lax.top_k`, and both paths give identical results.
 
 `jnp.argmax` itself lowers to a (value, index) pair reduction that XLA:CPU does not vectorise;
-`argmax` here uses plain max reductions, which it does (see benchmarks/README.md). Greedy decoding,
+`argmax` here uses plain max reductions, which it does (see benchmarks/README.md at 8faea7c). Greedy decoding,
 the exponential race and the proposal draw take one per row per step, several times a speculative
 round.
 

@@ -155,7 +155,7 @@ def draft_tree(params: Params, cfg: ModelConfig, cache: KVCache, bonus: jax.Arra
     (the backend table, `ssd_jax.models.ops.Ops`, whose `tree_attention` the branch steps use)
     and `tree_loop`: "unroll" (the default) traces the K branch steps one after another, "scan"
     one step inside `lax.scan`: the same numbers bit for bit, a few times fewer ops to trace,
-    compile and load, but on XLA:CPU a slower step (benchmarks/README.md, "The tree as a scan").
+    compile and load, but on XLA:CPU a slower step (benchmarks/README.md at 8faea7c, "The tree as a scan").
 
     A `ValueError` naming the argument, before anything is traced: spec not integer `[B, K]`
     with K >= 1; bonus, n, request_ids (integers), active or from_backup (bools) not `[B]`; a

@@ -80,7 +80,7 @@ class Batch:
     `prompts` are kept as given (never changed); the per-row lists `history`, `generated` and
     `logprobs` are made on first use: the device loop needs none of them until the call's end, and
     a list per row of a batch of thousands is what Python's garbage collector then walks again and
-    again (benchmarks/README.md, "A call's per-row host work in whole-batch passes").
+    again (benchmarks/README.md at 8faea7c, "A call's per-row host work in whole-batch passes").
     """
 
     generated = _RowLists()  # [B][g_b] each row's generated ids

@@ -122,7 +122,7 @@ class Engine(HostLoop):
         `ssd_chunk`; the same tokens). None (default): on a GPU or TPU, where a round's
         dispatches cost as much as its compute, and off on a CPU, where the default pair's
         chunks run a call 2-6% faster but compile 5-8 s longer on its first
-        (benchmarks/README.md); True / False force it."""
+        (benchmarks/README.md at 8faea7c); True / False force it."""
         if round_chunks is not None and not isinstance(round_chunks, bool):
             raise TypeError(f"round_chunks must be True, False or None, got {round_chunks!r}")
         self.round_chunks = round_chunks

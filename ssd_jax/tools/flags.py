@@ -38,7 +38,7 @@ def naming_flags():
 
 
 # The CLI's lookahead K per mode and its SSD fan-out, as measured best on a 2-core Xeon
-# (benchmarks/README.md, "CLI defaults"): SD at K=4; SSD at K=5 with the narrow fan-out
+# (benchmarks/README.md at 8faea7c, "CLI defaults"): SD at K=4; SSD at K=5 with the narrow fan-out
 # 0,...,0,1 (pre-draft only the all-accepted outcome: a wide tree outlasts the verify on a CPU).
 DEFAULT_K = {"ar": 4, "sd": 4, "ssd": 5}
 
