@@ -16,39 +16,8 @@ from __future__ import annotations
 import argparse
 import time
 
-
-CHUNKS = {"ar": "decode_chunk", "sd": "sd_chunk", "ssd": "ssd_chunk"}
-
-
-def chunk_temporaries(engine, mode: str, prompts, **generate_kw) -> tuple[int, int]:
-    """(temporary bytes, argument bytes) of the chunk `mode` runs (`CHUNKS`), compiled with the
-    arguments `engine.generate(prompts, mode=mode, **generate_kw)` gave it on its first call.
-    Raises if the call ran no such chunk (streaming, a draft on its own mesh, chunks off)."""
-    import jax
-
-    from ssd_jax.algorithm import round_steps
-
-    def abstract(x):
-        if isinstance(x, jax.Array):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-        return x
-
-    name = CHUNKS[mode]
-    real, seen = getattr(round_steps, name), []
-
-    def recorded(*args, **kw):
-        seen.append((jax.tree.map(abstract, args), jax.tree.map(abstract, kw)))
-        return real(*args, **kw)
-    setattr(round_steps, name, recorded)
-    try:
-        engine.generate(prompts, mode=mode, **generate_kw)
-    finally:
-        setattr(round_steps, name, real)
-    if not seen:
-        raise RuntimeError(f"{mode}: the engine did not run round_steps.{name}")
-    args, kw = seen[0]
-    m = real.lower(*args, **kw).compile().memory_analysis()
-    return m.temp_size_in_bytes, m.argument_size_in_bytes
+# chunk_temporaries is imported from here by gpu_session.py
+from ssd_jax.testing.chunk_memory import CHUNKS, chunk_temporaries
 
 
 def main(argv=None) -> None:

@@ -11,24 +11,17 @@ target's weights perturbed (`--perturb`), both built deterministically.
 `Engine(target, draft, placement="colocated", backend="xla", compilation_cache=False)`, greedy;
 `--placement tp2-dp2`: a 2-way tensor-parallel target and a 2-way data-parallel draft on two CPU
 devices (`make_placement("colocated", target_devices=2, draft_devices=2)`).
-Only the public API is used (`Engine.generate`, `out.metrics.rounds`), so the script runs
-unchanged on any engine with that API.
+The engine is driven through its public API only (`Engine.generate`, `out.metrics.rounds`); the
+counters come from the checkout's own `ssd_jax.testing.host_work` (to compare a commit older than
+that module, run that commit's own copy of this script).
 
-For each (mode, batch), after one identical warm-up call (its compiles excluded):
-- Python calls per round: `sys.setprofile` counts 'call' events (Python functions, including
-  generators resumed) and 'c_call' events (builtins / C functions called from Python) during one
-  generate call, divided by its rounds (AR: a round is a token of a row).
+For each (mode, batch), after one identical warm-up call (its compiles excluded), the counters of
+`ssd_jax.testing.host_work` (`call_work`; its docstring says what each counts, and its
+`self_test` runs before anything is measured):
+- Python calls per round: the 'call' and 'c_call' events of one generate call, divided by its
+  rounds (AR: a round is a token of a row).
 - syncs per round: during another call, every jax.Array turned into numpy or a Python value or
-  waited on: the concrete array class's `__array__ __int__ __float__ __complex__ __bool__
-  __index__ item tolist tobytes block_until_ready` and `jax.block_until_ready`, `jax.device_get`
-  are wrapped, each outermost call counting 1 (one inside another, e.g. device_get -> __array__,
-  is not counted again). On CPU a jax.Array also exports the C buffer protocol, which numpy uses
-  before `__array__`, silently (no Python runs); it is switched off for the counted call (its
-  type slot nulled, restored after) so that every numpy conversion (np.asarray, np.array,
-  np.where(x, ...), ...) reaches the wrapped `__array__`. A self-test checks that one
-  np.asarray of a fresh jax.Array counts exactly 1 before anything is measured. `arrays` also
-  counts the jax.Array leaves each outermost call fetched (a device_get of a tuple of 3 is one
-  sync, 3 arrays). A conversion of an array whose value the host already holds counts too.
+  waited on, each outermost conversion counting 1; `arrays` the jax.Array leaves they fetched.
 - ms per round: the call's wall time / rounds (the prefill included), against a minimal loop's
   step: one jitted decode step of the same target (`forward` on a [B, 1] token and the KV cache,
   greedy argmax, the cache donated, traced without the cache's debug-check effect where the
@@ -49,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import os
 import platform
 import statistics
@@ -62,142 +54,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from ssd_jax.testing.host_work import (  # noqa: E402 - after the path above
+    SyncCounter, call_work, rounds_of, self_test)
+
 COLUMNS = ("mode", "batch", "rounds", "py calls/round", "c calls/round", "syncs/round",
            "ms/round", "host ms/round", "minimal step ms", "ratio", "host / minimal")
-
-
-# ------------------------------------------------------------------------------------ the counters
-def count_calls(fn):
-    """(fn's result, Python 'call' events, 'c_call' events) while fn runs in this thread."""
-    counts = {"call": 0, "c_call": 0}
-
-    def prof(frame, event, arg):
-        if event in counts:
-            counts[event] += 1
-
-    sys.setprofile(prof)
-    try:
-        out = fn()
-    finally:
-        sys.setprofile(None)
-    # the setprofile(None) call itself is seen as one c_call
-    return out, counts["call"], counts["c_call"] - 1
-
-
-# Where a type object keeps its buffer-protocol table (PyTypeObject.tp_as_buffer): after
-# ob_refcnt, ob_type, ob_size and 17 pointer-sized slots, in every CPython 3.x on 64 bits.
-_TP_AS_BUFFER = 20 * ctypes.sizeof(ctypes.c_void_p)
-
-
-@contextlib.contextmanager
-def buffer_protocol_off(cls):
-    """Switch off `cls`'s C buffer protocol (numpy then falls back to `__array__`)."""
-    if platform.python_implementation() != "CPython":
-        raise RuntimeError("the sync counter needs CPython (it switches a type slot off)")
-    slot = ctypes.c_void_p.from_address(id(cls) + _TP_AS_BUFFER)
-    before = slot.value
-    slot.value = None
-    try:
-        yield
-    finally:
-        slot.value = before
-
-
-class SyncCounter:
-    """`with SyncCounter() as s:` counts device->host syncs (module docstring) in s.syncs, the
-    jax.Array leaves they fetched in s.arrays and the syncs by entry point in s.by_kind."""
-
-    METHODS = ("__array__", "__int__", "__float__", "__complex__", "__bool__", "__index__",
-               "item", "tolist", "tobytes", "block_until_ready")
-
-    def __init__(self):
-        import jax
-        import jax.numpy as jnp
-        self.jax, self.cls = jax, type(jnp.zeros(1))
-        self.syncs = self.arrays = 0
-        self.wait_s = 0.0  # seconds inside outermost syncs
-        self.by_kind: dict[str, int] = {}
-        self._depth = 0
-
-    def _wrap(self, name, fn, leaves):
-        def counted(*a, **k):
-            outer = self._depth == 0
-            if outer:
-                self.syncs += 1
-                self.by_kind[name] = self.by_kind.get(name, 0) + 1
-                self.arrays += leaves(a)
-                t0 = time.perf_counter()
-            self._depth += 1
-            try:
-                return fn(*a, **k)
-            finally:
-                self._depth -= 1
-                if outer:
-                    self.wait_s += time.perf_counter() - t0
-        counted.__name__ = getattr(fn, "__name__", name)
-        return counted
-
-    def __enter__(self):
-        jax, cls = self.jax, self.cls
-        self._saved = [(cls, m, cls.__dict__[m]) for m in self.METHODS if m in cls.__dict__]
-        self._saved += [(jax, f, getattr(jax, f)) for f in ("block_until_ready", "device_get")]
-        tree_count = lambda a: sum(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(a[0]))
-        for owner, name, fn in self._saved:
-            if owner is cls:
-                # a nanobind method (block_until_ready) is a descriptor: call it through its
-                # __get__ so the wrapper, a plain function, binds like it
-                call = fn if not hasattr(fn, "__get__") or isinstance(fn, type(lambda: 0)) \
-                    else (lambda fn: lambda self, *a, **k: fn.__get__(self, cls)(*a, **k))(fn)
-                setattr(cls, name, self._wrap(f"Array.{name}", call, lambda a: 1))
-            else:
-                setattr(owner, name, self._wrap(f"jax.{name}", fn, tree_count))
-        self._buffer = buffer_protocol_off(cls)
-        self._buffer.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._buffer.__exit__(*exc)
-        for owner, name, fn in self._saved:
-            setattr(owner, name, fn)
-        return False
-
-
-def self_test() -> dict:
-    """Checks the sync counter on hand-made cases; returns what each counted. Raises if one
-    np.asarray of a fresh jax.Array does not count exactly 1, or a method is left patched."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    cls = type(jnp.zeros(1))
-    before = {m: cls.__dict__.get(m) for m in SyncCounter.METHODS}
-    got = {}
-    cases = {
-        "np.asarray": lambda x, y: np.asarray(x),
-        "np.array": lambda x, y: np.array(x),
-        "np.where": lambda x, y: np.where(x > 1, 1, 0),  # x > 1 is a new jax.Array: one fetch
-        "int(x[0])": lambda x, y: int(x[0]),
-        "y.item()": lambda x, y: y.item(),
-        "x.tolist()": lambda x, y: x.tolist(),
-        "jax.device_get((x, y))": lambda x, y: jax.device_get((x, y)),
-        "jax.block_until_ready(x)": lambda x, y: jax.block_until_ready(x),
-        "x.block_until_ready()": lambda x, y: x.block_until_ready(),
-        "none (x + 1, x.shape)": lambda x, y: (x + 1, x.shape),
-    }
-    want = {"np.asarray": 1, "np.array": 1, "np.where": 1, "int(x[0])": 1, "y.item()": 1,
-            "x.tolist()": 1, "jax.device_get((x, y))": 1, "jax.block_until_ready(x)": 1,
-            "x.block_until_ready()": 1, "none (x + 1, x.shape)": 0}
-    for name, case in cases.items():
-        x, y = jnp.arange(4) + 1, jnp.float32(2.5) * 2  # fresh arrays: no value on the host yet
-        jax.block_until_ready((x, y))
-        with SyncCounter() as s:
-            case(x, y)
-        got[name] = s.syncs
-    if got != want:
-        raise AssertionError(f"sync counter self-test: counted {got}, expected {want}")
-    if {m: cls.__dict__.get(m) for m in SyncCounter.METHODS} != before:
-        raise AssertionError("sync counter self-test: a method of the array class stayed patched")
-    memoryview(jnp.arange(2) + 1)  # the buffer protocol is back
-    return got
 
 
 # ---------------------------------------------------------------------------------- the models
@@ -259,14 +120,6 @@ class MinimalLoop:
 
 
 # ------------------------------------------------------------------------------------- measuring
-def rounds_of(out, mode: str) -> int:
-    """Rounds of a call: metrics.rounds; for AR the tokens of the longest row where it is 0."""
-    r = int(out.metrics.rounds)
-    if mode == "ar" and r == 0:
-        r = max(len(t) for t in out.token_ids)
-    return r
-
-
 def _hit_rate(out):
     """SSD's speculation-cache hit rate where the metrics report one (else None)."""
     h = getattr(out.metrics, "hit_rate", None)
@@ -285,12 +138,8 @@ def measure(engine, target, mode: str, b: int, a) -> dict:
     def gen():
         return engine.generate(prompts, mode=mode, max_new_tokens=a.tokens, k=a.k, **kw)
 
-    warm = gen()  # compiles
-    out, py, c = count_calls(gen)
-    rounds = rounds_of(out, mode)
-    with SyncCounter() as s:
-        out2 = gen()
-    same = out2.token_ids == warm.token_ids == out.token_ids and rounds_of(out2, mode) == rounds
+    work = call_work(gen, mode)
+    out = work.pop("out")
     loop = MinimalLoop(target, b, a.prompt_len, a.tokens) if a.repeats > 0 else None
     per_round, host, minimal = [], [], []
     for i in range(a.repeats):  # alternated, so both see the same load
@@ -309,15 +158,9 @@ def measure(engine, target, mode: str, b: int, a) -> dict:
     host_ms = statistics.median(host) * 1e3 if host else None
     step_ms = statistics.median(minimal) * 1e3 if minimal else None
     tokens = sum(len(t) for t in out.token_ids)
-    return {"mode": mode, "batch": b, "rounds": rounds, "tokens": tokens,
-            "tokens_per_round_per_row": round(tokens / b / rounds, 3),
-            "hit_rate": _hit_rate(out),
-            "py_calls": py, "c_calls": c, "py_calls_per_round": round(py / rounds, 1),
-            "c_calls_per_round": round(c / rounds, 1), "syncs": s.syncs,
-            # over the counted call's own rounds: backup="auto" follows measured walls, so its
-            # calls may run different rounds
-            "syncs_per_round": round(s.syncs / rounds_of(out2, mode), 2), "arrays_fetched": s.arrays,
-            "syncs_by_kind": dict(sorted(s.by_kind.items())),
+    return {"mode": mode, "batch": b, "tokens": tokens,
+            "tokens_per_round_per_row": round(tokens / b / work["rounds"], 3),
+            "hit_rate": _hit_rate(out), **work,
             "ms_per_round": ms and round(ms, 3), "minimal_step_ms": step_ms and round(step_ms, 3),
             "ratio": ms and round(ms / step_ms, 2),
             "host_ms_per_round": host_ms and round(host_ms, 3),
@@ -325,7 +168,7 @@ def measure(engine, target, mode: str, b: int, a) -> dict:
             "host_ms_per_round_all": [round(x * 1e3, 3) for x in host],
             "ms_per_round_all": [round(x * 1e3, 3) for x in per_round],
             "minimal_step_ms_all": [round(x * 1e3, 3) for x in minimal],
-            "minimal_fast_path": loop and loop.fast_path, "same_tokens_every_call": bool(same)}
+            "minimal_fast_path": loop and loop.fast_path}
 
 
 def _repo_frame(frame):

@@ -47,7 +47,7 @@ def classic_emitters_for(markexpr: str) -> bool:
     SSD_JAX_TEST_FULL_OPT=1, the installed jaxlib has no classic emitters (0.11 dropped them and
     their flag: ssd_jax._compat), or the expression selects the real-weight tests (names `real_weights`
     or `alone` other than after `not`), whose fully optimized programs run long and ran ~10%
-    slower with them (benchmarks/README.md, "XLA:CPU's classic emitters for the suite")."""
+    slower with them (benchmarks/README.md at 8faea7c, "XLA:CPU's classic emitters for the suite")."""
     if not LEAN_BY_DEFAULT or not XLA_CPU_HAS_CLASSIC_EMITTERS:
         return False
     return all(neg for neg, _ in re.findall(r"(\bnot\b[\s(]*)?\b(real_weights|alone)\b", markexpr))

@@ -109,6 +109,6 @@ def test_gpu_session_smoke_writes_one_json_with_each_step(tmp_path):
     assert jax.__version__ == cold["jax"]
     chunks = steps["chunk_memory"]["result"]["runs"]
     assert [r["mode"] for r in chunks] == ["ar", "sd", "ssd"]
-    for r in chunks:  # each chunk compiled and measured (the bound is tests/test_chunk_memory's)
+    for r in chunks:  # each chunk compiled and measured (the bound is tests/unit/test_chunk_memory's)
         assert r["chunk_temp_mib"] > 0 and r["chunk_args_mib"] > 0, r
         assert set(r["embed_mib"]) == {"target", "draft"}, r

@@ -5,15 +5,14 @@
 - The host's work per round, counted (deterministic, unlike time): Python calls per round and
   device->host reads per round at batch 1 and 8, for AR / SD / SSD, within the bounds the issue
   set (AR <= 400 a token, SD / SSD <= 1,000 a round, one read a round plus a few per call) and
-  not growing with the batch. The counters are benchmarks/host_overhead.py's own.
+  not growing with the batch. The counters are `ssd_jax.testing.host_work`'s, which
+  benchmarks/host_overhead.py reports.
 - The device loop and the timed host loop (`timeline=True`) give the same tokens and counters;
   tests/unit/test_golden_ids.py holds both to the ids of the engine before the rewrite. SD and SSD
   on one mesh run in chunks of rounds (`round_steps.sd_chunk` / `ssd_chunk`): the same as their
   rounds one by one.
 """
 from __future__ import annotations
-
-import argparse
 
 import jax
 import jax.numpy as jnp
@@ -24,12 +23,7 @@ from ssd_jax.algorithm import decode_state as ds
 from ssd_jax.runtime.batch import Batch
 from ssd_jax.runtime.engine import Engine, SSDConfig
 from ssd_jax.algorithm.sampling import SamplingParams
-
-from _benchmark_scripts import load
-
-
-def _host_overhead():
-    return load("host_overhead")
+from ssd_jax.testing.host_work import call_work
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -72,18 +66,27 @@ def test_report_round_trips_tokens_and_logprobs():
 
 @pytest.fixture(scope="module")
 def tiny():
-    host = _host_overhead()
-    target, draft = host.build_pair(64, 1, 0.1)
+    """(target, engine): a random one-layer target over 64 ids and its draft, the target's weights
+    perturbed by 10%; SD / SSD in chunks of rounds, which a CPU leaves off."""
+    from ssd_jax.models.config import tiny_config
+    from ssd_jax.models.model import Model
+    from ssd_jax.models.params import perturb, random_params
+    cfg = tiny_config("qwen2", vocab_size=64, num_layers=1)
+    target = Model(cfg, random_params(cfg, 0))
+    draft = Model(cfg, perturb(target.params, jax.random.key(1), 0.1))
     eng = Engine(target, draft, placement="colocated", backend="xla", compilation_cache=False,
-                 max_len=64, round_chunks=True)  # SD / SSD in chunks of rounds, which a CPU leaves off
-    return host, target, eng
+                 max_len=64, round_chunks=True)
+    return target, eng
 
 
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
 def test_host_work_per_round_is_bounded_and_flat_in_the_batch(tiny, mode):
-    host, target, eng = tiny
-    a = argparse.Namespace(vocab=64, prompt_len=4, tokens=24, k=2, repeats=0)
-    rows = {b: host.measure(eng, target, mode, b, a) for b in (1, 8)}
+    _, eng = tiny
+    rows = {}
+    for b in (1, 8):
+        rng = np.random.default_rng(0)
+        prompts = [[int(t) for t in rng.integers(0, 64, 4)] for _ in range(b)]
+        rows[b] = call_work(lambda: eng.generate(prompts, mode=mode, max_new_tokens=24, k=2), mode)
     bound = 400 if mode == "ar" else 1000
     for b, row in rows.items():
         assert row["same_tokens_every_call"]
@@ -110,7 +113,7 @@ def test_device_loop_and_timed_host_loop_agree(tiny, monkeypatch, mode, backup):
     (in rounds one by one: `tiny` runs chunks of rounds, where auto asks once a chunk)."""
     import contextlib
     from _golden_cases import deterministic_auto
-    _, _, eng = tiny
+    _, eng = tiny
     if backup == "auto":
         _one_round_at_a_time(monkeypatch)
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
@@ -159,7 +162,7 @@ def test_a_draft_failure_read_a_round_late_rolls_back_and_refills_the_target(tin
     from ssd_jax.runtime.device_loop import DeviceLoop
     from ssd_jax.runtime.draft_worker import DraftWorker
     from ssd_jax.runtime.fallback import DraftFallbackWarning
-    _, _, eng = tiny
+    _, eng = tiny
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
     kw = dict(max_new_tokens=24, k=2, eos_ids=[])
     lost = []
@@ -216,7 +219,7 @@ def test_rounds_are_enqueued_one_ahead_and_a_budget_end_runs_no_void_round(tiny,
     on an EOS early may dispatch one void round more, which changes nothing it returns."""
     from ssd_jax.algorithm import steps
     from ssd_jax.runtime.device_loop import DeviceLoop
-    _, _, eng = tiny
+    _, eng = tiny
     _one_round_at_a_time(monkeypatch)
     events = []
     verify, read = steps.verify, DeviceLoop.read_draft
@@ -262,7 +265,7 @@ CHUNK_SSD = SSDConfig(fanout=(2, 2, 1))
 def test_round_chunks_default_follows_the_platform(tiny, monkeypatch):
     """`Engine(round_chunks=None)`: off on a CPU (the default pair's chunks compile 5-8 s longer
     for a 2-6% faster call), on elsewhere; True / False force it; anything else is a TypeError."""
-    host, target, eng = tiny
+    target, eng = tiny
     for mode in ("sd", "ssd"):
         calls = _count_chunks(monkeypatch, mode)
         kw = dict(mode=mode, max_new_tokens=12, k=2, ssd=CHUNK_SSD)
@@ -288,7 +291,7 @@ def test_round_chunks_equal_rounds_one_by_one(tiny, monkeypatch, mode, backup, t
     and backup counters (each backup; Saguaro) and per-round timeline counts as the rounds
     dispatched one by one, with one dispatch and one read a chunk."""
     from ssd_jax.algorithm import round_steps
-    _, _, eng = tiny
+    _, eng = tiny
     calls = _count_chunks(monkeypatch, mode)
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [2], [7, 7, 7, 1, 2]]
     kw = dict(mode=mode, max_new_tokens=40, k=2, seed=3, eos_ids=eos,
@@ -320,7 +323,7 @@ def test_auto_backup_in_chunks_chooses_once_a_chunk(tiny, monkeypatch):
     from ssd_jax.algorithm import round_steps
     from ssd_jax.algorithm.policy import BackupChooser
     from ssd_jax.runtime import engine as engine_module
-    _, _, eng = tiny
+    _, eng = tiny
     N = round_steps.SD_CHUNK
 
     class Chooser(BackupChooser):
@@ -354,7 +357,7 @@ def test_round_chunks_are_enqueued_one_ahead_and_one_that_fails_to_compile_runs_
     anything ran) leaves the call to the rounds one by one, with the same ids."""
     from ssd_jax.algorithm import round_steps
     from ssd_jax.runtime.device_loop import DeviceLoop
-    _, _, eng = tiny
+    _, eng = tiny
     events = []
     name = f"{mode}_chunk"
     chunk, read = getattr(round_steps, name), DeviceLoop._rounds_read
@@ -383,7 +386,7 @@ def test_memory_reports_the_last_calls_speculation_cache(tiny):
     """`metrics.memory_of`'s spec_cache is the last call's tree (dropped each round once looked
     up): per-row, so twice the rows hold twice the bytes; an SD call holds none."""
     from ssd_jax.runtime.metrics import memory_of
-    _, _, eng = tiny
+    _, eng = tiny
     kw = dict(max_new_tokens=8, k=2, ssd=SSDConfig(fanout=(2, 1, 1)))
     total = lambda: sum(memory_of(eng)["spec_cache"].values())  # noqa: E731
     eng.generate([[1, 2, 3]] * 2, mode="ssd", **kw)

@@ -6,9 +6,9 @@ that convert fuses into the gather; in a loop body, loop-invariant code motion h
 the loop, so every chunk wrote the table again in fp32 (1.4 GB a chunk for the default pair, whose
 chunks of rounds ran 1.4-1.55x slower than its rounds one by one). `models.transformer.embed`
 keeps the gather inside the loop. Here each chunk program is compiled as the engine calls it
-(benchmarks/chunk_memory.py's `chunk_temporaries`), for a bf16 pair whose embedding outweighs
-everything else the loop holds, and its temporary memory must stay below one bf16 copy of the
-table (the hoisted convert alone is two).
+(`ssd_jax.testing.chunk_memory.chunk_temporaries`, which benchmarks/chunk_memory.py reports), for
+a bf16 pair whose embedding outweighs everything else the loop holds, and its temporary memory
+must stay below one bf16 copy of the table (the hoisted convert alone is two).
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from ssd_jax.models.config import tiny_config
 from ssd_jax.models.model import Model
 from ssd_jax.models.params import random_params
 from ssd_jax.runtime.engine import Engine, SSDConfig
+from ssd_jax.testing.chunk_memory import chunk_temporaries
 
-from _benchmark_scripts import load
 from _compile_level import optimized
 
 
@@ -38,7 +38,7 @@ def test_a_chunk_holds_no_copy_of_the_embedding(bf16_pair, mode):
     with optimized():
         eng = Engine(target, draft, placement="colocated", max_len=32, compilation_cache=False,
                      round_chunks=True)  # chunks of rounds, which a CPU leaves off by default
-        temp, _ = load("chunk_memory").chunk_temporaries(
+        temp, _ = chunk_temporaries(
             eng, mode, [[1, 2, 3], [4, 5]], max_new_tokens=6, k=2, ssd=SSDConfig(fanout=(2, 1, 1)))
     table = target.params.embed.nbytes
     assert temp < table, (f"{mode}'s chunk holds {temp / 2**20:.1f} MiB of temporaries, the bf16 "
