@@ -6,8 +6,8 @@ Nothing runs. For each step of a pair at a batch size it reports, from the optim
 
 - `kernels`: the operations a call launches (fusions, library calls, copies, sorts, ...; not
   parameters, tuples, bitcasts or constants), in the entry computation and in every loop body or
-  branch it runs (a loop body counted once), and `per_layer`, that over the decoder layers it
-  runs (a chunk: those of one iteration);
+  branch it runs (a loop body as often as its known trip count, once where XLA does not know
+  it), and `per_layer`, that over the decoder layers it runs (a chunk: those of one iteration);
 - `cache_copies`: copies or transposes the size of one layer's KV cache (a cache moved whole
   instead of updated in place);
 - `large_temporaries`: other results the size of a layer's smallest weight or more that are not
@@ -16,7 +16,10 @@ Nothing runs. For each step of a pair at a batch size it reports, from the optim
   `must_read`, the weights plus the KV cache window the step reads (a chunk: once a forward of one
   iteration): `bytes_ratio` 1.0 is every byte read once. `gather_excess`: XLA's analysis counts
   the whole table a fused gather reads rows of (an embedding lookup of 9 tokens as the whole
-  272 MB embedding), where the kernel reads only the rows: that difference is taken out;
+  272 MB embedding), where the kernel reads only the rows: that difference is taken out.
+  `loop_bytes`: the analysis counts a loop body once; a loop of known trip count n runs it n
+  times, and the n - 1 more are added, estimated from the body's kernels (each one's result and
+  operands counted whole);
 - `memory` (`memory_analysis()`: arguments, outputs, temporaries) and `compile_s`.
 
 Each step is compiled as the engine compiles its steps (`ssd_jax.algorithm.aot.step_jit`: with the
@@ -121,20 +124,40 @@ def _called(attrs: str, keys: tuple[str, ...]) -> list[str]:
     return names
 
 
-def executed(comps: dict[str, list[Instr]], entry: str) -> list[str]:
-    """The computations whose instructions run as kernels: the entry and, transitively, the bodies,
-    conditions and branches of its loops and conditionals (not fusions' insides)."""
-    seen, todo = [], [entry]
-    while todo:
-        c = todo.pop()
-        if c in seen or c not in comps:
-            continue
-        seen.append(c)
-        for ins in comps[c]:
+def known_trips(ins: Instr) -> int | None:
+    """A while loop's trip count where XLA knows it (`known_trip_count` in its backend config: a
+    `lax.scan`, a `fori_loop` of static bounds), else None."""
+    m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attrs)
+    return int(m.group(1)) if m else None
+
+
+def runs(comps: dict[str, list[Instr]], entry: str, *, trips: bool = True) -> dict[str, int]:
+    """{computation: how often one call runs it} for those whose instructions run as kernels: the
+    entry once; a loop's body and condition as often as its known trip count, once where it is
+    not known (a chunk's loop of rounds: one iteration) or with `trips=False` (as XLA's cost
+    analysis counts them); each branch of a conditional once (not fusions' insides)."""
+    times: dict[str, int] = {}
+
+    def visit(name: str, n: int) -> None:
+        if name not in comps:
+            return
+        times[name] = times.get(name, 0) + n
+        for ins in comps[name]:
             if ins.op in ("while", "conditional", "call"):
-                todo += _called(ins.attrs, ("body", "condition", "branch_computations",
-                                            "true_computation", "false_computation", "to_apply"))
-    return seen
+                k = n * (known_trips(ins) or 1) if ins.op == "while" and trips else n
+                for callee in _called(ins.attrs, ("body", "condition", "branch_computations",
+                                                  "true_computation", "false_computation",
+                                                  "to_apply")):
+                    visit(callee, k)
+
+    visit(entry, 1)
+    return times
+
+
+def executed(comps: dict[str, list[Instr]], entry: str) -> list[str]:
+    """The computations whose instructions run as kernels (`runs`' keys): the entry and,
+    transitively, the bodies, conditions and branches of its loops and conditionals."""
+    return list(runs(comps, entry))
 
 
 _ARRAY = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
@@ -175,6 +198,7 @@ class ProgramReport:
     memory: dict
     compile_s: float
     gather_excess: int = 0
+    loop_bytes: int = 0
 
     def line(self) -> str:
         """One line: the step, its batch and each figure."""
@@ -197,11 +221,11 @@ def analyse(text: str, *, layers: int, cache_elems, small_weight_bytes: int) -> 
         if ins.root:
             outputs |= set(re.findall(r"%([\w.\-]+)", ins.attrs.split(")")[0])) | {ins.name}
     kernels, ops, copies, large = 0, {}, 0, []
-    for c in executed(comps, entry):
+    for c, n in runs(comps, entry).items():
         for ins in comps[c]:
             if ins.op in _NOT_KERNELS:
                 continue
-            kernels += 1
+            kernels += n
             kind = ins.op
             root_op = None
             if ins.op == "fusion":
@@ -209,17 +233,33 @@ def analyse(text: str, *, layers: int, cache_elems, small_weight_bytes: int) -> 
                 kind = f"fusion:{m.group(1) if m else '?'}"
                 called = _called(ins.attrs, ("calls",))
                 root_op = fused_roots.get(called[0]) if called else None
-            ops[kind] = ops.get(kind, 0) + 1
-            elems = [n for _, n in arrays(ins.shape)]
+            ops[kind] = ops.get(kind, 0) + n
+            elems = [e for _, e in arrays(ins.shape)]
             cache_sized = bool(sizes.intersection(elems))
             if cache_sized and (ins.op in ("copy", "transpose") or root_op in ("copy", "transpose")):
-                copies += 1
+                copies += n
             elif (not cache_sized and c == entry and ins.name not in outputs
                   and nbytes(ins.shape) >= small_weight_bytes):
                 large.append(f"{ins.op} {ins.shape.split('{')[0]}")
     return dict(kernels=kernels, per_layer=kernels / max(layers, 1), kernel_ops=ops,
                 cache_copies=copies, large_temporaries=large,
-                gather_excess=_gather_excess(comps, entry))
+                gather_excess=_gather_excess(comps, entry), loop_bytes=_loop_bytes(comps, entry))
+
+
+def _loop_bytes(comps: dict[str, list[Instr]], entry: str) -> int:
+    """The bytes XLA's cost analysis leaves out of a loop of known trip count n, which it counts
+    once: n - 1 more runs of its body and condition, each kernel's result and operands counted
+    whole (an estimate that errs high: a fusion may read part of an operand)."""
+    extra = 0
+    once = runs(comps, entry, trips=False)
+    for c, n in runs(comps, entry).items():
+        if n == once[c]:
+            continue
+        shapes = {i.name: i.shape for i in comps[c]}
+        own = sum(nbytes(i.shape) + sum(nbytes(shapes.get(o, "")) for o in _operands(i))
+                  for i in comps[c] if i.op not in _NOT_KERNELS)
+        extra += (n - once[c]) * own
+    return extra
 
 
 def _operands(ins: Instr) -> list[str]:
@@ -533,7 +573,8 @@ def report(name: str, compiled, cfg, shapes: Shapes, params, kv_bytes: int,
     counts = analyse(compiled.as_text(), layers=layers, cache_elems=cache_elems,
                      small_weight_bytes=small)
     accessed = _bytes_accessed(compiled)
-    accessed = None if accessed is None else accessed - counts["gather_excess"]
+    accessed = None if accessed is None else \
+        accessed - counts["gather_excess"] + counts["loop_bytes"]
     m = compiled.memory_analysis()
     memory = {} if m is None else dict(arguments=m.argument_size_in_bytes,
                                        outputs=m.output_size_in_bytes, alias=m.alias_size_in_bytes,

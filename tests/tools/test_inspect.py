@@ -88,6 +88,25 @@ def test_the_parser_reads_computations_shapes_and_the_entry():
     assert set(ins.executed(comps, entry)) == {"main", "cond", "body"}
 
 
+def test_a_loop_of_known_trip_count_runs_its_body_that_often():
+    """A `lax.scan`'s while (XLA's `known_trip_count`) launches its body and condition each
+    iteration; a loop whose count XLA does not know (a chunk's rounds) counts one iteration."""
+    scanned = HLO.replace("while(%t), condition=%cond, body=%body",
+                          'while(%t), condition=%cond, body=%body, '
+                          'backend_config={"known_trip_count":{"n":"3"}}')
+    comps, entry = ins.parse_hlo(scanned)
+    assert ins.runs(comps, entry) == {"main": 1, "cond": 3, "body": 3}
+    got = ins.analyse(scanned, layers=2, cache_elems=4 * 8 * 2 * 4, small_weight_bytes=64 * 32 * 2)
+    # entry 4, then 3 x (cond 1 + body 2)
+    assert got["kernels"] == 4 + 3 * 3 and got["kernel_ops"]["compare"] == 3
+    assert got["cache_copies"] == 1 + 3
+    # XLA's analysis counts the loop once; two more runs of the body (n1: s32 in and out, 8 bytes;
+    # c1: the cache-sized copy, 512 in and 512 out) and of the condition (two s32 in, a pred out)
+    assert got["loop_bytes"] == 2 * ((4 + 4) + (512 + 512) + (4 + 4 + 1))
+    assert ins.analyse(HLO, layers=2, cache_elems=4 * 8 * 2 * 4,
+                       small_weight_bytes=64 * 32 * 2)["loop_bytes"] == 0
+
+
 def test_the_analysis_counts_what_the_hand_written_program_launches():
     got = ins.analyse(HLO, layers=2, cache_elems=4 * 8 * 2 * 4, small_weight_bytes=64 * 32 * 2)
     # entry: tr, up, big, g (4); cond: lt (1); body: n1, c1 (2)
