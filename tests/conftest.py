@@ -30,8 +30,9 @@ from ssd_jax.runtime.defaults import describe  # noqa: E402  (after the cache se
 from _compile_level import (  # noqa: E402
     LEAN_BY_DEFAULT, release_executables_near_the_map_limit, set_lean, use_classic_cpu_emitters)
 
-# a test whose worker dies of a signal runs once more (tests/_crash_rerun.py says why and how)
 from _cli_models import pair  # noqa: E402,F401 - the `ssd-jax` tests' tiny HF folders, a fixture
+
+# a test whose worker dies of a signal runs once more (tests/_crash_rerun.py says why and how)
 from _crash_rerun import (  # noqa: E402,F401
     pytest_handlecrashitem, pytest_report_teststatus, pytest_terminal_summary)
 
