@@ -221,7 +221,8 @@ def analyse(text: str, *, layers: int, cache_elems, small_weight_bytes: int) -> 
         if ins.root:
             outputs |= set(re.findall(r"%([\w.\-]+)", ins.attrs.split(")")[0])) | {ins.name}
     kernels, ops, copies, large = 0, {}, 0, []
-    for c, n in runs(comps, entry).items():
+    times = runs(comps, entry)
+    for c, n in times.items():
         for ins in comps[c]:
             if ins.op in _NOT_KERNELS:
                 continue
@@ -243,16 +244,17 @@ def analyse(text: str, *, layers: int, cache_elems, small_weight_bytes: int) -> 
                 large.append(f"{ins.op} {ins.shape.split('{')[0]}")
     return dict(kernels=kernels, per_layer=kernels / max(layers, 1), kernel_ops=ops,
                 cache_copies=copies, large_temporaries=large,
-                gather_excess=_gather_excess(comps, entry), loop_bytes=_loop_bytes(comps, entry))
+                gather_excess=_gather_excess(comps, entry),
+                loop_bytes=_loop_bytes(comps, times, runs(comps, entry, trips=False)))
 
 
-def _loop_bytes(comps: dict[str, list[Instr]], entry: str) -> int:
+def _loop_bytes(comps: dict[str, list[Instr]], times: dict[str, int], once: dict[str, int]) -> int:
     """The bytes XLA's cost analysis leaves out of a loop of known trip count n, which it counts
-    once: n - 1 more runs of its body and condition, each kernel's result and operands counted
-    whole (an estimate that errs high: a fusion may read part of an operand)."""
+    once: n - 1 more runs of its body and condition (`times` against `once`, `runs` with and
+    without trip counts), each kernel's result and operands counted whole (an estimate that errs
+    high: a fusion may read part of an operand)."""
     extra = 0
-    once = runs(comps, entry, trips=False)
-    for c, n in runs(comps, entry).items():
+    for c, n in times.items():
         if n == once[c]:
             continue
         shapes = {i.name: i.shape for i in comps[c]}
