@@ -40,147 +40,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 import time
 from pathlib import Path
 from typing import Callable
+
+from ssd_jax.tools.hlo_text import analyse
 
 TARGETS = ("h100", "h200", "tpu-v5e", "local")
 STEPS = ("decode", "verify", "prefill", "draft", "tree", "ar_chunk", "sd_chunk", "ssd_chunk")
 _TARGET_CONFIGS = Path(__file__).parent / "targets"
 
-# HLO instructions that launch nothing: values, views and containers (a loop's or branch's body
-# is counted on its own).
-_NOT_KERNELS = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while",
-                "conditional", "call", "after-all", "opt-barrier", "partition-id", "replica-id",
-                "add-dependency", "domain"}
-
 
 # ------------------------------------------------------------------------------------------------
-# The optimized program, read as text
+# The report
 # ------------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Instr:
-    """One instruction of an HLO computation, as printed."""
-    name: str
-    op: str
-    shape: str           # as printed: "bf16[1,1024,2,128]{3,2,1,0}" or a tuple "(f32[2], s32[])"
-    attrs: str           # the rest of the line (operands, calls=, body=, ...)
-    root: bool
-
-
-def _shape_end(text: str, i: int) -> int:
-    """Index just past the shape that starts at text[i] (a tuple's parentheses balanced)."""
-    if text[i] != "(":
-        return text.index(" ", i)
-    depth = 0
-    for j in range(i, len(text)):
-        depth += {"(": 1, ")": -1}.get(text[j], 0)
-        if depth == 0:
-            return j + 1
-    raise ValueError(f"unbalanced tuple shape in {text[i:i + 80]!r}")
-
-
-_HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
-_INSTR = re.compile(r"^\s+(ROOT )?%?([\w.\-]+) = ")
-
-
-def parse_hlo(text: str) -> tuple[dict[str, list[Instr]], str]:
-    """Optimized HLO text -> ({computation name: its instructions}, the entry's name)."""
-    comps: dict[str, list[Instr]] = {}
-    entry, current = None, None
-    for line in text.splitlines():
-        if current is None:
-            m = _HEADER.match(line)
-            if m:
-                current = m.group(2)
-                comps[current] = []
-                if m.group(1):
-                    entry = current
-            continue
-        if line.strip() == "}":
-            current = None
-            continue
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        rest = line[m.end():]
-        end = _shape_end(rest, 0)
-        op_m = re.match(r"\s*([a-z][\w\-]*)\(", rest[end:])
-        if op_m is None:
-            continue
-        comps[current].append(Instr(m.group(2), op_m.group(1), rest[:end],
-                                    rest[end + op_m.end():], bool(m.group(1))))
-    if entry is None:
-        raise ValueError("no ENTRY computation in the HLO text")
-    return comps, entry
-
-
-def _called(attrs: str, keys: tuple[str, ...]) -> list[str]:
-    names = []
-    for key in keys:
-        for m in re.finditer(rf"\b{key}=\{{?([^}},]+(?:,\s*%[^}},]+)*)\}}?", attrs):
-            names += [n.strip().lstrip("%") for n in m.group(1).split(",")]
-    return names
-
-
-def known_trips(ins: Instr) -> int | None:
-    """A while loop's trip count where XLA knows it (`known_trip_count` in its backend config: a
-    `lax.scan`, a `fori_loop` of static bounds), else None."""
-    m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attrs)
-    return int(m.group(1)) if m else None
-
-
-def runs(comps: dict[str, list[Instr]], entry: str, *, trips: bool = True) -> dict[str, int]:
-    """{computation: how often one call runs it} for those whose instructions run as kernels: the
-    entry once; a loop's body and condition as often as its known trip count, once where it is
-    not known (a chunk's loop of rounds: one iteration) or with `trips=False` (as XLA's cost
-    analysis counts them); each branch of a conditional once (not fusions' insides)."""
-    times: dict[str, int] = {}
-
-    def visit(name: str, n: int) -> None:
-        if name not in comps:
-            return
-        times[name] = times.get(name, 0) + n
-        for ins in comps[name]:
-            if ins.op in ("while", "conditional", "call"):
-                k = n * (known_trips(ins) or 1) if ins.op == "while" and trips else n
-                for callee in _called(ins.attrs, ("body", "condition", "branch_computations",
-                                                  "true_computation", "false_computation",
-                                                  "to_apply")):
-                    visit(callee, k)
-
-    visit(entry, 1)
-    return times
-
-
-def executed(comps: dict[str, list[Instr]], entry: str) -> list[str]:
-    """The computations whose instructions run as kernels (`runs`' keys): the entry and,
-    transitively, the bodies, conditions and branches of its loops and conditionals."""
-    return list(runs(comps, entry))
-
-
-_ARRAY = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-          "f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
-
-
-def arrays(shape: str) -> list[tuple[str, int]]:
-    """(dtype, element count) of each array in a printed shape (one, or a tuple's)."""
-    out = []
-    for dt, dims in _ARRAY.findall(shape):
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        out.append((dt, n))
-    return out
-
-
-def nbytes(shape: str) -> int:
-    """Bytes of the arrays in a printed shape."""
-    return sum(_BYTES.get(dt, 4) * n for dt, n in arrays(shape))
-
-
 @dataclasses.dataclass
 class ProgramReport:
     """What one compiled step launches and moves (module docstring)."""
@@ -207,104 +80,6 @@ class ProgramReport:
                 f"({self.per_layer:5.1f} a layer)  cache copies {self.cache_copies:4d}  "
                 f"large temporaries {len(self.large_temporaries):4d}  bytes / must-read {ratio:>5s}  "
                 f"temp {self.memory.get('temp', 0) / 2**20:8.1f} MiB  compile {self.compile_s:5.1f} s")
-
-
-def analyse(text: str, *, layers: int, cache_elems, small_weight_bytes: int) -> dict:
-    """Counts of module docstring from optimized HLO `text`: kernels (and by opcode, a fusion as
-    its kind), cache-sized copies / transposes (cache_elems: a layer's K or V cache in elements, or
-    a tuple of such sizes), large non-output temporaries."""
-    sizes = set(cache_elems) if isinstance(cache_elems, (tuple, list, set)) else {cache_elems}
-    comps, entry = parse_hlo(text)
-    fused_roots = {name: next((i.op for i in ins if i.root), None) for name, ins in comps.items()}
-    outputs = set()
-    for ins in comps[entry]:
-        if ins.root:
-            outputs |= set(re.findall(r"%([\w.\-]+)", ins.attrs.split(")")[0])) | {ins.name}
-    kernels, ops, copies, large = 0, {}, 0, []
-    times = runs(comps, entry)
-    for c, n in times.items():
-        for ins in comps[c]:
-            if ins.op in _NOT_KERNELS:
-                continue
-            kernels += n
-            kind = ins.op
-            root_op = None
-            if ins.op == "fusion":
-                m = re.search(r"kind=(k\w+)", ins.attrs)
-                kind = f"fusion:{m.group(1) if m else '?'}"
-                called = _called(ins.attrs, ("calls",))
-                root_op = fused_roots.get(called[0]) if called else None
-            ops[kind] = ops.get(kind, 0) + n
-            elems = [e for _, e in arrays(ins.shape)]
-            cache_sized = bool(sizes.intersection(elems))
-            if cache_sized and (ins.op in ("copy", "transpose") or root_op in ("copy", "transpose")):
-                copies += n
-            elif (not cache_sized and c == entry and ins.name not in outputs
-                  and nbytes(ins.shape) >= small_weight_bytes):
-                large.append(f"{ins.op} {ins.shape.split('{')[0]}")
-    return dict(kernels=kernels, per_layer=kernels / max(layers, 1), kernel_ops=ops,
-                cache_copies=copies, large_temporaries=large,
-                gather_excess=_gather_excess(comps, entry),
-                loop_bytes=_loop_bytes(comps, times, runs(comps, entry, trips=False)))
-
-
-def _loop_bytes(comps: dict[str, list[Instr]], times: dict[str, int], once: dict[str, int]) -> int:
-    """The bytes XLA's cost analysis leaves out of a loop of known trip count n, which it counts
-    once: n - 1 more runs of its body and condition (`times` against `once`, `runs` with and
-    without trip counts), each kernel's result and operands counted whole (an estimate that errs
-    high: a fusion may read part of an operand)."""
-    extra = 0
-    for c, n in times.items():
-        if n == once[c]:
-            continue
-        shapes = {i.name: i.shape for i in comps[c]}
-        own = sum(nbytes(i.shape) + sum(nbytes(shapes.get(o, "")) for o in _operands(i))
-                  for i in comps[c] if i.op not in _NOT_KERNELS)
-        extra += (n - once[c]) * own
-    return extra
-
-
-def _operands(ins: Instr) -> list[str]:
-    return re.findall(r"%([\w.\-]+)", ins.attrs.split(")")[0])
-
-
-def gather_excess(text: str) -> int:
-    """Bytes XLA's cost analysis counts beyond what the fused gathers of optimized HLO `text`
-    read: a fusion parameter whose one use is a gather's table counts whole there, where the
-    gather reads its result's bytes. Summed as the analysis sums (a loop body once, the largest
-    branch of a conditional). `analyse` reports it too."""
-    return _gather_excess(*parse_hlo(text))
-
-
-def _gather_excess(comps: dict[str, list[Instr]], entry: str) -> int:
-    def fused(name: str) -> int:
-        body = comps.get(name, [])
-        params = {i.name: i for i in body if i.op == "parameter"}
-        uses: dict[str, int] = {}
-        for i in body:
-            for o in _operands(i):
-                uses[o] = uses.get(o, 0) + 1
-        excess = 0
-        for i in body:
-            table = _operands(i)[:1] if i.op == "gather" else []
-            if table and table[0] in params and uses[table[0]] == 1:
-                excess += max(0, nbytes(params[table[0]].shape) - nbytes(i.shape))
-        return excess
-
-    @functools.lru_cache(maxsize=None)
-    def run(name: str) -> int:
-        total = 0
-        for i in comps.get(name, []):
-            if i.op == "fusion":
-                total += sum(fused(c) for c in _called(i.attrs, ("calls",)))
-            elif i.op in ("while", "call"):
-                total += sum(run(c) for c in _called(i.attrs, ("body", "condition", "to_apply")))
-            elif i.op == "conditional":
-                total += max((run(c) for c in _called(i.attrs, (
-                    "branch_computations", "true_computation", "false_computation"))), default=0)
-        return total
-
-    return run(entry)
 
 
 # ------------------------------------------------------------------------------------------------

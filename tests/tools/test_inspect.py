@@ -1,6 +1,6 @@
-"""`ssd_jax.tools.inspect`: reading an optimized program (kernels, whole-cache copies, large
-temporaries) from HLO text written here by hand, from programs compiled on this CPU whose
-answer is known by construction, and for an H100 without one (tests marked `gpu_aot`, which
+"""`ssd_jax.tools.inspect` and its `hlo_text`: reading an optimized program (kernels, whole-cache
+copies, large temporaries) from HLO text written here by hand, from programs compiled on this CPU
+whose answer is known by construction, and for an H100 without one (tests marked `gpu_aot`, which
 need JAX's CUDA plugin: the `inspect` extra)."""
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 from ssd_jax.models.config import tiny_config
 from ssd_jax.models.params import init_params
 from ssd_jax.tools import cli
+from ssd_jax.tools import hlo_text as hlo
 from ssd_jax.tools import inspect as ins
 
 # Two computations run as kernels (the entry and the loop body); the fusions' own computations
@@ -79,13 +80,13 @@ ENTRY %main (cache: bf16[4,8,2,4], new: bf16[4,1,2,4], i: s32[], w: bf16[64,32],
 
 
 def test_the_parser_reads_computations_shapes_and_the_entry():
-    comps, entry = ins.parse_hlo(HLO)
+    comps, entry = hlo.parse_hlo(HLO)
     assert entry == "main"
     assert set(comps) == {"fused_transpose", "fused_dus", "fused_mul", "body", "cond", "main"}
     g = next(i for i in comps["main"] if i.name == "g")
     assert (g.op, g.shape) == ("custom-call", "(f32[4]{0}, s8[256]{0})")
-    assert ins.arrays(g.shape) == [("f32", 4), ("s8", 256)] and ins.nbytes(g.shape) == 16 + 256
-    assert set(ins.executed(comps, entry)) == {"main", "cond", "body"}
+    assert hlo.arrays(g.shape) == [("f32", 4), ("s8", 256)] and hlo.nbytes(g.shape) == 16 + 256
+    assert set(hlo.executed(comps, entry)) == {"main", "cond", "body"}
 
 
 def test_a_loop_of_known_trip_count_runs_its_body_that_often():
@@ -94,21 +95,21 @@ def test_a_loop_of_known_trip_count_runs_its_body_that_often():
     scanned = HLO.replace("while(%t), condition=%cond, body=%body",
                           'while(%t), condition=%cond, body=%body, '
                           'backend_config={"known_trip_count":{"n":"3"}}')
-    comps, entry = ins.parse_hlo(scanned)
-    assert ins.runs(comps, entry) == {"main": 1, "cond": 3, "body": 3}
-    got = ins.analyse(scanned, layers=2, cache_elems=4 * 8 * 2 * 4, small_weight_bytes=64 * 32 * 2)
+    comps, entry = hlo.parse_hlo(scanned)
+    assert hlo.runs(comps, entry) == {"main": 1, "cond": 3, "body": 3}
+    got = hlo.analyse(scanned, layers=2, cache_elems=4 * 8 * 2 * 4, small_weight_bytes=64 * 32 * 2)
     # entry 4, then 3 x (cond 1 + body 2)
     assert got["kernels"] == 4 + 3 * 3 and got["kernel_ops"]["compare"] == 3
     assert got["cache_copies"] == 1 + 3
     # XLA's analysis counts the loop once; two more runs of the body (n1: s32 in and out, 8 bytes;
     # c1: the cache-sized copy, 512 in and 512 out) and of the condition (two s32 in, a pred out)
     assert got["loop_bytes"] == 2 * ((4 + 4) + (512 + 512) + (4 + 4 + 1))
-    assert ins.analyse(HLO, layers=2, cache_elems=4 * 8 * 2 * 4,
+    assert hlo.analyse(HLO, layers=2, cache_elems=4 * 8 * 2 * 4,
                        small_weight_bytes=64 * 32 * 2)["loop_bytes"] == 0
 
 
 def test_the_analysis_counts_what_the_hand_written_program_launches():
-    got = ins.analyse(HLO, layers=2, cache_elems=4 * 8 * 2 * 4, small_weight_bytes=64 * 32 * 2)
+    got = hlo.analyse(HLO, layers=2, cache_elems=4 * 8 * 2 * 4, small_weight_bytes=64 * 32 * 2)
     # entry: tr, up, big, g (4); cond: lt (1); body: n1, c1 (2)
     assert got["kernels"] == 7 and got["per_layer"] == 3.5
     assert got["kernel_ops"] == {"fusion:kLoop": 4, "custom-call": 1, "compare": 1, "copy": 1}
@@ -123,9 +124,9 @@ def test_a_tuple_shape_with_parenthesised_tpu_layouts_is_read_whole():
             "  %p = f32[8,128]{1,0:T(8,128)} parameter(0)\n"
             "  %f = (f32[8,128]{1,0:T(8,128)}, s32[]) fusion(%p), kind=kLoop, calls=%x\n"
             "  ROOT %g = f32[8,128]{1,0:T(8,128)} get-tuple-element(%f), index=0\n}\n")
-    comps, _ = ins.parse_hlo(text)
+    comps, _ = hlo.parse_hlo(text)
     f = comps["m"][1]
-    assert f.op == "fusion" and ins.arrays(f.shape) == [("f32", 1024), ("s32", 1)]
+    assert f.op == "fusion" and hlo.arrays(f.shape) == [("f32", 1024), ("s32", 1)]
 
 
 CFG = tiny_config("qwen2", vocab_size=64, num_layers=2, hidden_size=32, intermediate_size=64,
@@ -139,10 +140,10 @@ def test_a_cache_moved_whole_is_counted_and_an_update_in_place_is_not():
     row = jax.ShapeDtypeStruct((2, 1, 2, 8), jnp.float32)
     moved = jax.jit(lambda c: jnp.swapaxes(c, 1, 2)).lower(cache).compile().as_text()
     kw = dict(layers=1, cache_elems=2 * 64 * 2 * 8, small_weight_bytes=1 << 30)
-    assert ins.analyse(moved, **kw)["cache_copies"] == 1
+    assert hlo.analyse(moved, **kw)["cache_copies"] == 1
     in_place = jax.jit(lambda c, r: jax.lax.dynamic_update_slice(c, r, (0, 3, 0, 0)),
                        donate_argnums=0).lower(cache, row).compile().as_text()
-    assert ins.analyse(in_place, **kw)["cache_copies"] == 0
+    assert hlo.analyse(in_place, **kw)["cache_copies"] == 0
 
 
 def test_an_embedding_lookup_counts_the_rows_it_reads_not_the_table():
@@ -156,7 +157,7 @@ def test_an_embedding_lookup_counts_the_rows_it_reads_not_the_table():
     step = jax.jit(lambda t, i: embed(t, i).astype(jnp.float32) * 2)
     for n in (9, 1):
         compiled = step.lower(table, jax.ShapeDtypeStruct((n,), jnp.int32)).compile()
-        xla, excess = ins._bytes_accessed(compiled), ins.gather_excess(compiled.as_text())
+        xla, excess = ins._bytes_accessed(compiled), hlo.gather_excess(compiled.as_text())
         rows, out = n * 64 * 2, n * 64 * 4
         if n == 1:
             assert excess == 0 and xla < 4096 * 64 * 2 / 100
