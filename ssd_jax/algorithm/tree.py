@@ -104,23 +104,31 @@ def _decode_unrolled(step, K: int, tok, branch, saguaro_top_n, implicit: bool, r
 
 
 def _decode_scan(step, K: int, tok, branch, saguaro_top_n, V: int, row_dtype):
-    """The K branch steps as one `lax.scan` body, tokens and rows written in place into
-    `[B, MQ, K]` / `[B, MQ, K, V]` buffers. Saguaro's top-n per depth is the one static per-step
-    value: equal at every depth (the common case) it stays a Python int, else it is indexed by d."""
+    """Branch step 0 traced on its own, steps 1..K-1 as one `lax.scan` body, tokens and rows
+    written in place into `[B, MQ, K]` / `[B, MQ, K, V]` buffers. Step 0 keeps its Python 0 so that
+    `tree_step` starts the branch buffers from its new KV, as the unrolled form does; a traced 0
+    would make every step zero the buffers past slot 0 again. Saguaro's top-n per depth is the one
+    static per-step value: equal at every depth (the common case) it stays a Python int, else it
+    is indexed by d."""
     B, MQ = tok.shape
     same = len(set(saguaro_top_n)) <= 1
     top = (saguaro_top_n[0] if saguaro_top_n else 0) if same else jnp.asarray(saguaro_top_n, jnp.int32)
+    tok, r, branch = step(tok, branch, 0, saguaro_top_n[0] if saguaro_top_n else 0)
+    toks = jnp.zeros((B, MQ, K), jnp.int32).at[:, :, 0].set(tok)
+    rows = jnp.zeros((B, MQ, K, V), row_dtype)
+    if V:  # V = 0: implicit one-hot rows (`_decode_unrolled`)
+        rows = rows.at[:, :, 0].set(r.astype(row_dtype))
 
     def body(carry, d):
         tok, branch, toks, rows = carry
         tok, r, branch = step(tok, branch, d, top if same else top[d])
         toks = jax.lax.dynamic_update_index_in_dim(toks, tok, d, axis=2)
-        if V:  # V = 0: implicit one-hot rows (`_decode_unrolled`)
+        if V:
             rows = jax.lax.dynamic_update_index_in_dim(rows, r, d, axis=2)
         return (tok, branch, toks, rows), None
 
-    init = (tok, branch, jnp.zeros((B, MQ, K), jnp.int32), jnp.zeros((B, MQ, K, V), row_dtype))
-    (_, _, toks, rows), _ = jax.lax.scan(body, init, jnp.arange(K, dtype=jnp.int32))
+    (_, _, toks, rows), _ = jax.lax.scan(body, (tok, branch, toks, rows),
+                                         jnp.arange(1, K, dtype=jnp.int32))
     return toks, rows
 
 
