@@ -3,9 +3,10 @@
 `parse_hlo` splits the printed module (`compiled.as_text()`) into computations of `Instr`s;
 `runs` says how often one call runs each computation whose instructions launch kernels (the entry,
 loop bodies as often as XLA's known trip count, branches); `analyse` counts the kernels, the
-copies or transposes of a KV cache, the large temporaries, and two corrections to XLA's cost
-analysis: `gather_excess` (the whole table it counts for a fused gather that reads rows) and
-`loop_bytes` (the runs of a loop body it counts once). Plain text work: no JAX.
+copies or transposes of a KV cache, the large temporaries, and three corrections to XLA's cost
+analysis: `gather_excess` (the whole table it counts for a fused gather that reads rows),
+`loop_bytes` (the runs of a loop body it counts once) and `custom_bytes` (the custom calls it
+counts nothing for: the Pallas kernels, cuBLAS). Plain text work: no JAX.
 """
 from __future__ import annotations
 
@@ -146,7 +147,8 @@ def analyse(text: str, *, layers: int, cache_elems, small_weight_bytes: int) -> 
     """The counts `ssd_jax.tools.inspect` reports (its module docstring), from optimized HLO
     `text`: kernels (and by opcode, a fusion as its kind), cache-sized copies / transposes
     (cache_elems: a layer's K or V cache in elements, or a tuple of such sizes), large non-output
-    temporaries, `gather_excess` and `loop_bytes`."""
+    temporaries (a library call's scratch workspace not counted), `gather_excess`, `loop_bytes`
+    and `custom_bytes`."""
     sizes = set(cache_elems) if isinstance(cache_elems, (tuple, list, set)) else {cache_elems}
     comps, entry = parse_hlo(text)
     fused_roots = {name: next((i.op for i in ins if i.root), None) for name, ins in comps.items()}
@@ -155,7 +157,7 @@ def analyse(text: str, *, layers: int, cache_elems, small_weight_bytes: int) -> 
         if ins.root:
             outputs |= set(re.findall(r"%([\w.\-]+)", ins.attrs.split(")")[0])) | {ins.name}
     kernels, ops, copies, large = 0, {}, 0, []
-    times = runs(comps, entry)
+    times, once = runs(comps, entry), runs(comps, entry, trips=False)
     for c, n in times.items():
         for ins in comps[c]:
             if ins.op in _NOT_KERNELS:
@@ -174,12 +176,13 @@ def analyse(text: str, *, layers: int, cache_elems, small_weight_bytes: int) -> 
             if cache_sized and (ins.op in ("copy", "transpose") or root_op in ("copy", "transpose")):
                 copies += n
             elif (not cache_sized and c == entry and ins.name not in outputs
-                  and nbytes(ins.shape) >= small_weight_bytes):
+                  and sum(_results(ins).values()) >= small_weight_bytes):
                 large.append(f"{ins.op} {ins.shape.split('{')[0]}")
     return dict(kernels=kernels, per_layer=kernels / max(layers, 1), kernel_ops=ops,
                 cache_copies=copies, large_temporaries=large,
                 gather_excess=_gather_excess(comps, entry),
-                loop_bytes=_loop_bytes(comps, times, runs(comps, entry, trips=False)))
+                loop_bytes=_loop_bytes(comps, times, once),
+                custom_bytes=_custom_bytes(comps, once))
 
 
 def _loop_bytes(comps: dict[str, list[Instr]], times: dict[str, int], once: dict[str, int]) -> int:
@@ -200,6 +203,47 @@ def _loop_bytes(comps: dict[str, list[Instr]], times: dict[str, int], once: dict
 
 def _operands(ins: Instr) -> list[str]:
     return re.findall(r"%([\w.\-]+)", ins.attrs.split(")")[0])
+
+
+def _results(ins: Instr) -> dict[int, int]:
+    """Bytes of each array `ins` results in, by tuple index, less a cuBLAS call's scratch
+    workspace (the s8 array its tuple ends with): what the call leaves for others to read."""
+    sizes = {k: e * _BYTES.get(t, 4) for k, (t, e) in enumerate(arrays(ins.shape))}
+    if ins.op == "custom-call" and '"__cublas' in ins.attrs and len(sizes) > 1:
+        last = max(sizes)
+        if arrays(ins.shape)[last][0] == "s8":
+            del sizes[last]
+    return sizes
+
+
+def _aliased(ins: Instr) -> set[int]:
+    """The result indices of `ins` aliased to an operand (`output_to_operand_aliasing`; 0 for a
+    single result)."""
+    at = ins.attrs.find("output_to_operand_aliasing={")
+    if at < 0:
+        return set()
+    pairs = re.findall(r"\{(\d*)\}:\s*\(\d+,", ins.attrs[at:].split(")}", 1)[0] + ")")
+    return {int(k) if k else 0 for k in pairs}
+
+
+def _custom_bytes(comps: dict[str, list[Instr]], once: dict[str, int]) -> int:
+    """Bytes the custom calls move, which XLA's cost analysis leaves out (it marks a custom call's
+    bytes unknown): each call's operands read whole, and its results written whole but for its
+    workspace and those aliased to an operand (a cache the Pallas attention updates in place, its
+    read already counted). Counted as the analysis counts the rest (`once`: a loop body once;
+    `loop_bytes` adds its other runs): an estimate that errs high for a kernel that reads part of
+    an operand (the attention reads the live prefix of a cache, counted whole)."""
+    total = 0
+    for c, n in once.items():
+        shapes = {i.name: i.shape for i in comps[c]}
+        for ins in comps[c]:
+            if ins.op != "custom-call":
+                continue
+            aliased = _aliased(ins)
+            written = sum(b for k, b in _results(ins).items() if k not in aliased)
+            # + 1: the analysis counted the call as -1 byte
+            total += n * (written + sum(nbytes(shapes.get(o, "")) for o in _operands(ins)) + 1)
+    return total
 
 
 def gather_excess(text: str) -> int:

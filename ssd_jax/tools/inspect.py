@@ -12,14 +12,16 @@ Nothing runs. For each step of a pair at a batch size it reports, from the optim
   instead of updated in place);
 - `large_temporaries`: other results the size of a layer's smallest weight or more that are not
   outputs (a weight-sized intermediate, e.g. a vector-matrix product done as multiply + reduce);
-- `bytes_accessed` (XLA's cost analysis of the optimized module, less `gather_excess`) against
+- `bytes_accessed` (XLA's cost analysis of the optimized module, corrected as below) against
   `must_read`, the weights plus the KV cache window the step reads (a chunk: once a forward of one
   iteration): `bytes_ratio` 1.0 is every byte read once. `gather_excess`: XLA's analysis counts
   the whole table a fused gather reads rows of (an embedding lookup of 9 tokens as the whole
   272 MB embedding), where the kernel reads only the rows: that difference is taken out.
   `loop_bytes`: the analysis counts a loop body once; a loop of known trip count n runs it n
   times, and the n - 1 more are added, estimated from the body's kernels (each one's result and
-  operands counted whole);
+  operands counted whole). `custom_bytes`: the analysis counts nothing for a custom call (the
+  Pallas kernels, a cuBLAS GEMM); its operands and the results not updated in place are added,
+  counted whole (the attention's cache operand too, which it reads up to the live prefix);
 - `memory` (`memory_analysis()`: arguments, outputs, temporaries) and `compile_s`.
 
 Each step is compiled as the engine compiles its steps (`ssd_jax.algorithm.aot.step_jit`: with the
@@ -72,6 +74,7 @@ class ProgramReport:
     compile_s: float
     gather_excess: int = 0
     loop_bytes: int = 0
+    custom_bytes: int = 0
 
     def line(self) -> str:
         """One line: the step, its batch and each figure."""
@@ -351,7 +354,7 @@ def report(name: str, compiled, cfg, shapes: Shapes, params, kv_bytes: int,
                      small_weight_bytes=small)
     accessed = _bytes_accessed(compiled)
     accessed = None if accessed is None else \
-        accessed - counts["gather_excess"] + counts["loop_bytes"]
+        accessed - counts["gather_excess"] + counts["loop_bytes"] + counts["custom_bytes"]
     m = compiled.memory_analysis()
     memory = {} if m is None else dict(arguments=m.argument_size_in_bytes,
                                        outputs=m.output_size_in_bytes, alias=m.alias_size_in_bytes,
