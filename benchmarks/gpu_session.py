@@ -21,7 +21,7 @@ before it on the same warm machine: here, `git worktree add .before 290656c` and
 
 (~9 minutes; `pair_b1_warm` needs `pair_b1_cold` before it in the same run to be warm, else it
 is a second cold row). A second run, if the lease allows one: `--only
-engine_check_bf16,step_graphs,kernels_pair,chunk_memory` on this commit.
+inspect_device,engine_check_bf16,step_graphs,kernels_pair` on this commit.
 
 1. `env`: the device and jax's version (and nvidia-smi's line, in the JSON).
 2. `engine_check`: benchmarks/gpu_engine_check.py: AR, SD, SSD on the xla and pallas backends
@@ -49,6 +49,12 @@ engine_check_bf16,step_graphs,kernels_pair,chunk_memory` on this commit.
 6. `host_overhead`: benchmarks/host_overhead.py on tiny models: Python calls and device->host
    syncs per round and host ms per round on this device.
 7. `projection`: benchmarks/paper_projection.py --measure: the published pairs cut to 4 layers.
+8. `inspect_device`: `ssd-jax inspect --target local` on the device (the default pair's steps and
+   chunks at b = 1 and 16, compiled with the autotuner's GEMM picks: kernels, cache copies,
+   bytes), with XLA writing the autotune results, which the JSON carries (`"autotune"`): saved to
+   a file, `ssd-jax inspect --target h100 --autotune FILE` then compiles here, without the device,
+   with the device's GEMM configurations instead of the deviceless heuristics (the split-k
+   partials that make the b = 16 steps' bytes, benchmarks/README.md "The Pallas path for an H100").
 
 Random weights make every time real and the acceptance an artefact: random tied-embedding models
 tend to repeat their last token, so the draft and the target agree on almost every token (the
@@ -78,6 +84,7 @@ SMOKE_T = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=
                num_kv_heads=2, head_dim=16, tie_embeddings=True)
 SMOKE_D = dict(SMOKE_T, num_layers=1)
 K, FANOUT = 4, (3, 2, 2, 1, 1)
+AUTOTUNE = "autotune.textproto"  # the GEMM configurations XLA's autotuner picked (`inspect_device`)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -340,10 +347,16 @@ def _steps(out: Path, smoke: bool, cache: Path):
         ("projection", [py, str(ROOT / "benchmarks" / "paper_projection.py"), "--acceptance",
                         "0.86", "--hit-rate", "0.85", "--measure", "--layers", "4",
                         "--json", str(out / "projection.json")], 150, "projection.json"),
+        ("inspect_device", [py, "-m", "ssd_jax", "inspect", "--target", "local", "--steps",
+                            "decode,verify,draft,tree,ar_chunk,sd_chunk,ssd_chunk",
+                            "--json", str(out / "inspect_device.json")], 300, "inspect_device.json",
+         {"XLA_FLAGS": f"--xla_gpu_dump_autotune_results_to={out / AUTOTUNE}"}),
     ]
-    # on a CPU: the command-buffer flags are the GPU's, and the published shapes are too large
-    # (tests/test_paper_suite runs --measure on tiny ones)
-    return [st for st in steps if not (smoke and st[0] in ("step_graphs", "projection"))]
+    # on a CPU: the command-buffer and autotune flags are the GPU's, and the published shapes are
+    # too large (tests/test_paper_suite runs --measure on tiny ones; `ssd-jax inspect --target
+    # local` is tested in tests/tools/test_inspect.py)
+    return [st for st in steps
+            if not (smoke and st[0] in ("step_graphs", "projection", "inspect_device"))]
 
 
 def session(args) -> int:
@@ -392,6 +405,8 @@ def session(args) -> int:
                         tail=text.splitlines()[-12:])
             if result and (parts / result).exists():  # a timed-out step may have left rows
                 step["result"] = json.loads((parts / result).read_text())
+            if name == "inspect_device" and (parts / AUTOTUNE).exists():
+                step["autotune"] = (parts / AUTOTUNE).read_text(errors="replace")
             report["steps"][name] = step
             print(f"   {status} in {step['wall_s']} s; " + " | ".join(step["tail"][-3:]),
                   flush=True)

@@ -285,18 +285,40 @@ def _chunk(name: str, pair: dict, sh: Shapes, ops):
     return fn, args, (1, 3), kv(tcfg) + kv(dcfg)
 
 
+def autotune_options(path: str | None, device) -> dict:
+    """The XLA options that compile for `device` with the GEMM configurations an autotuner picked
+    on a GPU (`path`: the results XLA writes under `--xla_gpu_dump_autotune_results_to`, text or
+    binary), every one required: a GEMM the file has no configuration for is an error naming it,
+    so that a report never mixes the device's picks with the deviceless heuristics. {} for None.
+    A `ValueError` for a device that is no GPU or a file that is not there."""
+    if path is None:
+        return {}
+    if device.platform not in ("cuda", "gpu", "rocm"):
+        raise ValueError(f"autotune results are XLA:GPU's GEMM configurations: --autotune takes a "
+                         f"GPU target (h100, h200, or local on a GPU), not {device.platform}")
+    if not Path(path).is_file():
+        raise ValueError(f"--autotune: no such file {path!r} (a GPU run writes one with "
+                         f"XLA_FLAGS=--xla_gpu_dump_autotune_results_to=FILE)")
+    return {"xla_gpu_load_autotune_results_from": str(Path(path).resolve()),
+            "xla_gpu_require_complete_aot_autotune_results": True}
+
+
 def inspect_step(name: str, cfg, shapes: Shapes = Shapes(), target: str = "local",
-                 device=None, ops=None, pair: dict | None = None) -> ProgramReport:
+                 device=None, ops=None, pair: dict | None = None,
+                 autotune: str | None = None) -> ProgramReport:
     """Compile step `name` (STEPS) of the model `cfg` (a `ModelConfig`; its dtype is the weights')
     at `shapes` for `target` (TARGETS) with the backend table `ops` (default: what the engine
     picks there, `default_ops`) and report what the program launches and moves. A chunk (CHUNKS)
-    runs the pair {"target": cfg, "draft": ...} `pair` (default: cfg as both)."""
+    runs the pair {"target": cfg, "draft": ...} `pair` (default: cfg as both). autotune: a GPU's
+    autotune results to take the GEMM configurations from (`autotune_options`; default the
+    target's own: heuristics without a device, the autotuner on one)."""
     import jax
     from jax.sharding import SingleDeviceSharding
 
     from ssd_jax.algorithm.aot import step_jit
 
     device = device or target_device(target)
+    tuned = autotune_options(autotune, device)
     ops = default_ops(target) if ops is None else ops
     sharding = SingleDeviceSharding(device)
     pair = pair or {"target": cfg, "draft": cfg}
@@ -319,7 +341,14 @@ def inspect_step(name: str, cfg, shapes: Shapes = Shapes(), target: str = "local
     # Pallas's Triton lowering reads the GPU it lowers for from the default device
     with jax.default_device(device):
         lowered = step_jit(fn, donate_argnums=donate).trace(*placed).lower()
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile(tuned) if tuned else lowered.compile()
+    except Exception as e:  # noqa: BLE001 - XLA's own error, said in the terms of the call
+        if tuned and ("No cached config found" in str(e) or "Failed to get configs" in str(e)):
+            raise ValueError(f"--autotune {autotune} has no GEMM configuration for a fusion of "
+                             f"{name} at batch {shapes.batch} (results of other programs, shapes "
+                             f"or XLA versions): {str(e).splitlines()[0][:300]}") from None
+        raise
     return report(name, compiled, cfg, shapes, params, kv, time.perf_counter() - t, layers=layers,
                   cache_elems=tuple(shapes.batch * shapes.max_len * m.num_kv_heads * m.head_dim
                                     for m in models), must_read=must)
@@ -384,22 +413,24 @@ def default_pair(dtype: str = "bfloat16", max_len: int = 1024) -> dict:
 
 def inspect_pair(pair: dict, target: str = "local", steps=STEPS, batches=(1, 16),
                  shapes: Shapes = Shapes(), on_report: Callable | None = None,
-                 ops=None) -> list[ProgramReport]:
+                 ops=None, autotune: str | None = None) -> list[ProgramReport]:
     """Every step of `steps` at every batch of `batches` for a pair {"target": cfg, "draft": cfg}
     (decode / verify / prefill on the target, draft / tree on the draft), compiled for `target`
-    with the backend table `ops` (default `default_ops(target)`)."""
+    with the backend table `ops` (default `default_ops(target)`) and, given, a GPU's `autotune`
+    results (`inspect_step`)."""
     bad = [s for s in steps if s not in STEPS]
     if bad or not steps:
         raise ValueError(f"steps must be a non-empty subset of {', '.join(STEPS)}, got {list(steps)}")
     if not batches or any(int(b) < 1 for b in batches):
         raise ValueError(f"batches must be positive, got {list(batches)}")
     device = target_device(target)
+    autotune_options(autotune, device)  # refused before anything compiles
     reports = []
     for b in batches:
         for name in steps:
             cfg = pair["draft"] if name in DRAFT_STEPS else pair["target"]
             r = inspect_step(name, cfg, dataclasses.replace(shapes, batch=int(b)), target, device,
-                             ops, pair)
+                             ops, pair, autotune)
             reports.append(r)
             if on_report is not None:
                 on_report(r)
@@ -424,6 +455,10 @@ def add_arguments(p) -> None:
                    help="the model ops compiled: auto (default) what the engine picks on the "
                         "target (the Pallas kernels on a GPU), or xla / pallas, to see what a "
                         "kernel replaces")
+    p.add_argument("--autotune", default=None, metavar="FILE",
+                   help="GPU targets: take every GEMM's configuration from the autotune results a "
+                        "GPU run wrote (XLA_FLAGS=--xla_gpu_dump_autotune_results_to=FILE) instead "
+                        "of the deviceless heuristics (default: none)")
     p.add_argument("--json", default=None,
                    help="also write the reports to this JSON file (default: none)")
 
@@ -452,12 +487,16 @@ def run(args) -> int:
                          f"{args.max_len}, -k {args.k}")
     shapes = Shapes(max_len=args.max_len, k=args.k, prompt=min(128, args.max_len))
     ops = default_ops(args.target, args.backend)
+    autotune_options(args.autotune, target_device(args.target))
+    tuned = f", the GEMMs as tuned in {args.autotune}" if args.autotune else ""
     print(f"ssd-jax inspect: the default pair's shapes ({args.dtype}, {args.max_len} cache slots, "
-          f"K={args.k}) compiled for {args.target}, {ops.name} ops", flush=True)
+          f"K={args.k}) compiled for {args.target}, {ops.name} ops{tuned}", flush=True)
     reports = inspect_pair(default_pair(args.dtype, args.max_len), args.target, steps, batches,
-                           shapes, on_report=lambda r: print(r.line(), flush=True), ops=ops)
+                           shapes, on_report=lambda r: print(r.line(), flush=True), ops=ops,
+                           autotune=args.autotune)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(target=args.target, backend=ops.name, dtype=args.dtype,
-                           max_len=args.max_len, k=args.k, reports=[dataclasses.asdict(r) for r in reports]), f, indent=1)
+                           max_len=args.max_len, k=args.k, autotune=args.autotune,
+                           reports=[dataclasses.asdict(r) for r in reports]), f, indent=1)
     return 0

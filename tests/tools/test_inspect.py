@@ -135,8 +135,8 @@ def test_a_custom_call_updating_a_cache_in_place_counts_its_read_not_a_write():
     got = hlo.analyse(text, layers=1, cache_elems=4 * 8 * 2 * 4, small_weight_bytes=1 << 20)
     assert got["custom_bytes"] == (4 * 16 * 2 + 256 * 2) + 4 * 16 * 4 + 1
     assert got["cache_copies"] == 0
-    single = text.replace("(bf16[4,8,2,4]{3,2,1,0}, f32[4,16]{1,0}) custom", "bf16[4,8,2,4]{3,2,1,0} custom")
-    single = single.replace("{{0}: (1, {})}", "{{}: (1, {})}")
+    single = text.replace("(bf16[4,8,2,4]{3,2,1,0}, f32[4,16]{1,0}) custom",
+                          "bf16[4,8,2,4]{3,2,1,0} custom").replace("{{0}: (1,", "{{}: (1,")
     got = hlo.analyse(single, layers=1, cache_elems=4 * 8 * 2 * 4, small_weight_bytes=1 << 20)
     assert got["custom_bytes"] == 4 * 16 * 2 + 256 * 2 + 1
 
@@ -221,6 +221,36 @@ def test_bad_arguments_are_refused_by_name(capsys):
     assert "--batch takes comma-separated integers" in capsys.readouterr().err
     assert cli.main(["inspect", "--target", "local", "-k", "0"]) == cli.EXIT_USAGE
     assert "-k in [1, max-len - 1]" in capsys.readouterr().err
+
+
+def test_autotune_results_are_a_gpus_and_must_exist(tmp_path):
+    """`--autotune` / `autotune_options`: the options that load a GPU's autotune results and
+    require one for every GEMM; refused by name, before anything compiles, for a device that is
+    no GPU or a file that is not there."""
+    from types import SimpleNamespace
+    gpu, results = SimpleNamespace(platform="cuda"), tmp_path / "autotune.textproto"
+    assert ins.autotune_options(None, jax.devices()[0]) == {}
+    with pytest.raises(ValueError, match="takes a GPU target .* not cpu"):
+        ins.autotune_options(str(results), jax.devices()[0])
+    with pytest.raises(ValueError, match="no such file .*dump_autotune_results_to"):
+        ins.autotune_options(str(results), gpu)
+    results.write_text("version: 3\n")
+    assert ins.autotune_options(str(results), gpu) == {
+        "xla_gpu_load_autotune_results_from": str(results.resolve()),
+        "xla_gpu_require_complete_aot_autotune_results": True}
+
+
+@pytest.mark.gpu_aot
+def test_autotune_results_without_the_steps_gemms_are_refused_by_name(tmp_path):
+    """Deviceless for an H100 with autotune results that hold no configuration (a valid, empty
+    file): XLA loads the file and, every GEMM's configuration being required, refuses the step;
+    the error names the file and the step, so no report mixes heuristics into a device's picks."""
+    results = tmp_path / "autotune.textproto"
+    results.write_text("version: 3\n")
+    with pytest.raises(ValueError, match=r"--autotune .*autotune.textproto has no GEMM "
+                                         r"configuration for a fusion of decode at batch 1"):
+        ins.inspect_step("decode", ins.default_pair()["target"], ins.Shapes(batch=1), "h100",
+                         autotune=str(results))
 
 
 @pytest.mark.gpu_aot
