@@ -182,7 +182,7 @@ def analyse(text: str, *, layers: int, cache_elems, small_weight_bytes: int) -> 
                 cache_copies=copies, large_temporaries=large,
                 gather_excess=_gather_excess(comps, entry),
                 loop_bytes=_loop_bytes(comps, times, once),
-                custom_bytes=_custom_bytes(comps, once))
+                custom_bytes=_custom_bytes(comps, entry))
 
 
 def _loop_bytes(comps: dict[str, list[Instr]], times: dict[str, int], once: dict[str, int]) -> int:
@@ -226,24 +226,33 @@ def _aliased(ins: Instr) -> set[int]:
     return {int(k) if k else 0 for k in pairs}
 
 
-def _custom_bytes(comps: dict[str, list[Instr]], once: dict[str, int]) -> int:
+def _custom_bytes(comps: dict[str, list[Instr]], entry: str) -> int:
     """Bytes the custom calls move, which XLA's cost analysis leaves out (it marks a custom call's
     bytes unknown): each call's operands read whole, and its results written whole but for its
     workspace and those aliased to an operand (a cache the Pallas attention updates in place, its
-    read already counted). Counted as the analysis counts the rest (`once`: a loop body once;
-    `loop_bytes` adds its other runs): an estimate that errs high for a kernel that reads part of
-    an operand (the attention reads the live prefix of a cache, counted whole)."""
-    total = 0
-    for c, n in once.items():
-        shapes = {i.name: i.shape for i in comps[c]}
-        for ins in comps[c]:
-            if ins.op != "custom-call":
-                continue
-            aliased = _aliased(ins)
-            written = sum(b for k, b in _results(ins).items() if k not in aliased)
-            # + 1: the analysis counted the call as -1 byte
-            total += n * (written + sum(nbytes(shapes.get(o, "")) for o in _operands(ins)) + 1)
-    return total
+    read already counted). Summed as the analysis sums the rest (a loop body once, `loop_bytes`
+    adding its other runs; the largest branch of a conditional): an estimate that errs high for a
+    kernel that reads part of an operand (the attention reads the live prefix of a cache, counted
+    whole)."""
+    @functools.lru_cache(maxsize=None)
+    def run(name: str) -> int:
+        body = comps.get(name, [])
+        shapes = {i.name: i.shape for i in body}
+        total = 0
+        for ins in body:
+            if ins.op == "custom-call":
+                aliased = _aliased(ins)
+                written = sum(b for k, b in _results(ins).items() if k not in aliased)
+                # + 1: the analysis counted the call as -1 byte
+                total += written + sum(nbytes(shapes.get(o, "")) for o in _operands(ins)) + 1
+            elif ins.op in ("while", "call"):
+                total += sum(run(c) for c in _called(ins.attrs, ("body", "condition", "to_apply")))
+            elif ins.op == "conditional":
+                total += max((run(c) for c in _called(ins.attrs, (
+                    "branch_computations", "true_computation", "false_computation"))), default=0)
+        return total
+
+    return run(entry)
 
 
 def gather_excess(text: str) -> int:

@@ -124,8 +124,7 @@ def test_the_analysis_counts_what_the_hand_written_program_launches():
 
 def test_a_custom_call_updating_a_cache_in_place_counts_its_read_not_a_write():
     """A kernel whose result 0 is aliased to its cache operand (as the Pallas attention writes the
-    new rows): the cache is read (counted once, whole), the other result written; a call inside a
-    loop body counts once, as the analysis counts the body (`loop_bytes` adds the other runs)."""
+    new rows): the cache is read (counted once, whole), the other result written."""
     call = ("(bf16[4,8,2,4]{3,2,1,0}, f32[4,16]{1,0}) custom-call(%q, %c), "
             'custom_call_target="__gpu$xla.gpu.triton", output_to_operand_aliasing={{0}: (1, {})}')
     text = ("ENTRY %m (q: bf16[4,16], c: bf16[4,8,2,4]) -> (bf16[4,8,2,4], f32[4,16]) {\n"
@@ -139,6 +138,27 @@ def test_a_custom_call_updating_a_cache_in_place_counts_its_read_not_a_write():
                           "bf16[4,8,2,4]{3,2,1,0} custom").replace("{{0}: (1,", "{{}: (1,")
     got = hlo.analyse(single, layers=1, cache_elems=4 * 8 * 2 * 4, small_weight_bytes=1 << 20)
     assert got["custom_bytes"] == 4 * 16 * 2 + 256 * 2 + 1
+
+
+def test_custom_calls_in_loops_and_branches_count_as_the_analysis_counts_the_rest():
+    """XLA's cost analysis counts a loop body once (`loop_bytes` adds its other runs) and the
+    largest branch of a conditional: the custom calls' bytes are summed the same way."""
+    def comp(name, n):  # a computation holding one custom call reading and writing f32[n]
+        return (f"%{name} (x: f32[{n}]) -> f32[{n}] {{\n  %x = f32[{n}]{{0}} parameter(0)\n"
+                f'  ROOT %k = f32[{n}]{{0}} custom-call(%x), custom_call_target="k"\n}}\n')
+    text = (comp("body", 8) + comp("small", 4) + comp("large", 16)
+            + "%cond (x: f32[8]) -> pred[] {\n  %x = f32[8]{0} parameter(0)\n"
+              "  ROOT %c = pred[] constant(false)\n}\n"
+              "ENTRY %m (p: f32[8], i: s32[]) -> f32[8] {\n  %p = f32[8]{0} parameter(0)\n"
+              "  %i = s32[] parameter(1)\n"
+              "  %w = f32[8]{0} while(%p), condition=%cond, body=%body, "
+              'backend_config={"known_trip_count":{"n":"3"}}\n'
+              "  %b = f32[8]{0} conditional(%i, %p, %p), branch_computations={%small, %large}\n"
+              "  ROOT %r = f32[8]{0} add(%w, %b)\n}\n")
+    got = hlo.analyse(text, layers=1, cache_elems=1 << 20, small_weight_bytes=1 << 20)
+    assert got["custom_bytes"] == (8 * 4 * 2 + 1) + (16 * 4 * 2 + 1)
+    # two more runs of the body's call (the condition, a constant, launches nothing)
+    assert got["loop_bytes"] == 2 * (8 * 4 * 2)
 
 
 def test_a_tuple_shape_with_parenthesised_tpu_layouts_is_read_whole():
