@@ -145,13 +145,14 @@ def nbytes(shape: str) -> int:
 
 def analyse(text: str, *, layers: int, cache_elems, small_weight_bytes: int) -> dict:
     """The counts `ssd_jax.tools.inspect` reports (its module docstring), from optimized HLO
-    `text`: kernels (and by opcode, a fusion as its kind), cache-sized copies / transposes
-    (cache_elems: a layer's K or V cache in elements, or a tuple of such sizes), large non-output
+    `text`: kernels (and by opcode, a fusion as its kind), results the size of a cache made by a
+    copy, transpose or slice (a fusion's each, `_MOVES`; cache_elems: a layer's K or V cache in
+    elements, or a tuple of such sizes), large non-output
     temporaries (a library call's scratch workspace not counted), `gather_excess`, `loop_bytes`
     and `custom_bytes`."""
     sizes = set(cache_elems) if isinstance(cache_elems, (tuple, list, set)) else {cache_elems}
     comps, entry = parse_hlo(text)
-    fused_roots = {name: next((i.op for i in ins if i.root), None) for name, ins in comps.items()}
+    fused_roots = {name: _root_ops(ins) for name, ins in comps.items()}
     outputs = set()
     for ins in comps[entry]:
         if ins.root:
@@ -164,16 +165,20 @@ def analyse(text: str, *, layers: int, cache_elems, small_weight_bytes: int) -> 
                 continue
             kernels += n
             kind = ins.op
-            root_op = None
+            made_by = [ins.op] * len(arrays(ins.shape))  # the op making each result
             if ins.op == "fusion":
                 m = re.search(r"kind=(k\w+)", ins.attrs)
                 kind = f"fusion:{m.group(1) if m else '?'}"
                 called = _called(ins.attrs, ("calls",))
-                root_op = fused_roots.get(called[0]) if called else None
+                made_by = fused_roots.get(called[0], []) if called else []
             ops[kind] = ops.get(kind, 0) + n
             elems = [e for _, e in arrays(ins.shape)]
             cache_sized = bool(sizes.intersection(elems))
-            if cache_sized and (ins.op in ("copy", "transpose") or root_op in ("copy", "transpose")):
+            moved = sum(1 for (_, e), op in zip(arrays(ins.shape), made_by)
+                        if e in sizes and op in _MOVES)
+            if moved:
+                copies += n * moved
+            elif cache_sized and ins.op in ("copy", "transpose"):
                 copies += n
             elif (not cache_sized and c == entry and ins.name not in outputs
                   and sum(_results(ins).values()) >= small_weight_bytes):
@@ -183,6 +188,23 @@ def analyse(text: str, *, layers: int, cache_elems, small_weight_bytes: int) -> 
                 gather_excess=_gather_excess(comps, entry),
                 loop_bytes=_loop_bytes(comps, times, once),
                 custom_bytes=_custom_bytes(comps, entry))
+
+
+# Ops whose result, the size of a KV cache, is that cache moved whole (a copy, a transpose, a slice
+# taken out of a larger buffer), where an in-place update writes only its rows.
+_MOVES = ("copy", "transpose", "dynamic-slice", "slice")
+
+
+def _root_ops(body: list[Instr]) -> list[str]:
+    """The op that makes each result of a computation: its root's, or for a tuple root, each
+    tuple operand's."""
+    root = next((i for i in body if i.root), None)
+    if root is None:
+        return []
+    if root.op != "tuple":
+        return [root.op]
+    by_name = {i.name: i.op for i in body}
+    return [by_name.get(o, "?") for o in _operands(root)]
 
 
 def _loop_bytes(comps: dict[str, list[Instr]], times: dict[str, int], once: dict[str, int]) -> int:

@@ -8,8 +8,9 @@ Nothing runs. For each step of a pair at a batch size it reports, from the optim
   parameters, tuples, bitcasts or constants), in the entry computation and in every loop body or
   branch it runs (a loop body as often as its known trip count, once where XLA does not know
   it), and `per_layer`, that over the decoder layers it runs (a chunk: those of one iteration);
-- `cache_copies`: copies or transposes the size of one layer's KV cache (a cache moved whole
-  instead of updated in place);
+- `cache_copies`: results the size of one layer's KV cache made by a copy, a transpose or a slice
+  (a cache moved whole instead of updated in place or read where it is; each such result of a
+  multi-output fusion counts);
 - `large_temporaries`: other results the size of a layer's smallest weight or more that are not
   outputs (a weight-sized intermediate, e.g. a vector-matrix product done as multiply + reduce);
 - `bytes_accessed` (XLA's cost analysis of the optimized module, corrected as below) against

@@ -188,6 +188,30 @@ def test_a_cache_moved_whole_is_counted_and_an_update_in_place_is_not():
     assert hlo.analyse(in_place, **kw)["cache_copies"] == 0
 
 
+def test_each_cache_a_fusion_slices_out_whole_is_a_copy():
+    """A fusion whose tuple result holds two slices of a stacked cache (a layer's K and V taken out
+    of [L, ...] buffers, as XLA:GPU does for a layer scan that reads them with XLA's dots) moves
+    two caches whole; one whose results update the buffers in place moves none."""
+    cache, stacked, row = "bf16[4,8,2,4]{3,2,1,0}", "bf16[3,4,8,2,4]{4,3,2,1,0}", "bf16[1,4,1,2,4]"
+    sliced = (cache, "dynamic-slice(%{}, %i, %z, %z, %z, %z), dynamic_slice_sizes={{1,4,8,2,4}}")
+    updated = (stacked, "dynamic-update-slice(%{}, %u, %i, %z, %z, %z, %z)")
+
+    def program(made):
+        out, op = made
+        params = f"(a: {stacked}, b: {stacked}, i: s32[], u: {row}) -> ({out}, {out})"
+        head = (f"  %a = {stacked} parameter(0)\n  %b = {stacked} parameter(1)\n"
+                f"  %i = s32[] parameter(2)\n  %u = {row}{{4,3,2,1,0}} parameter(3)\n")
+        return (f"%f {params} {{\n{head}  %z = s32[] constant(0)\n"
+                f"  %x = {out} {op.format('a')}\n  %y = {out} {op.format('b')}\n"
+                f"  ROOT %t = ({out}, {out}) tuple(%x, %y)\n}}\n"
+                f"ENTRY %m {params} {{\n{head}"
+                f"  ROOT %r = ({out}, {out}) fusion(%a, %b, %i, %u), kind=kLoop, calls=%f\n}}\n")
+
+    kw = dict(layers=1, cache_elems=4 * 8 * 2 * 4, small_weight_bytes=1 << 20)
+    assert hlo.analyse(program(sliced), **kw)["cache_copies"] == 2
+    assert hlo.analyse(program(updated), **kw)["cache_copies"] == 0
+
+
 def test_an_embedding_lookup_counts_the_rows_it_reads_not_the_table():
     """Compiled here: nine rows of a 512 KiB table (the model's `embed`, then a use of them that
     fuses with the gather). XLA's cost analysis counts the whole table; `gather_excess` is the
