@@ -248,33 +248,48 @@ def _aliased(ins: Instr) -> set[int]:
     return {int(k) if k else 0 for k in pairs}
 
 
-def _custom_bytes(comps: dict[str, list[Instr]], entry: str) -> int:
-    """Bytes the custom calls move, which XLA's cost analysis leaves out (it marks a custom call's
-    bytes unknown): each call's operands read whole, and its results written whole but for its
-    workspace and those aliased to an operand (a cache the Pallas attention updates in place, its
-    read already counted). Summed as the analysis sums the rest (a loop body once, `loop_bytes`
-    adding its other runs; the largest branch of a conditional): an estimate that errs high for a
-    kernel that reads part of an operand (the attention reads the live prefix of a cache, counted
-    whole)."""
+def _summed_as_analysed(comps: dict[str, list[Instr]], entry: str, own) -> int:
+    """`own(ins, body)` (a figure of instruction `ins` of computation `body`) summed over what
+    `entry` runs, as XLA's cost analysis sums: a loop's body and condition once, the largest
+    branch of a conditional."""
     @functools.lru_cache(maxsize=None)
     def run(name: str) -> int:
         body = comps.get(name, [])
-        shapes = {i.name: i.shape for i in body}
         total = 0
         for ins in body:
-            if ins.op == "custom-call":
-                aliased = _aliased(ins)
-                written = sum(b for k, b in _results(ins).items() if k not in aliased)
-                # + 1: the analysis counted the call as -1 byte
-                total += written + sum(nbytes(shapes.get(o, "")) for o in _operands(ins)) + 1
-            elif ins.op in ("while", "call"):
+            if ins.op in ("while", "call"):
                 total += sum(run(c) for c in _called(ins.attrs, ("body", "condition", "to_apply")))
             elif ins.op == "conditional":
                 total += max((run(c) for c in _called(ins.attrs, (
                     "branch_computations", "true_computation", "false_computation"))), default=0)
+            else:
+                total += own(ins, body)
         return total
 
     return run(entry)
+
+
+def _custom_bytes(comps: dict[str, list[Instr]], entry: str) -> int:
+    """Bytes the custom calls move, which XLA's cost analysis leaves out (it marks a custom call's
+    bytes unknown): each call's operands read whole, and its results written whole but for its
+    workspace and those aliased to an operand (a cache the Pallas attention updates in place, its
+    read already counted). Summed as the analysis sums the rest (`_summed_as_analysed`; a loop's
+    other runs are `loop_bytes`'): an estimate that errs high for a kernel that reads part of an
+    operand (the attention reads the live prefix of a cache, counted whole)."""
+    shapes_of: dict[int, dict[str, str]] = {}
+
+    def own(ins: Instr, body: list[Instr]) -> int:
+        if ins.op != "custom-call":
+            return 0
+        if id(body) not in shapes_of:
+            shapes_of[id(body)] = {i.name: i.shape for i in body}
+        shapes = shapes_of[id(body)]
+        aliased = _aliased(ins)
+        written = sum(b for k, b in _results(ins).items() if k not in aliased)
+        # + 1: the analysis counted the call as -1 byte
+        return written + sum(nbytes(shapes.get(o, "")) for o in _operands(ins)) + 1
+
+    return _summed_as_analysed(comps, entry, own)
 
 
 def gather_excess(text: str) -> int:
@@ -300,20 +315,8 @@ def _gather_excess(comps: dict[str, list[Instr]], entry: str) -> int:
                 excess += max(0, nbytes(params[table[0]].shape) - nbytes(i.shape))
         return excess
 
-    @functools.lru_cache(maxsize=None)
-    def run(name: str) -> int:
-        total = 0
-        for i in comps.get(name, []):
-            if i.op == "fusion":
-                total += sum(fused(c) for c in _called(i.attrs, ("calls",)))
-            elif i.op in ("while", "call"):
-                total += sum(run(c) for c in _called(i.attrs, ("body", "condition", "to_apply")))
-            elif i.op == "conditional":
-                total += max((run(c) for c in _called(i.attrs, (
-                    "branch_computations", "true_computation", "false_computation"))), default=0)
-        return total
-
-    return run(entry)
+    return _summed_as_analysed(comps, entry, lambda i, _: sum(
+        fused(c) for c in _called(i.attrs, ("calls",))) if i.op == "fusion" else 0)
 
 
 __all__ = ["Instr", "analyse", "arrays", "executed", "gather_excess", "known_trips", "nbytes",
