@@ -49,12 +49,14 @@ inspect_device,engine_check_bf16,step_graphs,kernels_pair` on this commit.
 6. `host_overhead`: benchmarks/host_overhead.py on tiny models: Python calls and device->host
    syncs per round and host ms per round on this device.
 7. `projection`: benchmarks/paper_projection.py --measure: the published pairs cut to 4 layers.
-8. `inspect_device`: `ssd-jax inspect --target local` on the device (the default pair's steps and
-   chunks at b = 1 and 16, compiled with the autotuner's GEMM picks: kernels, cache copies,
-   bytes), with XLA writing the autotune results, which the JSON carries (`"autotune"`): saved to
-   a file, `ssd-jax inspect --target h100 --autotune FILE` then compiles here, without the device,
-   with the device's GEMM configurations instead of the deviceless heuristics (the split-k
-   partials that make the b = 16 steps' bytes, benchmarks/README.md "The Pallas path for an H100").
+8. `inspect_device`: `ssd-jax inspect --target local` on the device: the default pair's decode,
+   verify, draft and tree steps at b = 16 compiled with the autotuner's GEMM picks (kernels, cache
+   copies, bytes; ~1-2 minutes of compiling, the chunks left out for the lease's sake), with XLA
+   writing the autotune results, which the JSON carries (`"autotune"`): saved to a file, `ssd-jax
+   inspect --target h100 --steps decode,verify,draft,tree --batch 16 --autotune FILE` then
+   compiles here, without the device, with the device's GEMM configurations instead of the
+   deviceless heuristics (whose split-k partials make the b = 16 steps' bytes,
+   benchmarks/README.md "The Pallas path for an H100").
 
 Random weights make every time real and the acceptance an artefact: random tied-embedding models
 tend to repeat their last token, so the draft and the target agree on almost every token (the
@@ -348,8 +350,8 @@ def _steps(out: Path, smoke: bool, cache: Path):
                         "0.86", "--hit-rate", "0.85", "--measure", "--layers", "4",
                         "--json", str(out / "projection.json")], 150, "projection.json"),
         ("inspect_device", [py, "-m", "ssd_jax", "inspect", "--target", "local", "--steps",
-                            "decode,verify,draft,tree,ar_chunk,sd_chunk,ssd_chunk",
-                            "--json", str(out / "inspect_device.json")], 300, "inspect_device.json",
+                            "decode,verify,draft,tree", "--batch", "16",
+                            "--json", str(out / "inspect_device.json")], 150, "inspect_device.json",
          {"XLA_FLAGS": f"--xla_gpu_dump_autotune_results_to={out / AUTOTUNE}"}),
     ]
     # on a CPU: the command-buffer and autotune flags are the GPU's, and the published shapes are
