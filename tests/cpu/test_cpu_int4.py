@@ -202,8 +202,10 @@ def test_int4_forward_kernel_matches_reference_and_stays_near_the_float_model(ar
         # its group's largest value.
         rel = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
         assert rel < 1e-4, rel
-    else:  # int4 stays logical and is XLA's dense
-        np.testing.assert_allclose(np.asarray(got), np.asarray(xla), rtol=1e-5, atol=1e-5)
+    else:  # int4 stays logical and is XLA's dense; the backend's other kernels (the attention,
+        # the fp32 matmuls of a CPU without AVX512-VNNI) sum in their own fp32 order
+        rel = float(jnp.max(jnp.abs(got - xla)) / jnp.max(jnp.abs(xla)))
+        assert rel < 1e-4, rel
     rel = float(jnp.max(jnp.abs(got - xla)) / jnp.max(jnp.abs(xla)))
     assert rel < 2e-2, rel  # XLA's dense takes the activations unquantized
     full, _ = fwd(params, cfg=cfg, tokens=toks, cache=init_cache(cfg, 2, 16), ops=XLA)
