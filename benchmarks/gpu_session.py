@@ -35,9 +35,9 @@ inspect_device,engine_check_bf16,step_graphs,kernels_pair` on this commit.
    step is dropped on a CPU).
 4. `pair_b1_cold`, `pair_b1_warm`, `pair_b16`: the engine on random weights of the default
    pair's shapes (Qwen2.5-Coder-1.5B target, 0.5B draft), bf16, colocated on the one device:
-   AR / SD / SSD tokens/s; per round the verify alone and the draft alone (`timeline=True`, the
-   host loop that times each) against the engine's whole round (the default device loop: its wall
-   / rounds); each mode's first call (trace, compile, run). `pair_b1_cold` starts with an empty
+   AR / SD / SSD tokens/s; per round the verify alone and the draft alone (`timeline=True`,
+   rounds read one by one with each phase timed) against the engine's whole round (the default
+   pipelined loop: its wall / rounds); each mode's first call (trace, compile, run). `pair_b1_cold` starts with an empty
    persistent cache and step store, `pair_b1_warm` is a second process that finds them filled.
    `chunk_memory`: `pair --chunk-memory`: each chunk of steps or rounds (on by default on a
    GPU) compiled as the engine calls it, its temporaries beside the embedding's bytes; on a CPU a
@@ -118,7 +118,7 @@ def _chunk_memory_row(eng, models, prompts, mkw, kw) -> dict:
 
 def _timed_row(eng, prompts, mkw, kw, first_calls_only: bool) -> dict:
     """One mode's first call (trace, compile, run), then unless `first_calls_only` a timed call
-    and, for SD / SSD, the host loop's per-phase medians (`timeline=True`)."""
+    and, for SD / SSD, the per-phase medians of timed rounds (`timeline=True`)."""
     mode, row = mkw["mode"], {}
     t0 = time.perf_counter()
     out = eng.generate(prompts, **mkw, **kw)

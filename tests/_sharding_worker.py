@@ -188,10 +188,13 @@ def case_hlo() -> dict:
 def case_dp_draft(dump: str) -> dict:
     """Collectives in every program a 2-device data-parallel draft compiles (layout 1+2, batch 4,
     SD and SSD with hits and misses, each backup with a device form), on the device loop and on
-    the host loop (timeline=True); and whether the two loops gave the same tokens and counters.
+    the host loop (`_host_loop.on_host_loop`); and whether the two loops gave the same tokens and
+    counters.
     The target has one device, so any collective is the draft's."""
+    import contextlib
     import glob
 
+    from _host_loop import on_host_loop
     from ssd_jax.models.model import Model
     from ssd_jax.models.params import perturb, random_params
     from ssd_jax.runtime.engine import Engine, SSDConfig
@@ -202,11 +205,12 @@ def case_dp_draft(dump: str) -> dict:
     eng = Engine(target, draft, placement="1+2", compilation_cache=False)
     same, loops = True, {}
     for mode, backup in (("sd", "neural"), ("ssd", "random"), ("ssd", "ngram"), ("ssd", "neural")):
-        for timeline in (False, True):
-            r = eng.generate(PROMPTS, mode=mode, k=3, max_new_tokens=8, timeline=timeline,
-                             ssd=SSDConfig(fanout=(2, 2, 1, 1), backup=backup))
+        for host in (False, True):
+            with on_host_loop() if host else contextlib.nullcontext():
+                r = eng.generate(PROMPTS, mode=mode, k=3, max_new_tokens=8,
+                                 ssd=SSDConfig(fanout=(2, 2, 1, 1), backup=backup))
             m = r.metrics
-            loops[timeline] = (r.token_ids, m.accept_hist, m.hits_by_accept, m.lookups_by_accept,
+            loops[host] = (r.token_ids, m.accept_hist, m.hits_by_accept, m.lookups_by_accept,
                                m.backups)
         same &= loops[False] == loops[True]
     programs = {}

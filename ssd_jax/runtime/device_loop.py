@@ -1,7 +1,7 @@
 """The round loop with the call's state on the device: one fetch per round, no per-row Python.
 
-`Engine.generate` runs here unless the call asks for the host loop (`timeline=True`, a draft in
-another process, a proposer, a mesh over several processes). The
+`Engine.generate` runs here unless its draft cannot (a draft in another process, a proposer, a
+mesh over several processes: the host loop, `ssd_jax.runtime.host_loop`). The
 call's per-row state is a `DecodeState` on the target mesh; the jitted steps advance it
 (`ssd_jax.algorithm.round_steps`); the draft's side of a round (lookup, backup, next tree) runs on
 the draft mesh from the verify's `Outcome`, moved device to device. The host dispatches each round
@@ -9,7 +9,11 @@ and reads one small array, the round's `report`: it says which rows are still ru
 the round's tokens, which the host needs only for `on_tokens` / `stream()` and stop strings (then a
 row's tokens pass through `Batch.emit`, per row that committed).
 
-Pipelined (unless rows pass through the host): the host enqueues round T+1 before it reads round
+Timed (`timeline=True`): each round is read before the next is dispatched and the host waits
+between its phases, so the timeline has each round's verify, draft and backup seconds (as the host
+loop's): what `predicted_speedup` and `fanout="plan"` come from.
+
+Pipelined (unless rows pass through the host, or timed): the host enqueues round T+1 before it reads round
 T's report, so the device has a round queued while the host reads and dispatches; the round enqueued
 after the last one is void and dropped. The round's last array read is the draft's, so a failure
 on the draft's device surfaces at that read; round T+1's verify has then taken the target's KV
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import time
 
+import jax
 import numpy as np
 
 from ssd_jax.algorithm import decode_state as ds
@@ -53,8 +58,11 @@ from ssd_jax.runtime.round_reports import RoundReports
 class DeviceLoop(RoundChunks, RoundReports):
     """One generate call's device state and its rounds (made by `Engine.generate`)."""
 
-    def __init__(self, engine, batch, rids, run: dict, metrics: Metrics, k: int):
+    def __init__(self, engine, batch, rids, run: dict, metrics: Metrics, k: int,
+                 timed: bool = False):
         self.e, self.batch, self.run, self.m = engine, batch, run, metrics
+        self.timed = timed  # timeline=True: rounds read one by one, their phases timed
+        self.phases: dict[str, float] = {}  # a timed round's phase seconds, set by its dispatch
         self.tgt = engine.placement.target
         self.rids_np = rids
         self.rids_t = to_mesh(rids, self.tgt)
@@ -119,8 +127,9 @@ class DeviceLoop(RoundChunks, RoundReports):
     @property
     def pipelined(self) -> bool:
         """Whether rounds are dispatched one ahead of the host's read (module docstring): when
-        no row's tokens pass through the host per round (no callback, no stop string)."""
-        return not self.mirror
+        no row's tokens pass through the host per round (no callback, no stop string) and the
+        rounds are not timed."""
+        return not self.mirror and not self.timed
 
     def ar(self, measure: bool = True) -> None:
         """Plain decoding. Pipelined (no row's tokens pass through the host): chunks of up to
@@ -278,9 +287,25 @@ class DeviceLoop(RoundChunks, RoundReports):
         if self.auto is not None:
             self.backup = self.auto.pending_kind  # the kind `read` takes back lookups of
         r = self.read_draft(rep, during)
-        entry = self._round(t0, c0, **self._round_counts(ssd))
+        phases = self._phases(ssd) if self.timed else {}
+        entry = self._round(t0, c0, **self._round_counts(ssd), **phases)
+        for name, seconds in phases.items():
+            setattr(self.m, name, getattr(self.m, name) + seconds)
         if self.auto is not None:
             self.auto.read(r, entry)
+
+    def _phases(self, ssd: bool) -> dict[str, float]:
+        """The timed round's phases as its timeline entry takes them: SSD's resolve counts as
+        backup time only in a round whose lookup missed a row (the host loop's backup_s)."""
+        phases = dict(self.phases)
+        if ssd and self.last["hit"] == self.last["lookups"]:
+            phases["backup_s"] = 0.0
+        return phases
+
+    def _wait(self, x) -> float:
+        """A timed round's phase end: `x` waited for; the time now."""
+        jax.block_until_ready(x)
+        return time.perf_counter()
 
     def _round_counts(self, ssd: bool) -> dict:
         c = dict(active=self.last["active"])
@@ -320,15 +345,21 @@ class DeviceLoop(RoundChunks, RoundReports):
 
         def dispatch():
             nonlocal spec, rows
+            t0 = time.perf_counter()
             res, lp = self._verify(spec, rows)
             packed = self._commit(res, lp)
+            t1 = self._wait(packed) if self.timed else 0.0
             v = rs.unpack(self.e.worker._put_rows(packed))
-            spec, rows = draft.propose(_round_state(v), drun)
+            spec, rows = draft.propose(_round_state(v), drun)  # waited for when timed (`Guarded`)
+            if self.timed:
+                self.phases = dict(verify_s=t1 - t0, draft_s=time.perf_counter() - t1)
             return packed, rs.pass_report(v.report, spec)
 
         self._rounds(dispatch, "propose")
         draft.finish()
         self.counters_into(self.m)
+        if self.timed:
+            self.e._sd = self.m.sd_phases() or self.e._sd
 
     def ssd(self, draft, drun: DraftRun, chooser=None) -> None:
         """SSD: verify and the tree overlap; the lookup and backup run on the draft mesh.
@@ -353,11 +384,19 @@ class DeviceLoop(RoundChunks, RoundReports):
 
         def dispatch():
             nonlocal spec, rows, from_backup, from_backup_d, v
+            t0 = time.perf_counter()
             res, lp = self._verify(spec, rows)
             draft.dispatch_tree(_round_state(v), spec, from_backup_d, drun)  # overlaps the verify
             packed = self._commit(res, lp, from_backup)
+            if self.timed:  # the outcome, then the tree: T_v and T_p from the round's start
+                t1 = self._wait(packed)
+                draft.tree_ready()
+                t2 = time.perf_counter()
             neural = self.auto.next() if self.auto is not None else None
             spec, rows, from_backup_d, rep, v = draft.resolve_on_device(packed, drun, neural)
+            if self.timed:  # resolve waited for (`Guarded`): the lookup and any backup
+                self.phases = dict(verify_s=t1 - t0, draft_s=t2 - t0,
+                                   backup_s=time.perf_counter() - t2)
             from_backup = move(from_backup_d, self.tgt)
             return packed, rep
 
@@ -367,6 +406,8 @@ class DeviceLoop(RoundChunks, RoundReports):
         self._rounds(dispatch, "resolve", ssd=True, keep=lambda: worker.counters, restore=restore)
         draft.finish()
         self.counters_into(self.m, worker.counters)
+        if self.timed:
+            self.m.predicted_speedup = self.m.ssd_prediction(self.e._t1)
 
 
 def _round_state(v) -> RoundState:

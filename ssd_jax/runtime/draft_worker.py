@@ -271,6 +271,11 @@ class DraftWorker:
             jax.block_until_ready(self._tree)
             self._tree_s = time.perf_counter() - t0
 
+    def tree_ready(self) -> None:
+        """Block until the tree in flight is computed (a timed round's draft time, `DeviceLoop`
+        with timeline=True); an error of its computation raises here."""
+        jax.block_until_ready(self._tree)
+
     def _tree_args(self, s: RoundState, spec, from_backup, run: DraftRun) -> tuple:
         """`draft_tree`'s positional arguments for the speculation in flight, on the draft mesh."""
         top_n = tuple(f + 1 for f in run.fanout_hit[:-1])

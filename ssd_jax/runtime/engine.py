@@ -226,11 +226,12 @@ class Engine(HostLoop):
         verifier: a function with `ssd_jax.rejection_sample`'s signature (p [B, K+1, V],
             q [B, K, V], tokens [B, K], accept keys, residual keys) -> VerifyResult, e.g. a
             planted bug for the exactness harness.
-        timeline: run the host loop, which waits between a round's phases to time them
-            (`metrics.timeline`'s verify / draft / backup seconds, `predicted_speedup`, what
-            `fanout="plan"` plans from): same tokens, slower rounds. By default the round runs
-            on the device (`ssd_jax.runtime.device_loop`: one small read per round) and the
-            timeline has each round's wall time and counts only.
+        timeline: wait between a round's phases to time them (`metrics.timeline`'s verify /
+            draft / backup seconds, `predicted_speedup`, what `fanout="plan"` plans from), each
+            round read before the next is dispatched: same tokens, slower rounds. By default
+            rounds are enqueued ahead of the host's one small read each
+            (`ssd_jax.runtime.device_loop`) and the timeline has each round's wall time and
+            counts only.
 
         Returns a `GenerationResult`: texts [B], token_ids [B][n_b], logprobs [B][n_b] (the
         target's raw log-probabilities of the emitted tokens), finish reasons and `metrics`
@@ -263,13 +264,14 @@ class Engine(HostLoop):
                        sampling if draft_sampling is None else draft_sampling, batch.size),
                    k=int(k), verifier=verifier or _default_verifier())
         self._timer = timer = CompileTimer()
-        device = self._on_device(mode, ssd, timeline)
-        # its failures: DraftDown (the host loop waits for each draft call; the device loop reads
-        # the draft's last array of each round instead, `device_loop`)
-        draft = Guarded(self.worker, wait=not device) if mode != "ar" else None
+        device = self._on_device(mode)
+        # its failures: DraftDown (the host loop, and a timed round, wait for each draft call;
+        # the device loop reads the draft's last array of each round instead, `device_loop`)
+        draft = Guarded(self.worker, wait=not device or timeline) if mode != "ar" else None
         with timer.measure():
             if device:
-                self._generate_on_device(batch, rids, cache_len, run, metrics, mode, ssd, draft)
+                self._generate_on_device(batch, rids, cache_len, run, metrics, mode, ssd, draft,
+                                         timeline)
             else:
                 try:
                     self._prefill(batch, rids, cache_len, run, draft, metrics)
@@ -289,21 +291,21 @@ class Engine(HostLoop):
         metrics.new_tokens = sum(len(g) for g in batch.generated)
         return batch.result(metrics)
 
-    def _on_device(self, mode: str, ssd: SSDConfig, timeline: bool) -> bool:
-        """Whether a call runs the device loop: not when it asks for the timed host loop, not on
-        a mesh over several processes, and for SD / SSD only with an in-process draft model (on
-        one device or data-parallel over several, whose shards never communicate:
-        `round_steps.resolve`'s `local_rows`); every backup has a device form ("auto":
-        `ssd_jax.runtime.auto_backup`)."""
-        if timeline or self._serial:
+    def _on_device(self, mode: str) -> bool:
+        """Whether a call runs the device loop: not on a mesh over several processes, and for
+        SD / SSD only with an in-process draft model (on one device or data-parallel over
+        several, whose shards never communicate: `round_steps.resolve`'s `local_rows`); every
+        backup has a device form ("auto": `ssd_jax.runtime.auto_backup`)."""
+        if self._serial:
             return False
         if mode == "ar":
             return True
         return isinstance(self.worker, DraftWorker)
 
     def _generate_on_device(self, batch: Batch, rids, cache_len: int, run: dict, m: Metrics,
-                            mode: str, ssd: SSDConfig, draft) -> None:
-        loop = DeviceLoop(self, batch, rids, run, m, k=0 if mode == "ar" else run["k"])
+                            mode: str, ssd: SSDConfig, draft, timeline: bool) -> None:
+        loop = DeviceLoop(self, batch, rids, run, m, k=0 if mode == "ar" else run["k"],
+                          timed=timeline)
         try:
             loop.prefill(cache_len, draft)
             if mode == "ar":
@@ -407,8 +409,8 @@ class Engine(HostLoop):
     @_one_call_at_a_time
     def warm_up(self, plan) -> dict:
         """Run the target's side of a throwaway first round of `plan` (a
-        `ssd_jax.runtime.warmup.CallPlan`) on the host loop, the loop of a remote draft's calls
-        (and of timeline=True): its prefill, then a verify of a speculation of K zeros. The call
+        `ssd_jax.runtime.warmup.CallPlan`) on the host loop, the loop of a remote draft's calls:
+        its prefill, then a verify of a speculation of K zeros. The call
         of that plan then finds the target's programs compiled or loaded; the draft's side is
         `RemoteDraft.warm` (`DraftWorker.warm_up` in process). Returns {"seconds": its wall
         time, "compile_s": the part spent compiling or loading, "programs": {name: {"source",
@@ -447,8 +449,8 @@ class Engine(HostLoop):
         `ar` run (T_1) and `sd` run (T_v, draft time, accept histogram)."""
         if self._t1 is None or self._sd is None:
             raise ValueError("fanout='plan' needs this engine's measurements: run generate(..., "
-                             "mode='ar') and generate(..., mode='sd', timeline=True) first (the "
-                             "device loop does not time a round's phases), or give F_0..F_K")
+                             "mode='ar') and generate(..., mode='sd', timeline=True) first (an "
+                             "untimed call does not time a round's phases), or give F_0..F_K")
         sd = self._sd
         if sum(sd["accept_hist"]) == 0:
             raise ValueError("fanout='plan': the last SD run completed no timed round")

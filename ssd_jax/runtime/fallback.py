@@ -19,9 +19,9 @@ class DraftFailure(RuntimeError):
     """The draft failed during a generate call of an `Engine(strict=True)`.
 
     draft: the draft's name; during: the draft call that failed ("start", "propose", "backup",
-    "dispatch_tree", "resolve", "finish"); cause: the error's text; result: the
-    `GenerationResult` of the tokens committed before the failure (token_ids: the same, per
-    prompt). The original exception is `__cause__`."""
+    "dispatch_tree", "tree_ready" (a timed round), "resolve", "finish"); cause: the error's
+    text; result: the `GenerationResult` of the tokens committed before the failure
+    (token_ids: the same, per prompt). The original exception is `__cause__`."""
 
     def __init__(self, message: str, *, draft: str, during: str, cause: str, result=None):
         super().__init__(message)

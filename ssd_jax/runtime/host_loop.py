@@ -1,10 +1,11 @@
 """The timed host loop: AR, SD and SSD rounds driven from the host, the `Engine`'s `HostLoop` part.
 
-A call runs here when it cannot run on the device loop (`Engine._on_device`: `timeline=True`, a
-draft in another process, a proposer, a mesh over several processes).
+A call runs here when it cannot run on the device loop (`Engine._on_device`: a draft in another
+process, a proposer, a mesh over several processes; issue #57 folds these into the device loop).
 Each round waits for its outcome, emits the rows' tokens in Python and times its phases (verify,
 draft, backup) for the timeline, the §6 prediction and `backup="auto"` (which the device loop
-prices from round walls instead, `ssd_jax.runtime.auto_backup`).
+prices from round walls instead, `ssd_jax.runtime.auto_backup`; its `timeline=True` times the
+same phases).
 `Engine` (`ssd_jax.runtime.engine`) inherits these methods; they use its models, caches,
 placement and compile timer.
 """
@@ -95,11 +96,7 @@ class HostLoop:
             m.add_round(self._round_end(batch, RoundTimes(verify_s=t2 - t1, draft_s=t1 - t0,
                                                           active=active), t0, c0, n0))
         draft.finish()
-        steady = [r for r in m.timeline if not r.compiled]
-        if steady:
-            self._sd = dict(tv=float(np.median([r.verify_s for r in steady])),
-                            draft_s=float(np.median([r.draft_s for r in steady])),
-                            accept_hist=list(m.accept_hist))
+        self._sd = m.sd_phases() or self._sd
 
     def _run_ssd(self, batch: Batch, rids, run, m: Metrics, ssd: SSDConfig, draft):
         run, drun, chooser = self._ssd_setup(batch, rids, run, m, ssd)

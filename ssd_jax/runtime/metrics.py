@@ -171,6 +171,17 @@ class Metrics:
         """hits / lookups per looked-up outcome, [K+1] by accepted count (NaN where none)."""
         return [h / n if n else float("nan") for h, n in zip(self.hits_by_accept, self.lookups_by_accept)]
 
+    def sd_phases(self) -> dict | None:
+        """What `fanout="plan"` plans from, out of this timed SD run's steady rounds: {"tv":
+        median verify seconds, "draft_s": median drafting seconds, "accept_hist"}; None without
+        a steady round."""
+        steady = [r for r in self.timeline if not r.compiled]
+        if not steady:
+            return None
+        return dict(tv=float(np.median([r.verify_s for r in steady])),
+                    draft_s=float(np.median([r.draft_s for r in steady])),
+                    accept_hist=list(self.accept_hist))
+
     def ssd_prediction(self, t1: float | None) -> float | None:
         """The docs/ALGORITHM.md §6 speed-up over plain decoding from this SSD run's own steady
         rounds (median verify and tree times, mean backup time, tokens per round after hits and

@@ -7,8 +7,10 @@
   set (AR <= 400 a token, SD / SSD <= 1,000 a round, one read a round plus a few per call) and
   not growing with the batch. The counters are `ssd_jax.testing.host_work`'s, which
   benchmarks/host_overhead.py reports.
-- The device loop and the timed host loop (`timeline=True`) give the same tokens and counters;
-  tests/unit/test_golden_ids.py holds both to the ids of the engine before the rewrite. SD and SSD
+- The device loop, its timed rounds (`timeline=True`) and the host loop (the loop of a remote
+  draft, `_host_loop.on_host_loop`) give the same tokens and counters; only the timed loops time
+  a round's phases. tests/unit/test_golden_ids.py holds the device loop to the ids of the engine
+  before the rewrite. SD and SSD
   on one mesh run in chunks of rounds (`round_steps.sd_chunk` / `ssd_chunk`): the same as their
   rounds one by one.
 """
@@ -24,6 +26,8 @@ from ssd_jax.runtime.batch import Batch
 from ssd_jax.runtime.engine import Engine, SSDConfig
 from ssd_jax.algorithm.sampling import SamplingParams
 from ssd_jax.testing.host_work import call_work
+
+from _host_loop import on_host_loop
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -103,8 +107,10 @@ def test_host_work_per_round_is_bounded_and_flat_in_the_batch(tiny, mode):
 
 @pytest.mark.parametrize("mode,backup", [("sd", None), ("ssd", "random"), ("ssd", "ngram"),
                                          ("ssd", "auto")])
-def test_device_loop_and_timed_host_loop_agree(tiny, monkeypatch, mode, backup):
-    """The n-gram backup's device form (the rows' history kept on the draft mesh, matched as
+def test_device_loop_timed_rounds_and_host_loop_agree(tiny, monkeypatch, mode, backup):
+    """The device loop, its timed rounds and the host loop give the same tokens and counters,
+    and the timed ones each round's verify and draft seconds (SSD's backup seconds in rounds
+    that missed). The n-gram backup's device form (the rows' history kept on the draft mesh, matched as
     array code) against the host loop's Python lookup over each row's list: prompts with
     repeats, so some missed rows match an n-gram and others fall back to random tokens.
     backup="auto" with its chooser alternating random, neural, ... (tests/_golden_cases.py's
@@ -122,16 +128,27 @@ def test_device_loop_and_timed_host_loop_agree(tiny, monkeypatch, mode, backup):
     kw = dict(mode=mode, max_new_tokens=12, k=2, sampling=SamplingParams(temperature=0.9),
               seed=4, eos_ids=[3], ssd=SSDConfig(fanout=(2, 1, 1), backup=backup or "neural"))
     with deterministic_auto() if backup == "auto" else contextlib.nullcontext():
-        a = eng.generate(prompts, timeline=True, **kw)
+        with on_host_loop():
+            a = eng.generate(prompts, **kw)
         b = eng.generate(prompts, **kw)
-    assert a.token_ids == b.token_ids and a.finish_reasons == b.finish_reasons
+        c = eng.generate(prompts, timeline=True, **kw)
     for kind in ("neural", "random") if backup == "auto" else (backup,) if backup else ():
         assert b.metrics.backups.get(kind, 0) > 0, b.metrics.backups
-    for key in ("accept_hist", "accept_hist_after_hit", "accept_hist_after_miss", "hits",
-                "lookups", "hits_by_accept", "lookups_by_accept", "backups", "rounds"):
-        assert getattr(a.metrics, key) == getattr(b.metrics, key), key
-    assert [r.active for r in a.metrics.timeline] == [r.active for r in b.metrics.timeline]
-    assert b.metrics.verify_s == 0 and a.metrics.verify_s > 0  # only the host loop times phases
+    for other in (a, c):
+        assert other.token_ids == b.token_ids and other.finish_reasons == b.finish_reasons
+        for key in ("accept_hist", "accept_hist_after_hit", "accept_hist_after_miss", "hits",
+                    "lookups", "hits_by_accept", "lookups_by_accept", "backups", "rounds"):
+            assert getattr(other.metrics, key) == getattr(b.metrics, key), key
+        assert [r.active for r in other.metrics.timeline] == [r.active for r in b.metrics.timeline]
+    assert b.metrics.verify_s == 0  # untimed rounds: walls and counts only
+    for timed in (a, c):
+        m = timed.metrics
+        assert all(r.verify_s > 0 and r.draft_s > 0 for r in m.timeline), m.timeline
+        assert m.verify_s == pytest.approx(sum(r.verify_s for r in m.timeline))
+        assert m.draft_s == pytest.approx(sum(r.draft_s for r in m.timeline))
+        if mode == "ssd":  # backup time only in the rounds whose lookup missed a row
+            assert all((r.backup_s > 0) == (r.hit < r.lookups) for r in m.timeline), m.timeline
+            assert m.backup_s > 0
 
 
 def _one_round_at_a_time(monkeypatch):

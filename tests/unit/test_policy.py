@@ -274,8 +274,8 @@ def engine():
 
 
 def test_auto_backup_is_exact_and_prediction_is_reported(engine):
-    # The device loop (the default) and the timed host loop (timeline=True, which also predicts
-    # the speedup) each choose their backups from their own measurements.
+    # Untimed rounds (the default) and timed ones (timeline=True, which also predicts the
+    # speedup) each choose their backups from their own measurements.
     ar = engine.generate(PROMPTS, mode="ar", max_new_tokens=24)
     auto = SSDConfig(fanout=(2, 2, 1, 1), backup="auto")
     dev = engine.generate(PROMPTS, mode="ssd", max_new_tokens=24, k=3, ssd=auto)

@@ -123,11 +123,11 @@ def test_planned_fanout_comes_from_the_engines_own_measurements(target, drafts, 
     with pytest.raises(ValueError, match="'uniform'"):
         SSDConfig(fanout="uniform").lists(3)
     eng.generate(PROMPTS, mode="ar", max_new_tokens=8)
-    eng.generate(PROMPTS, mode="sd", max_new_tokens=8, k=3)  # the device loop: no phase times
+    eng.generate(PROMPTS, mode="sd", max_new_tokens=8, k=3)  # untimed: no phase times
     with pytest.raises(ValueError, match="timeline=True"):
         eng.generate(PROMPTS, mode="ssd", k=3, ssd=SSDConfig(fanout="plan"))
     for mode in ("ar", "sd"):  # twice each: the first run compiles, its rounds are not timed
-        for _ in range(2):  # SD's verify and draft times: the timed host loop
+        for _ in range(2):  # SD's verify and draft times: timed rounds
             eng.generate(PROMPTS, mode=mode, max_new_tokens=24, k=3, timeline=mode == "sd")
     from ssd_jax.algorithm.policy import plan_from_sd
     sd = eng._sd

@@ -1,0 +1,20 @@
+"""The host loop (`ssd_jax.runtime.host_loop`) with an in-process draft, for the tests that hold
+it to the device loop while both exist: it is the loop of a remote draft, a proposer and a mesh
+over several processes, and issue #57 folds it into the device loop. (`timeline=True` ran it
+until the device loop timed its own rounds.)"""
+from __future__ import annotations
+
+import contextlib
+
+from ssd_jax.runtime.engine import Engine
+
+
+@contextlib.contextmanager
+def on_host_loop():
+    """Within the block, every `Engine.generate` call runs the host loop."""
+    real = Engine._on_device
+    Engine._on_device = lambda self, mode: False
+    try:
+        yield
+    finally:
+        Engine._on_device = real
