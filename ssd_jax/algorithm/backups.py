@@ -108,6 +108,17 @@ def record_committed(history: jax.Array, report: jax.Array, n: jax.Array) -> jax
     return jax.vmap(lambda h, a, t: h.at[a].set(t, mode="drop"))(history, at, toks)
 
 
+@functools.partial(jax.jit, static_argnames=("length",))
+def start_history(prompt_tokens, report, n, length: int) -> jax.Array:
+    """The rows' history `[B, length]` int32 at a call's first round: prompt_tokens `[B, T]`
+    (padded, or cut: the prefill's bucket may be wider than the cache, no row's history is), the
+    prefill's token (report, n: the first round's) written at its position. `record_committed`
+    then adds each round's tokens (the n-gram backup's and a proposer's history)."""
+    toks = prompt_tokens[:, :length].astype(jnp.int32)
+    hist = jnp.pad(toks, ((0, 0), (0, length - toks.shape[1])))
+    return record_committed(hist, report, n)
+
+
 @functools.partial(jax.jit, static_argnames=("k", "vocab_size", "row_vocab", "row_dtype", "ngram"))
 def ngram_speculation_on_device(history, seed, request_ids, n, *, k: int, vocab_size: int,
                                 row_vocab: int, row_dtype: str = "float32", ngram: int = 2):

@@ -1,7 +1,7 @@
 """The round loop with the call's state on the device: one fetch per round, no per-row Python.
 
-`Engine.generate` runs here unless its draft cannot (a draft in another process, a proposer, a
-mesh over several processes: the host loop, `ssd_jax.runtime.host_loop`). The
+`Engine.generate` runs here unless its draft cannot (a draft in another process, a mesh over
+several processes: the host loop, `ssd_jax.runtime.host_loop`). The
 call's per-row state is a `DecodeState` on the target mesh; the jitted steps advance it
 (`ssd_jax.algorithm.round_steps`); the draft's side of a round (lookup, backup, next tree) runs on
 the draft mesh from the verify's `Outcome`, moved device to device. The host dispatches each round
@@ -44,13 +44,17 @@ import time
 import jax
 import numpy as np
 
+from ssd_jax.algorithm import backups
 from ssd_jax.algorithm import decode_state as ds
 from ssd_jax.algorithm import round_steps as rs
 from ssd_jax.algorithm import steps
 from ssd_jax.runtime.auto_backup import AutoBackup
-from ssd_jax.runtime.draft_worker import DraftRun, RoundState
+from ssd_jax.runtime.draft_worker import DraftRun, DraftWorker, RoundState
 from ssd_jax.runtime.metrics import Metrics
 from ssd_jax.runtime.placement import move, to_mesh
+from ssd_jax.runtime.proposer import check_rows
+
+_record_committed = jax.jit(backups.record_committed)
 from ssd_jax.runtime.round_chunks import RoundChunks
 from ssd_jax.runtime.round_reports import RoundReports
 
@@ -63,6 +67,11 @@ class DeviceLoop(RoundChunks, RoundReports):
         self.e, self.batch, self.run, self.m = engine, batch, run, metrics
         self.timed = timed  # timeline=True: rounds read one by one, their phases timed
         self.phases: dict[str, float] = {}  # a timed round's phase seconds, set by its dispatch
+        # SD's drafter is a proposer (not the draft model): it reads the rows' history, kept
+        # here on the target mesh from the prompt block and each round's report
+        self.proposer = engine.worker is not None and not isinstance(engine.worker, DraftWorker)
+        self.history = None  # [B, cache_len] int32, a proposer's
+        self.prompt_block = None  # [B, T] the prompts as prefilled (host), for the history
         self.tgt = engine.placement.target
         self.rids_np = rids
         self.rids_t = to_mesh(rids, self.tgt)
@@ -111,6 +120,7 @@ class DeviceLoop(RoundChunks, RoundReports):
         e, b = self.e, self.batch
         t0 = time.perf_counter()
         first, lp, e.tcache, toks = e._prefill_target(b, self.rids_np, cache_len, self.run)
+        self.prompt_block, self.cache_len = toks, cache_len
         if draft is not None:
             draft.start(toks, b.prompt_lens, cache_len)
         self.state, self.active, self._bonus, self.pending = rs.commit_tokens(
@@ -213,7 +223,27 @@ class DeviceLoop(RoundChunks, RoundReports):
     def _draft_view(self):
         """The rows' round state and the unread report moved to the draft mesh in one transfer
         (the prefill's: SD and SSD read it with their first speculation)."""
-        return rs.unpack(self.e.worker._put_rows(rs.round_view(self.state, self.pending)))
+        return rs.unpack(self._to_draft(rs.round_view(self.state, self.pending)))
+
+    def _to_draft(self, tree):
+        """Per-row arrays onto the draft model's mesh in one move (a proposer's stay on the
+        target mesh)."""
+        w = self.e.worker
+        return w._put_rows(tree) if isinstance(w, DraftWorker) else tree
+
+    def _propose(self, draft, v, drun: DraftRun):
+        """SD's next speculation (spec `[B, K]`, rows `[B, K, V]`) from the unpacked outcome
+        `v`; a proposer's from the rows' history, brought up to `v` first."""
+        if self.proposer:
+            if self.history is None:
+                self.history = backups.start_history(
+                    to_mesh(self.prompt_block, self.tgt), v.report, v.n, self.cache_len)
+            else:
+                self.history = _record_committed(self.history, v.report, v.n)
+        spec, rows = draft.propose(_round_state(v, self.history), drun)
+        if self.proposer:
+            check_rows(rows, self.batch.size, drun.k, self.e.target.cfg.vocab_size)
+        return spec, rows
 
     def _verify(self, spec, rows):
         """Dispatch the verify of the speculation (spec `[B, K]`, rows `[B, K, V]`, on the draft
@@ -336,7 +366,7 @@ class DeviceLoop(RoundChunks, RoundReports):
         self.m.init_hist(run["k"])
         drun = DraftRun.of_call(self.rids_np, run)
         v = self._draft_view()
-        spec, rows = draft.propose(_round_state(v), drun)
+        spec, rows = self._propose(draft, v, drun)
         self.read_draft(rs.pass_report(v.report, spec), "propose")
         if self._chunked(draft) and self._sd_chunks(draft.worker, drun, spec, rows):
             draft.finish()
@@ -349,8 +379,8 @@ class DeviceLoop(RoundChunks, RoundReports):
             res, lp = self._verify(spec, rows)
             packed = self._commit(res, lp)
             t1 = self._wait(packed) if self.timed else 0.0
-            v = rs.unpack(self.e.worker._put_rows(packed))
-            spec, rows = draft.propose(_round_state(v), drun)  # waited for when timed (`Guarded`)
+            v = rs.unpack(self._to_draft(packed))
+            spec, rows = self._propose(draft, v, drun)  # waited for when timed (`Guarded`)
             if self.timed:
                 self.phases = dict(verify_s=t1 - t0, draft_s=time.perf_counter() - t1)
             return packed, rs.pass_report(v.report, spec)
@@ -410,6 +440,6 @@ class DeviceLoop(RoundChunks, RoundReports):
             self.m.predicted_speedup = self.m.ssd_prediction(self.e._t1)
 
 
-def _round_state(v) -> RoundState:
-    """A `RoundState` of device arrays from an unpacked `Outcome` (no host history)."""
-    return RoundState(n=v.n, prev=v.prev, bonus=v.bonus, active=v.active, history=None)
+def _round_state(v, history=None) -> RoundState:
+    """A `RoundState` of device arrays from an unpacked `Outcome` (history: a proposer's)."""
+    return RoundState(n=v.n, prev=v.prev, bonus=v.bonus, active=v.active, history=history)

@@ -7,7 +7,6 @@ transport to another process carries unchanged (`ssd_jax.runtime.transport`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 
 import jax
@@ -28,12 +27,15 @@ from ssd_jax.algorithm.tree import draft_tree
 
 @dataclasses.dataclass
 class RoundState:
-    """Per-row host state at a round boundary (see `ssd_jax.runtime.batch.Batch`)."""
+    """Per-row state at a round boundary: the device loop's device arrays, or the host loop's
+    host values (`of`, from an `ssd_jax.runtime.batch.Batch`)."""
     n: np.ndarray  # [B] position of the bonus token
     prev: np.ndarray  # [B] committed token at n-1
     bonus: np.ndarray  # [B]
     active: np.ndarray  # [B] bool
-    history: list[list[int]]  # prompt + generated per row (for prompt-lookup backups)
+    # the rows' tokens for prompt lookup: the device loop's [B, H] int32 by position (a
+    # proposer's; None where nothing reads it), the host loop's prompt + generated list per row
+    history: list[list[int]] | jax.Array | None
 
     @classmethod
     def of(cls, batch) -> "RoundState":
@@ -211,7 +213,7 @@ class DraftWorker:
         the draft mesh, from the prompts `start` was given and the prefill's token (outcome: the
         first round's unpacked `Outcome`); `resolve_on_device` adds each round's tokens."""
         toks, cache_len = self._prompt
-        self.history = _start_history(self._put(toks), outcome.report, outcome.n, cache_len)
+        self.history = backups.start_history(self._put(toks), outcome.report, outcome.n, cache_len)
 
     def ready(self):
         """Block until the prompt's KV (dispatched by `start`) is computed."""
@@ -398,16 +400,6 @@ class DraftWorker:
 
     def finish(self):
         """End of a generate call (a remote worker is told to stop waiting for outcomes)."""
-
-
-@functools.partial(jax.jit, static_argnames=("length",))
-def _start_history(prompt_tokens, report, n, length: int):
-    """prompt_tokens `[B, T]` as `[B, length]` int32 (padded, or cut: the prefill's bucket may be
-    wider than the cache, no row's history is), the prefill's token (report, n: the first
-    round's) written at its position: `DraftWorker.start_history`."""
-    toks = prompt_tokens[:, :length].astype(jnp.int32)
-    hist = jnp.pad(toks, ((0, 0), (0, length - toks.shape[1])))
-    return backups.record_committed(hist, report, n)
 
 
 @jax.jit

@@ -293,14 +293,13 @@ class Engine(HostLoop):
 
     def _on_device(self, mode: str) -> bool:
         """Whether a call runs the device loop: not on a mesh over several processes, and for
-        SD / SSD only with an in-process draft model (on one device or data-parallel over
-        several, whose shards never communicate: `round_steps.resolve`'s `local_rows`); every
-        backup has a device form ("auto": `ssd_jax.runtime.auto_backup`)."""
+        SD / SSD not with a draft in another process. An in-process draft model runs there on
+        one device or data-parallel over several, whose shards never communicate
+        (`round_steps.resolve`'s `local_rows`); every backup has a device form ("auto":
+        `ssd_jax.runtime.auto_backup`); a proposer reads the rows' history kept there."""
         if self._serial:
             return False
-        if mode == "ar":
-            return True
-        return isinstance(self.worker, DraftWorker)
+        return mode == "ar" or not getattr(self.worker, "remote", False)
 
     def _generate_on_device(self, batch: Batch, rids, cache_len: int, run: dict, m: Metrics,
                             mode: str, ssd: SSDConfig, draft, timeline: bool) -> None:

@@ -1,7 +1,7 @@
 """The timed host loop: AR, SD and SSD rounds driven from the host, the `Engine`'s `HostLoop` part.
 
 A call runs here when it cannot run on the device loop (`Engine._on_device`: a draft in another
-process, a proposer, a mesh over several processes; issue #57 folds these into the device loop).
+process, a mesh over several processes; issue #57 folds these into the device loop).
 Each round waits for its outcome, emits the rows' tokens in Python and times its phases (verify,
 draft, backup) for the timeline, the §6 prediction and `backup="auto"` (which the device loop
 prices from round walls instead, `ssd_jax.runtime.auto_backup`; its `timeline=True` times the
@@ -23,6 +23,7 @@ from ssd_jax.runtime.config import SSDConfig
 from ssd_jax.runtime.draft_worker import DraftRun, RoundState
 from ssd_jax.runtime.metrics import Metrics, RoundTimes, mean_tokens
 from ssd_jax.runtime.placement import settle, to_mesh
+from ssd_jax.runtime.proposer import check_rows
 
 
 class HostLoop:
@@ -83,9 +84,7 @@ class HostLoop:
             t0, c0, n0 = self._round_start(batch)
             active = int(batch.active.sum())
             spec, rows = draft.propose(RoundState.of(batch), drun)
-            if tuple(rows.shape) != (batch.size, run["k"], self.target.cfg.vocab_size):
-                raise ValueError(f"proposer returned rows of shape {tuple(rows.shape)}; the verifier "
-                                 f"needs [B, K, V] = {(batch.size, run['k'], self.target.cfg.vocab_size)}")
+            check_rows(rows, batch.size, run["k"], self.target.cfg.vocab_size)
             jax.block_until_ready(rows)
             t1 = time.perf_counter()
             res, lp = self._verify(batch, spec, rows, rids_t, run)

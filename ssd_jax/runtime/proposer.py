@@ -12,8 +12,12 @@ a user's own drafter plugs into `Engine(target, proposer=...)` the same way:
             return tokens [B, K] int32, rows [B, K, V] (the distributions tokens were drawn from)
         def finish(self): ...
 
-`state` holds each row's bonus token, its position n, the previous token and the full history;
-`run` the seed, request ids, K and the draft sampling parameters (see `ssd_jax.runtime.draft_worker`).
+`state` holds device arrays: each row's bonus token, its position n, the previous token and
+whether it is active (`[B]` each), and its history `[B, H]` int32, the row's tokens by position
+(prompt and generated ones at 0..n; past n, nothing to read). `run` holds the seed, request ids,
+K and the draft sampling parameters (see `ssd_jax.runtime.draft_worker`). The call's rounds run
+on the device loop (`ssd_jax.runtime.device_loop`): `propose` is dispatched with the previous
+round still in flight, so it should return arrays without waiting for them (jitted code does).
 Only SD uses a proposer; SSD needs the draft model's tree (glue, fork, branch decode).
 
 `start` may return with work still in flight (the draft prefill overlaps the target's on separate
@@ -40,14 +44,23 @@ class Proposer(Protocol):
         ...
 
     def propose(self, state, run):
-        """K tokens per row from `state` (a `ssd_jax.runtime.draft_worker.RoundState`) and `run` (a
-        `DraftRun`: seed, request ids, K, draft sampling) -> (tokens `[B, K]` int32, rows
-        `[B, K, V]`: the distributions the tokens were drawn from, V = the target's vocabulary rows)."""
+        """K tokens per row from `state` (a `ssd_jax.runtime.draft_worker.RoundState` of device
+        arrays, history `[B, H]`) and `run` (a `DraftRun`: seed, request ids, K, draft sampling)
+        -> (tokens `[B, K]` int32, rows `[B, K, V]`: the distributions the tokens were drawn
+        from, V = the target's vocabulary rows)."""
         ...
 
     def finish(self) -> None:
         """Once at the end of a generate call."""
         ...
+
+
+def check_rows(rows, batch: int, k: int, vocab: int) -> None:
+    """A ValueError unless a proposal's rows are `[B, K, V]` (V: the target's rows), what the
+    verifier needs."""
+    if tuple(rows.shape) != (batch, k, vocab):
+        raise ValueError(f"proposer returned rows of shape {tuple(rows.shape)}; the verifier "
+                         f"needs [B, K, V] = {(batch, k, vocab)}")
 
 
 class PromptLookupProposer:
@@ -72,9 +85,12 @@ class PromptLookupProposer:
 
     def propose(self, state, run):
         """tokens `[B, K]` int32, rows `[B, K, V]` float32 (V = row_vocab) by
-        `ssd_jax.algorithm.backups.ngram_speculation` over `state.history`, keyed by `run`'s seed
-        and request ids."""
-        return backups.ngram_speculation(
+        `ssd_jax.algorithm.backups.ngram_speculation_on_device` over `state.history`, keyed by
+        `run`'s seed and request ids. (A mesh over several processes still runs the host loop,
+        whose history is a list per row: `backups.ngram_speculation`, the same tokens.)"""
+        on_host = isinstance(state.history, list)
+        speculate = backups.ngram_speculation if on_host else backups.ngram_speculation_on_device
+        return speculate(
             state.history, jnp.int32(run.seed), jnp.asarray(run.request_ids, jnp.int32),
             jnp.asarray(state.n), k=run.k, vocab_size=self.vocab_size, row_vocab=self.row_vocab,
             ngram=self.ngram)
