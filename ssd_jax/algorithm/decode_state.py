@@ -81,16 +81,19 @@ class DecodeState:
         return self.finish == RUNNING
 
 
-def initial_state(prompts, max_new_tokens: int, eos_ids, k: int) -> DecodeState:
+def initial_state(prompts, max_new_tokens: int, eos_ids, k: int,
+                  rows: int | None = None) -> DecodeState:
     """The state before the prefill's token, as host (numpy) arrays to place on a mesh: prompts is
-    B lists of token ids; the bonus is each prompt's last token at position len - 1."""
+    B lists of token ids; the bonus is each prompt's last token at position len - 1. rows: the
+    first `rows` run (default all); the others are padding, CANCELLED from the start."""
     B, L = len(prompts), int(max_new_tokens)
     eos = np.asarray(sorted(set(int(e) for e in eos_ids)) or [-1], np.int32)
     hist = np.zeros(max(int(k), 0) + 1, np.int32)
     per_row = np.stack([np.zeros(B, np.int32), np.asarray([len(p) - 1 for p in prompts], np.int32),
                         np.asarray([p[-1] for p in prompts], np.int32),
                         np.asarray([p[-2] if len(p) > 1 else p[-1] for p in prompts], np.int32),
-                        np.zeros(B, np.int32)], axis=1)  # ROW_FIELDS
+                        np.where(np.arange(B) < (B if rows is None else rows), RUNNING,
+                                 CANCELLED).astype(np.int32)], axis=1)  # ROW_FIELDS
     return DecodeState(
         tokens=np.full((B, L), -1, np.int32), logprobs=np.zeros((B, L), np.float32),
         per_row=per_row, eos=eos, max_new=np.int32(L),

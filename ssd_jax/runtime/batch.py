@@ -72,7 +72,9 @@ class Batch:
     prompts: B lists of token ids; max_new_tokens: the exact budget per row; eos_ids: ids that end
     a row; stop: strings that end a row once they appear in its decoded text (needs `decode`, ids ->
     text); on_tokens(row, ids): called with each row's newly kept ids (streaming); a `TokenSink`
-    gets their log-probs and the finish reason too.
+    gets their log-probs and the finish reason too. rows: how many of the prompts are requests
+    (default all); the rest are padding to a batch bucket (`request.padded_rows`): finished
+    ("cancelled") before anything runs, left out of the result.
 
     Invariants while a row is active: history = prompt + generated, the last entry is the bonus
     token at position n = len(history) - 1 (in neither KV cache yet), prev = history[-2].
@@ -90,10 +92,12 @@ class Batch:
 
     def __init__(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids: Sequence[int],
                  stop: Sequence[str] = (), decode: Callable[[list[int]], str] | None = None,
-                 on_tokens: Callable[[int, list[int]], None] | None = None):
+                 on_tokens: Callable[[int, list[int]], None] | None = None,
+                 rows: int | None = None):
         self.prompts = prompts
         self.prompt_lens = np.fromiter(map(len, prompts), np.int32, len(prompts))
-        self.finish = [""] * len(prompts)
+        self.rows = len(prompts) if rows is None else int(rows)
+        self.finish = [""] * self.rows + ["cancelled"] * (len(prompts) - self.rows)
         self.max_new = int(max_new_tokens)
         self.eos = set(int(e) for e in eos_ids)
         self.stop = [s for s in stop if s]
@@ -104,7 +108,7 @@ class Batch:
 
     @property
     def size(self) -> int:
-        """B, the number of rows."""
+        """B, the number of rows (padding included: the devices' batch)."""
         return len(self.prompts)
 
     @property
@@ -160,9 +164,9 @@ class Batch:
         """The decoded generated text of each row; a row that finished by "stop" is cut at the
         earliest occurrence of a stop string. "" for every row without `decode`."""
         if self.decode is None:
-            return ["" for _ in self.generated]
+            return ["" for _ in range(self.rows)]
         out = []
-        for gen, fin in zip(self.generated, self.finish):
+        for gen, fin in zip(self.generated[:self.rows], self.finish[:self.rows]):
             text = self.decode(gen)
             if fin == "stop":
                 cut = min((text.find(s) for s in self.stop if s in text), default=len(text))
@@ -173,7 +177,9 @@ class Batch:
     def result(self, metrics) -> GenerationResult:
         """The `GenerationResult` of the rows so far, carrying `metrics`. The call is over: its
         rows' lists are handed over, not copied (a copy of each row doubled the lists a call of
-        thousands of rows leaves to Python's garbage collector)."""
-        return GenerationResult(texts=self.texts(), token_ids=self.generated,
-                                logprobs=self.logprobs, finish_reasons=self.finish,
+        thousands of rows leaves to Python's garbage collector). Padding rows are left out."""
+        r = self.rows
+        cut = (lambda x: x) if r == self.size else (lambda x: x[:r])
+        return GenerationResult(texts=self.texts(), token_ids=cut(self.generated),
+                                logprobs=cut(self.logprobs), finish_reasons=cut(self.finish),
                                 metrics=metrics)

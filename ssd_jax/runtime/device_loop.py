@@ -77,8 +77,8 @@ class DeviceLoop(RoundChunks, RoundReports):
         self.rids_t = to_mesh(rids, self.tgt)
         # Tokens pass through the host per round only where the host has work for them.
         self.mirror = batch.on_tokens is not None or bool(batch.stop)
-        self.state = to_mesh(ds.initial_state(batch.prompts, batch.max_new, sorted(batch.eos), k),
-                             self.tgt)
+        self.state = to_mesh(ds.initial_state(batch.prompts, batch.max_new, sorted(batch.eos), k,
+                                              rows=batch.rows), self.tgt)
         self.active = None  # [B] bool on the target mesh, after the last commit
         self.running = True  # from the last report read
         self.pending = None  # a target-side report not read yet (read if the draft fails)
@@ -87,7 +87,7 @@ class DeviceLoop(RoundChunks, RoundReports):
         self.auto = None  # SSD's AutoBackup under backup="auto" (set by `ssd`)
         self.lost = False  # pipelined: a draft failure left the target's KV cache lost (`recover`)
         self.count = np.zeros(batch.size, np.int64)  # tokens per row, from the reports read
-        self.alive = np.ones(batch.size, bool)  # rows running after the last report read
+        self.alive = batch.active  # rows running after the last report read (no padding row)
         self.uncounted = dict(lookups_by_accept=np.zeros(k + 1, np.int64),
                               hits_by_accept=np.zeros(k + 1, np.int64),
                               backups=np.zeros(len(rs.BACKUP_INDEX), np.int64))

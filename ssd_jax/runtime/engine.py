@@ -40,7 +40,8 @@ from ssd_jax.runtime.metrics import CompileTimer, Metrics
 from ssd_jax.algorithm.policy import BackupChooser, plan_from_sd, width_slope_from_times
 from ssd_jax.runtime.proposer import Proposer
 from ssd_jax.runtime.placement import Placement, make_placement, settle, spans_processes, to_mesh
-from ssd_jax.runtime.request import cache_length, encode, prefill_once, right_padded
+from ssd_jax.runtime.request import (cache_length, encode, padded_rows, prefill_once,
+                                     right_padded)
 from ssd_jax.algorithm.sampling import SamplingParams
 from ssd_jax.runtime.sharding import init_target_cache, take_target
 from ssd_jax.algorithm.speculation_cache import check_budget
@@ -97,7 +98,8 @@ class Engine(HostLoop):
     def __init__(self, target, draft=None, *, placement: str | Placement = "split",
                  max_len: int = 4096, compilation_cache: bool | str = True, remote_draft=None,
                  proposer=None, backend: str = "auto", strict: bool = False,
-                 step_store: bool | None = None, round_chunks: bool | None = None):
+                 step_store: bool | None = None, round_chunks: bool | None = None,
+                 batch_buckets: bool = True):
         """target / draft: `ssd_jax.models.model.Model` (the built-in transformer, or a model of
         one's own from `ssd_jax.models.adapters`: `from_nnx`, `from_functions`; a flax.nnx.Module
         that follows `ssd_jax.models.protocol` is adapted as is; anything else is one TypeError
@@ -122,10 +124,15 @@ class Engine(HostLoop):
         `ssd_chunk`; the same tokens). None (default): on a GPU or TPU, where a round's
         dispatches cost as much as its compute, and off on a CPU, where the default pair's
         chunks run a call 2-6% faster but compile 5-8 s longer on its first
-        (benchmarks/README.md at 8faea7c); True / False force it."""
+        (benchmarks/README.md at 8faea7c); True / False force it.
+        batch_buckets: a call of B prompts runs `request.batch_bucket(B)` rows (1, 2, 4, 8, then
+        multiples of 8), the rest padding that never runs, so a new batch size within a bucket
+        reuses the compiled steps (each row's tokens are its own either way: every draw is keyed
+        by its request); False runs exactly B."""
         if round_chunks is not None and not isinstance(round_chunks, bool):
             raise TypeError(f"round_chunks must be True, False or None, got {round_chunks!r}")
         self.round_chunks = round_chunks
+        self.batch_buckets = bool(batch_buckets)
         enable_compilation_cache(compilation_cache, step_store)
         watch_mappings()  # a warning before XLA:CPU's programs use up the process's mappings
         target = as_model(target, "target")  # one TypeError naming what a wrong object lacks
@@ -247,21 +254,23 @@ class Engine(HostLoop):
         if mode == "ssd" and isinstance(self.worker, Proposer) and not hasattr(self.worker, "resolve"):
             raise ValueError("mode 'ssd' needs a draft model (its tree); a proposer serves mode 'sd'")
         ids = encode(prompts, self.target.tokenizer, self.vocab_size, chat)
+        rids = np.asarray(request_ids if request_ids is not None else range(len(ids)), np.int32)
+        if rids.shape != (len(ids),):
+            raise ValueError(f"request_ids needs one id per prompt ({len(ids)}), got {rids.shape}")
+        # [B] values, traced by the steps (SamplingParams.per_request), B the batch bucket's rows
+        ids, rids, sampling, draft_sampling, n = padded_rows(ids, rids, sampling, draft_sampling,
+                                                             self.batch_buckets)
         batch = Batch(ids, max_new_tokens, self.eos_ids if eos_ids is None else eos_ids, stop,
-                      self.target.tokenizer.decode if self.target.tokenizer else None, on_tokens)
-        rids = np.asarray(request_ids if request_ids is not None else range(batch.size), np.int32)
-        if rids.shape != (batch.size,):
-            raise ValueError(f"request_ids needs one id per prompt ({batch.size}), got {rids.shape}")
+                      self.target.tokenizer.decode if self.target.tokenizer else None, on_tokens,
+                      rows=n)
         cache_len = cache_length(batch.prompt_lens, max_new_tokens, k, self.max_len,
                                  self.target.cfg.max_position_embeddings)
         metrics = Metrics(mode=mode, backend=self.backend)
-        # [B] values, traced by the steps (SamplingParams.per_request): the target's placed once
-        # per call, the draft's sent as host values that the draft worker places itself
+        # the target's sampling placed once per call, the draft's sent as host values that the
+        # draft worker places itself
         run = dict(seed=jnp.int32(seed), seed_host=int(seed),
-                   sampling=to_mesh(SamplingParams.per_request(sampling, batch.size),
-                                    self.placement.target),
-                   draft_sampling=SamplingParams.per_request(
-                       sampling if draft_sampling is None else draft_sampling, batch.size),
+                   sampling=to_mesh(sampling, self.placement.target),
+                   draft_sampling=draft_sampling,
                    k=int(k), verifier=verifier or _default_verifier())
         self._timer = timer = CompileTimer()
         device = self._on_device(mode)
@@ -396,13 +405,19 @@ class Engine(HostLoop):
         k = run["k"]
         m.init_hist(k)
         if ssd.fanout == "plan":
-            ssd = dataclasses.replace(ssd, fanout=self.plan_fanout(k, batch.size), fanout_backup=None)
+            ssd = dataclasses.replace(ssd, fanout=self.plan_fanout(k, batch.rows), fanout_backup=None)
         f_hit, f_backup = ssd.lists(k, self.vocab_size)
         m.fanout = f_hit
-        check_budget(batch.size, sum(f_hit), k, self.target.cfg.vocab_size, ssd.row_dtype,
-                     ssd.cache_budget_bytes, draft_greedy=run["draft_sampling"].greedy)
+        try:
+            check_budget(batch.size, sum(f_hit), k, self.target.cfg.vocab_size, ssd.row_dtype,
+                         ssd.cache_budget_bytes, draft_greedy=run["draft_sampling"].greedy)
+        except ValueError as e:
+            if batch.rows == batch.size:
+                raise
+            raise ValueError(f"{e} (the {batch.rows} requests run as {batch.size} rows, their "
+                             f"batch bucket; Engine(batch_buckets=False) runs {batch.rows})") from None
         run = dict(run, f_hit=f_hit, f_backup=f_backup)
-        chooser = BackupChooser(batch.size) if ssd.backup == "auto" else None
+        chooser = BackupChooser(batch.rows) if ssd.backup == "auto" else None
         return run, DraftRun.of_ssd_call(rids, run, ssd), chooser
 
     @_one_call_at_a_time

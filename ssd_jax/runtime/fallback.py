@@ -100,7 +100,7 @@ def fall_back(engine, down: DraftDown, batch, metrics, strict: bool) -> None:
     metrics.fallback = dict(draft=name, during=down.during,
                             error=f"{type(down.error).__name__}: {down.error}",
                             round=metrics.rounds, tokens_before=tokens,
-                            committed=[len(g) for g in batch.generated])
+                            committed=[len(g) for g in batch.generated[:batch.rows]])
     hint = ("engine.restart_draft() starts it again" if getattr(engine.worker, "remote", False)
             and getattr(engine.worker, "down", None) else "the next call tries the draft again")
     if strict:

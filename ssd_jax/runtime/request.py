@@ -98,6 +98,32 @@ def check_room(prompt_lens, max_new_tokens: int, k: int, cache_len: int) -> None
                                  f"{max_new_tokens} + K {k}): refused before any work")
 
 
+def batch_bucket(n: int) -> int:
+    """The rows a batch of n requests runs in: 1, 2, 4, 8, then the next multiple of 8 (as
+    vLLM's CUDA-graph batch sizes), so batches of 5-8 requests share one set of compiled steps,
+    9-16 the next, ...; the rows past n are padding, finished before the call starts."""
+    return 1 << (n - 1).bit_length() if n <= 8 else -(-n // 8) * 8
+
+
+def padded_rows(ids: list, rids: np.ndarray, sampling, draft_sampling, bucket: bool):
+    """A call's rows padded to `batch_bucket` (when `bucket`): (prompt ids [B'], request ids
+    [B'], the target's and the draft's sampling as `[B']` SamplingParams, B, the real rows). A
+    padding row repeats row 0 (its prompt, id and sampling: a batch of one prompt stays one, all
+    greedy stays all greedy) and never runs: it starts finished (`Batch(rows=B)`)."""
+    from ssd_jax.algorithm.sampling import SamplingParams
+    n = len(ids)
+    size = batch_bucket(n) if bucket else n
+    pad = size - n
+
+    def padded(sp):
+        sp = SamplingParams.per_request(sp, n)
+        cols = (sp.temperature, sp.top_k, sp.top_p)
+        return SamplingParams(*(np.concatenate([c, np.repeat(c[:1], pad)]) for c in cols))
+
+    return (list(ids) + [ids[0]] * pad, np.concatenate([rids, np.repeat(rids[:1], pad)]),
+            padded(sampling), padded(sampling if draft_sampling is None else draft_sampling), n)
+
+
 def prefill_bucket(n: int) -> int:
     """The prefill's width for a longest prompt of n tokens: the next power of two, at least 16
     (prompts of 1-16 tokens share one compiled prefill, 17-32 the next, ...)."""

@@ -32,7 +32,7 @@ from ssd_jax.algorithm.speculation_cache import check_budget
 from ssd_jax.runtime.chat import chat_prompts
 from ssd_jax.runtime.config import SSDConfig, check_request
 from ssd_jax.runtime.draft_worker import DraftRun
-from ssd_jax.runtime.request import cache_length, encode, right_padded
+from ssd_jax.runtime.request import cache_length, encode, padded_rows, right_padded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,11 +55,13 @@ def call_plan(tokenizer, target_cfg, *, max_len: int = 4096, prompts=None, messa
                mode: str = "ssd", max_new_tokens: int = 64,
                sampling: SamplingParams = SamplingParams(), draft_sampling=None, k: int = 4,
                ssd: SSDConfig = SSDConfig(), seed: int = 0, stop=(), chat: bool = False,
-               eos_ids=None, request_ids=None) -> CallPlan | None:
-    """The `CallPlan` of `Engine(target, max_len=max_len).generate(**request)` for a target with
-    this tokenizer (None: prompts are token ids) and `ModelConfig`; None where the call asks
-    nothing of a draft model (mode "ar") or its fan-out is planned from the engine's own
-    measurements (`fanout="plan"`). ValueError / TypeError for a request the call would refuse."""
+               eos_ids=None, request_ids=None, batch_buckets: bool = True) -> CallPlan | None:
+    """The `CallPlan` of `Engine(target, max_len=max_len,
+    batch_buckets=batch_buckets).generate(**request)` for a target with this tokenizer (None:
+    prompts are token ids) and `ModelConfig`: its rows padded to the batch bucket as the call
+    pads them; None where the call asks nothing of a draft model (mode "ar") or its fan-out is
+    planned from the engine's own measurements (`fanout="plan"`). ValueError / TypeError for a
+    request the call would refuse."""
     vocab = tokenizer.vocab_size if tokenizer is not None else target_cfg.vocab_size
     prompts, chat = chat_prompts(tokenizer, prompts, messages, chat)
     check_request(mode, max_new_tokens, k, sampling, draft_sampling, ssd, vocab, seed=seed,
@@ -67,12 +69,12 @@ def call_plan(tokenizer, target_cfg, *, max_len: int = 4096, prompts=None, messa
     if mode == "ar" or (mode == "ssd" and ssd.fanout == "plan"):
         return None
     ids = encode(prompts, tokenizer, vocab, chat)
+    rids = np.asarray(request_ids if request_ids is not None else range(len(ids)), np.int32)
+    ids, rids, sampling, draft_sampling, _ = padded_rows(ids, rids, sampling, draft_sampling,
+                                                         batch_buckets)
     lens = np.fromiter(map(len, ids), np.int32, len(ids))
     cache_len = cache_length(lens, max_new_tokens, k, max_len, target_cfg.max_position_embeddings)
-    rids = np.asarray(request_ids if request_ids is not None else range(len(ids)), np.int32)
-    run = dict(seed=int(seed), seed_host=int(seed), k=int(k),
-               draft_sampling=SamplingParams.per_request(
-                   sampling if draft_sampling is None else draft_sampling, len(ids)))
+    run = dict(seed=int(seed), seed_host=int(seed), k=int(k), draft_sampling=draft_sampling)
     if mode == "ssd":
         f_hit, f_backup = ssd.lists(k, vocab)
         check_budget(len(ids), sum(f_hit), k, target_cfg.vocab_size, ssd.row_dtype,
@@ -81,4 +83,4 @@ def call_plan(tokenizer, target_cfg, *, max_len: int = 4096, prompts=None, messa
     else:
         drun = DraftRun.of_call(rids, run)
     return CallPlan(mode, right_padded(ids), lens, int(cache_len), int(target_cfg.vocab_size),
-                    SamplingParams.per_request(sampling, len(ids)), drun)
+                    sampling, drun)

@@ -28,6 +28,12 @@ def test_the_room_check_bounds_the_last_slot_a_round_writes():
         check_room([5, 2], 12, 3, 18)
 
 
+def test_batches_pad_to_a_power_of_two_then_to_multiples_of_8():
+    from ssd_jax.runtime.request import batch_bucket
+    sizes = {n: batch_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 2500)}
+    assert sizes == {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 8: 8, 9: 16, 16: 16, 17: 24, 2500: 2504}
+
+
 def test_prompts_pad_to_a_power_of_two_from_16():
     assert [prefill_bucket(n) for n in (1, 16, 17, 32, 33, 100)] == [16, 16, 32, 32, 64, 128]
     rows = [[4, 5, 6], list(range(1, 18))]
