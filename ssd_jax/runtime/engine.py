@@ -272,6 +272,8 @@ class Engine(HostLoop):
                    sampling=to_mesh(sampling, self.placement.target),
                    draft_sampling=draft_sampling,
                    k=int(k), verifier=verifier or _default_verifier())
+        # SSD's fan-out lists and speculation-cache budget: a refusal comes before any work
+        setup = self._ssd_setup(batch, rids, run, metrics, ssd) if mode == "ssd" else None
         self._timer = timer = CompileTimer()
         device = self._on_device(mode)
         # its failures: DraftDown (the host loop, and a timed round, wait for each draft call;
@@ -279,7 +281,7 @@ class Engine(HostLoop):
         draft = Guarded(self.worker, wait=not device or timeline) if mode != "ar" else None
         with timer.measure():
             if device:
-                self._generate_on_device(batch, rids, cache_len, run, metrics, mode, ssd, draft,
+                self._generate_on_device(batch, rids, cache_len, run, metrics, mode, setup, draft,
                                          timeline)
             else:
                 try:
@@ -289,7 +291,7 @@ class Engine(HostLoop):
                     elif mode == "sd":
                         self._run_sd(batch, rids, run, metrics, draft)
                     else:
-                        self._run_ssd(batch, rids, run, metrics, ssd, draft)
+                        self._run_ssd(batch, rids, metrics, draft, *setup)
                 except DraftDown as down:  # go on with the target alone from the committed tokens
                     metrics.new_tokens = sum(len(g) for g in batch.generated)
                     fall_back(self, down, batch, metrics, self.strict)
@@ -311,7 +313,7 @@ class Engine(HostLoop):
         return mode == "ar" or not getattr(self.worker, "remote", False)
 
     def _generate_on_device(self, batch: Batch, rids, cache_len: int, run: dict, m: Metrics,
-                            mode: str, ssd: SSDConfig, draft, timeline: bool) -> None:
+                            mode: str, setup, draft, timeline: bool) -> None:
         loop = DeviceLoop(self, batch, rids, run, m, k=0 if mode == "ar" else run["k"],
                           timed=timeline)
         try:
@@ -321,7 +323,7 @@ class Engine(HostLoop):
             elif mode == "sd":
                 loop.sd(draft)
             else:
-                run, drun, chooser = self._ssd_setup(batch, rids, run, m, ssd)
+                run, drun, chooser = setup
                 loop.run = run
                 loop.ssd(draft, drun, chooser)
         except DraftDown as down:  # go on with the target alone from the committed tokens
@@ -399,8 +401,8 @@ class Engine(HostLoop):
     # ------------------------------------------------------------------ both loops (the host
     # loop itself is `HostLoop`, ssd_jax/runtime/host_loop.py; the device loop `DeviceLoop`)
     def _ssd_setup(self, batch: Batch, rids, run: dict, m: Metrics, ssd: SSDConfig):
-        """SSD's per-call set-up, both loops: the fan-out lists (planned if asked), the cache
-        budget check, the histograms; returns (run with f_hit / f_backup, the DraftRun, the
+        """SSD's per-call set-up, both loops, before any work: the fan-out lists (planned if
+        asked), the cache budget check, the histograms; returns (run with f_hit / f_backup, the DraftRun, the
         BackupChooser of backup="auto" or None)."""
         k = run["k"]
         m.init_hist(k)

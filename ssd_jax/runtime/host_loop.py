@@ -19,7 +19,6 @@ import numpy as np
 
 from ssd_jax.algorithm import steps
 from ssd_jax.runtime.batch import Batch
-from ssd_jax.runtime.config import SSDConfig
 from ssd_jax.runtime.draft_worker import DraftRun, RoundState
 from ssd_jax.runtime.metrics import Metrics, RoundTimes, mean_tokens
 from ssd_jax.runtime.placement import settle, to_mesh
@@ -97,8 +96,8 @@ class HostLoop:
         draft.finish()
         self._sd = m.sd_phases() or self._sd
 
-    def _run_ssd(self, batch: Batch, rids, run, m: Metrics, ssd: SSDConfig, draft):
-        run, drun, chooser = self._ssd_setup(batch, rids, run, m, ssd)
+    def _run_ssd(self, batch: Batch, rids, m: Metrics, draft, run, drun: DraftRun, chooser):
+        """SSD's rounds; run, drun, chooser: `Engine._ssd_setup`'s."""
         kind = drun.backup
         rids_t = to_mesh(rids, self.placement.target)
         # Round 1 has no cache: its speculation comes from the backup.

@@ -1,6 +1,7 @@
 """Greedy SD and SSD equal greedy plain decoding (ALGORITHM.md §3 near-tie rule), on tiny random pairs that
 make every path run: draft = target, a perturbed copy, an unrelated draft; hits, misses and every
 backup; the Pallas kernels against the references."""
+import contextlib
 import numpy as np
 import pytest
 
@@ -104,14 +105,22 @@ def test_ssd_colocated_equals_split(target, drafts):
     assert a.generate(PROMPTS, **kw).token_ids == b.generate(PROMPTS, **kw).token_ids
 
 
-def test_speculation_cache_budget_error(target, drafts):
-    """A sampled draft's cache holds its V-wide rows and the budget refuses them; a greedy
-    draft's rows are implicit in its tokens (`SpeculationCache.one_hot_vocab`): nothing to
-    refuse."""
+def test_speculation_cache_budget_error(target, drafts, monkeypatch):
+    """A sampled draft's cache holds its V-wide rows and the budget refuses them, before any
+    work (no prefill), on either loop; a greedy draft's rows are implicit in its tokens
+    (`SpeculationCache.one_hot_vocab`): nothing to refuse."""
+    from _host_loop import on_host_loop
     eng = Engine(target, drafts["same"], compilation_cache=False)
     tight = SSDConfig(cache_budget_bytes=1000)
-    with pytest.raises(ValueError, match="speculation cache needs"):
-        eng.generate(PROMPTS, mode="ssd", k=3, ssd=tight, sampling=SamplingParams(temperature=1.0))
+    with monkeypatch.context() as m:
+        def prefill(*a, **k):
+            raise AssertionError("the prefill ran before the budget was checked")
+        m.setattr(Engine, "_prefill_target", prefill)
+        for host in (False, True):
+            with on_host_loop() if host else contextlib.nullcontext():
+                with pytest.raises(ValueError, match="speculation cache needs"):
+                    eng.generate(PROMPTS, mode="ssd", k=3, ssd=tight,
+                                 sampling=SamplingParams(temperature=1.0))
     out = eng.generate(PROMPTS, mode="ssd", k=3, max_new_tokens=4, ssd=tight)
     assert all(len(t) == 4 for t in out.token_ids)
 
