@@ -13,9 +13,9 @@ Timed (`timeline=True`): each round is read before the next is dispatched and th
 between its phases, so the timeline has each round's verify, draft and backup seconds (as the host
 loop's): what `predicted_speedup` and `fanout="plan"` come from.
 
-Pipelined (unless rows pass through the host, or timed): the host enqueues round T+1 before it reads round
-T's report, so the device has a round queued while the host reads and dispatches; the round enqueued
-after the last one is void and dropped. The round's last array read is the draft's, so a failure
+Pipelined (unless rows pass through the host, or timed): the host enqueues round T+1 before it
+reads round T's report, so the device has a round queued while the host reads and dispatches; the
+round enqueued after the last one is void and dropped. The round's last array read is the draft's, so a failure
 on the draft's device surfaces at that read; round T+1's verify has then taken the target's KV
 cache, so the call rolls back to the state before round T+1 and re-prefills the target's cache
 (`recover`) before it falls back to plain decoding (`ssd_jax.runtime.fallback`).
@@ -53,10 +53,10 @@ from ssd_jax.runtime.draft_worker import DraftRun, DraftWorker, RoundState
 from ssd_jax.runtime.metrics import Metrics
 from ssd_jax.runtime.placement import move, to_mesh
 from ssd_jax.runtime.proposer import check_rows
-
-_record_committed = jax.jit(backups.record_committed)
 from ssd_jax.runtime.round_chunks import RoundChunks
 from ssd_jax.runtime.round_reports import RoundReports
+
+_record_committed = jax.jit(backups.record_committed)  # a proposer's history, each round
 
 
 class DeviceLoop(RoundChunks, RoundReports):
