@@ -99,7 +99,7 @@ class Engine(HostLoop):
                  max_len: int = 4096, compilation_cache: bool | str = True, remote_draft=None,
                  proposer=None, backend: str = "auto", strict: bool = False,
                  step_store: bool | None = None, round_chunks: bool | None = None,
-                 batch_buckets: bool = True):
+                 batch_buckets: bool | None = None):
         """target / draft: `ssd_jax.models.model.Model` (the built-in transformer, or a model of
         one's own from `ssd_jax.models.adapters`: `from_nnx`, `from_functions`; a flax.nnx.Module
         that follows `ssd_jax.models.protocol` is adapted as is; anything else is one TypeError
@@ -125,14 +125,18 @@ class Engine(HostLoop):
         dispatches cost as much as its compute, and off on a CPU, where the default pair's
         chunks run a call 2-6% faster but compile 5-8 s longer on its first
         (benchmarks/README.md at 8faea7c); True / False force it.
-        batch_buckets: a call of B prompts runs `request.batch_bucket(B)` rows (1, 2, 4, 8, then
-        multiples of 8), the rest padding that never runs, so a new batch size within a bucket
-        reuses the compiled steps (each row's tokens are its own either way: every draw is keyed
-        by its request); False runs exactly B."""
-        if round_chunks is not None and not isinstance(round_chunks, bool):
-            raise TypeError(f"round_chunks must be True, False or None, got {round_chunks!r}")
+        batch_buckets: True runs a call of B prompts as `request.batch_bucket(B)` rows (1, 2, 4,
+        8, then multiples of 8), the rest padding that never runs, so a new batch size within a
+        bucket reuses the compiled steps (each row's tokens are its own either way: every draw
+        is keyed by its request); False runs exactly B rows. None (default): on a GPU or TPU,
+        where a few rows more barely move a step's time and a compile takes a minute, and off
+        on a CPU, where the padding rows cost their share (benchmarks/README.md,
+        "batch_buckets.py")."""
+        for name, v in (("round_chunks", round_chunks), ("batch_buckets", batch_buckets)):
+            if v is not None and not isinstance(v, bool):
+                raise TypeError(f"{name} must be True, False or None, got {v!r}")
         self.round_chunks = round_chunks
-        self.batch_buckets = bool(batch_buckets)
+        self.batch_buckets = batch_buckets
         enable_compilation_cache(compilation_cache, step_store)
         watch_mappings()  # a warning before XLA:CPU's programs use up the process's mappings
         target = as_model(target, "target")  # one TypeError naming what a wrong object lacks
@@ -259,7 +263,7 @@ class Engine(HostLoop):
             raise ValueError(f"request_ids needs one id per prompt ({len(ids)}), got {rids.shape}")
         # [B] values, traced by the steps (SamplingParams.per_request), B the batch bucket's rows
         ids, rids, sampling, draft_sampling, n = padded_rows(ids, rids, sampling, draft_sampling,
-                                                             self.batch_buckets)
+                                                             self._buckets())
         batch = Batch(ids, max_new_tokens, self.eos_ids if eos_ids is None else eos_ids, stop,
                       self.target.tokenizer.decode if self.target.tokenizer else None, on_tokens,
                       rows=n)
@@ -301,6 +305,13 @@ class Engine(HostLoop):
         metrics.backend = self.backend  # again: a kernel may have fallen back during the run
         metrics.new_tokens = sum(len(g) for g in batch.generated)
         return batch.result(metrics)
+
+    def _buckets(self) -> bool:
+        """Whether calls pad their rows to the batch bucket (`batch_buckets`; None: not on a
+        CPU)."""
+        if self.batch_buckets is not None:
+            return self.batch_buckets
+        return self.placement.target_mesh.devices.flat[0].platform != "cpu"
 
     def _on_device(self, mode: str) -> bool:
         """Whether a call runs the device loop: not on a mesh over several processes, and for

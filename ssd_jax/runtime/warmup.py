@@ -55,11 +55,12 @@ def call_plan(tokenizer, target_cfg, *, max_len: int = 4096, prompts=None, messa
                mode: str = "ssd", max_new_tokens: int = 64,
                sampling: SamplingParams = SamplingParams(), draft_sampling=None, k: int = 4,
                ssd: SSDConfig = SSDConfig(), seed: int = 0, stop=(), chat: bool = False,
-               eos_ids=None, request_ids=None, batch_buckets: bool = True) -> CallPlan | None:
+               eos_ids=None, request_ids=None,
+               batch_buckets: bool | None = None) -> CallPlan | None:
     """The `CallPlan` of `Engine(target, max_len=max_len,
     batch_buckets=batch_buckets).generate(**request)` for a target with this tokenizer (None:
     prompts are token ids) and `ModelConfig`: its rows padded to the batch bucket as the call
-    pads them; None where the call asks nothing of a draft model (mode "ar") or its fan-out is
+    pads them (batch_buckets None: as an engine on JAX's default backend, not on a CPU); None where the call asks nothing of a draft model (mode "ar") or its fan-out is
     planned from the engine's own measurements (`fanout="plan"`). ValueError / TypeError for a
     request the call would refuse."""
     vocab = tokenizer.vocab_size if tokenizer is not None else target_cfg.vocab_size
@@ -70,6 +71,9 @@ def call_plan(tokenizer, target_cfg, *, max_len: int = 4096, prompts=None, messa
         return None
     ids = encode(prompts, tokenizer, vocab, chat)
     rids = np.asarray(request_ids if request_ids is not None else range(len(ids)), np.int32)
+    if batch_buckets is None:
+        import jax
+        batch_buckets = jax.default_backend() != "cpu"
     ids, rids, sampling, draft_sampling, _ = padded_rows(ids, rids, sampling, draft_sampling,
                                                          batch_buckets)
     lens = np.fromiter(map(len, ids), np.int32, len(ids))

@@ -214,20 +214,21 @@ def test_a_new_batch_size_within_its_bucket_compiles_nothing(engine, compiles, m
     """Batches of 5 and of 7 prompts both run as 8 rows (`request.batch_bucket`): the second call
     compiles nothing, and the first returns what the call run at its own size returns
     (`batch_buckets=False`): tokens, log-probs and finish reasons per prompt, accept counts,
-    hits and lookups (the padding rows never run, so they count nowhere). (The golden ids hold
-    batches of 3, run as 4 rows, to the ids stored before buckets.)"""
+    hits and lookups (the padding rows never run, so they count nowhere)."""
     prompts = [PROMPT, PROMPT[:3], [2, 7], PROMPT[::-1], [9, 9, 9], [1], [6, 5, 4, 3]]
     kw = dict(mode=mode, max_new_tokens=10, k=2, seed=4, sampling=SamplingParams(0.9),
               ssd=SSDConfig(fanout=(2, 1, 1)))
-    five = engine.generate(prompts[:5], **kw)
-    with compiles.count() as c:
-        seven = engine.generate(prompts, **kw)
-    assert c.n == 0 and seven.metrics.compile_s == 0, (c.n, seven.metrics.compiles)
-    engine.batch_buckets = False
+    assert not engine._buckets()  # the default on a CPU (Engine's docstring says why)
     try:
+        engine.batch_buckets = True
+        five = engine.generate(prompts[:5], **kw)
+        with compiles.count() as c:
+            seven = engine.generate(prompts, **kw)
+        assert c.n == 0 and seven.metrics.compile_s == 0, (c.n, seven.metrics.compiles)
+        engine.batch_buckets = False
         exact = engine.generate(prompts[:5], **kw)
     finally:
-        engine.batch_buckets = True
+        engine.batch_buckets = None
     assert len(seven.token_ids) == 7 and all(seven.token_ids)
     assert len(five.token_ids) == len(exact.token_ids) == 5
     assert five.token_ids == exact.token_ids and five.finish_reasons == exact.finish_reasons
