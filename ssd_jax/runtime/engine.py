@@ -413,8 +413,8 @@ class Engine(HostLoop):
     # loop itself is `HostLoop`, ssd_jax/runtime/host_loop.py; the device loop `DeviceLoop`)
     def _ssd_setup(self, batch: Batch, rids, run: dict, m: Metrics, ssd: SSDConfig):
         """SSD's per-call set-up, both loops, before any work: the fan-out lists (planned if
-        asked), the cache budget check, the histograms; returns (run with f_hit / f_backup, the DraftRun, the
-        BackupChooser of backup="auto" or None)."""
+        asked), the cache budget check, the histograms; returns (run with f_hit / f_backup, the
+        DraftRun, the BackupChooser of backup="auto" or None)."""
         k = run["k"]
         m.init_hist(k)
         if ssd.fanout == "plan":

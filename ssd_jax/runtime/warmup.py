@@ -60,9 +60,10 @@ def call_plan(tokenizer, target_cfg, *, max_len: int = 4096, prompts=None, messa
     """The `CallPlan` of `Engine(target, max_len=max_len,
     batch_buckets=batch_buckets).generate(**request)` for a target with this tokenizer (None:
     prompts are token ids) and `ModelConfig`: its rows padded to the batch bucket as the call
-    pads them (batch_buckets None: as an engine on JAX's default backend, not on a CPU); None where the call asks nothing of a draft model (mode "ar") or its fan-out is
-    planned from the engine's own measurements (`fanout="plan"`). ValueError / TypeError for a
-    request the call would refuse."""
+    pads them (batch_buckets None: as an engine on JAX's default backend, not on a CPU); None
+    where the call asks nothing of a draft model (mode "ar") or its fan-out is planned from the
+    engine's own measurements (`fanout="plan"`). ValueError / TypeError for a request the call
+    would refuse."""
     vocab = tokenizer.vocab_size if tokenizer is not None else target_cfg.vocab_size
     prompts, chat = chat_prompts(tokenizer, prompts, messages, chat)
     check_request(mode, max_new_tokens, k, sampling, draft_sampling, ssd, vocab, seed=seed,
