@@ -228,8 +228,7 @@ class DeviceLoop(RoundChunks, RoundReports):
     def _to_draft(self, tree):
         """Per-row arrays onto the draft model's mesh in one move (a proposer's stay on the
         target mesh)."""
-        w = self.e.worker
-        return w._put_rows(tree) if isinstance(w, DraftWorker) else tree
+        return tree if self.proposer else self.e.worker._put_rows(tree)
 
     def _propose(self, draft, v, drun: DraftRun):
         """SD's next speculation (spec `[B, K]`, rows `[B, K, V]`) from the unpacked outcome
@@ -375,7 +374,7 @@ class DeviceLoop(RoundChunks, RoundReports):
 
         def dispatch():
             nonlocal spec, rows
-            t0 = time.perf_counter()
+            t0 = time.perf_counter() if self.timed else 0.0
             res, lp = self._verify(spec, rows)
             packed = self._commit(res, lp)
             t1 = self._wait(packed) if self.timed else 0.0
@@ -388,8 +387,6 @@ class DeviceLoop(RoundChunks, RoundReports):
         self._rounds(dispatch, "propose")
         draft.finish()
         self.counters_into(self.m)
-        if self.timed:
-            self.e._sd = self.m.sd_phases() or self.e._sd
 
     def ssd(self, draft, drun: DraftRun, chooser=None) -> None:
         """SSD: verify and the tree overlap; the lookup and backup run on the draft mesh.
@@ -414,7 +411,7 @@ class DeviceLoop(RoundChunks, RoundReports):
 
         def dispatch():
             nonlocal spec, rows, from_backup, from_backup_d, v
-            t0 = time.perf_counter()
+            t0 = time.perf_counter() if self.timed else 0.0
             res, lp = self._verify(spec, rows)
             draft.dispatch_tree(_round_state(v), spec, from_backup_d, drun)  # overlaps the verify
             packed = self._commit(res, lp, from_backup)
@@ -436,8 +433,6 @@ class DeviceLoop(RoundChunks, RoundReports):
         self._rounds(dispatch, "resolve", ssd=True, keep=lambda: worker.counters, restore=restore)
         draft.finish()
         self.counters_into(self.m, worker.counters)
-        if self.timed:
-            self.m.predicted_speedup = self.m.ssd_prediction(self.e._t1)
 
 
 def _round_state(v, history=None) -> RoundState:

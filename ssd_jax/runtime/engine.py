@@ -300,6 +300,11 @@ class Engine(HostLoop):
                     metrics.new_tokens = sum(len(g) for g in batch.generated)
                     fall_back(self, down, batch, metrics, self.strict)
                     self._run_ar(batch, rids, run, metrics, measure=False)
+        if (timeline or not device) and metrics.fallback is None:  # its phases were timed
+            if mode == "sd":  # what fanout="plan" plans from
+                self._sd = metrics.sd_phases() or self._sd
+            elif mode == "ssd":
+                metrics.predicted_speedup = metrics.ssd_prediction(self._t1)
         metrics.compile_s = timer.seconds
         metrics.compiles = {name: dict(p) for name, p in timer.programs.items()}
         metrics.backend = self.backend  # again: a kernel may have fallen back during the run
@@ -311,7 +316,7 @@ class Engine(HostLoop):
         CPU)."""
         if self.batch_buckets is not None:
             return self.batch_buckets
-        return self.placement.target_mesh.devices.flat[0].platform != "cpu"
+        return not self.placement.on_cpu
 
     def _on_device(self, mode: str) -> bool:
         """Whether a call runs the device loop: not on a mesh over several processes, and for

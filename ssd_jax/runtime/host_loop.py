@@ -94,7 +94,6 @@ class HostLoop:
             m.add_round(self._round_end(batch, RoundTimes(verify_s=t2 - t1, draft_s=t1 - t0,
                                                           active=active), t0, c0, n0))
         draft.finish()
-        self._sd = m.sd_phases() or self._sd
 
     def _run_ssd(self, batch: Batch, rids, m: Metrics, draft, run, drun: DraftRun, chooser):
         """SSD's rounds; run, drun, chooser: `Engine._ssd_setup`'s."""
@@ -143,4 +142,3 @@ class HostLoop:
                 hit=int((hit & nxt).sum()), lookups=int(nxt.sum()),
                 active=int(before.active.sum())), t0, c0, n0))
         draft.finish()
-        m.predicted_speedup = m.ssd_prediction(self._t1)

@@ -47,6 +47,12 @@ class Placement:
         return set(self.target_mesh.devices.flat).isdisjoint(self.draft_mesh.devices.flat)
 
     @property
+    def on_cpu(self) -> bool:
+        """Whether the target's devices are CPUs (where the engine's GPU / TPU defaults, round
+        chunks and batch buckets, are off)."""
+        return self.target_mesh.devices.flat[0].platform == "cpu"
+
+    @property
     def tp(self) -> int:
         """Tensor-parallel degree of the target (its mesh size)."""
         return int(self.target_mesh.devices.size)

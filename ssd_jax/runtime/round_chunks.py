@@ -43,7 +43,7 @@ class RoundChunks:
         p, w = self.e.placement, getattr(draft, "worker", None)
         want = self.e.round_chunks
         if want is None:
-            want = p.target_mesh.devices.flat[0].platform != "cpu"
+            want = not p.on_cpu
         return (want and self.pipelined and type(w) is DraftWorker and w.cache is not None
                 and p.target_mesh is p.draft_mesh and jax.process_count() == 1)
 
