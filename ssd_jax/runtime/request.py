@@ -112,8 +112,11 @@ def padded_rows(ids: list, rids: np.ndarray, sampling, draft_sampling, bucket: b
     greedy stays all greedy) and never runs: it starts finished (`Batch(rows=B)`)."""
     from ssd_jax.algorithm.sampling import SamplingParams
     n = len(ids)
-    size = batch_bucket(n) if bucket else n
-    pad = size - n
+    pad = (batch_bucket(n) if bucket else n) - n
+    draft_sampling = sampling if draft_sampling is None else draft_sampling
+    if not pad:  # a batch already of its bucket's size (or no buckets): nothing to copy
+        return (ids, rids, SamplingParams.per_request(sampling, n),
+                SamplingParams.per_request(draft_sampling, n), n)
 
     def padded(sp):
         sp = SamplingParams.per_request(sp, n)
@@ -121,7 +124,7 @@ def padded_rows(ids: list, rids: np.ndarray, sampling, draft_sampling, bucket: b
         return SamplingParams(*(np.concatenate([c, np.repeat(c[:1], pad)]) for c in cols))
 
     return (list(ids) + [ids[0]] * pad, np.concatenate([rids, np.repeat(rids[:1], pad)]),
-            padded(sampling), padded(sampling if draft_sampling is None else draft_sampling), n)
+            padded(sampling), padded(draft_sampling), n)
 
 
 def prefill_bucket(n: int) -> int:
