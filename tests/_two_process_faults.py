@@ -79,12 +79,15 @@ def install_malformed_reply(path) -> None:
     def send(self, msg, timeout=None):
         if msg.kind == "resolved" and _due(path, ("malformed",)):
             payload = pickle.dumps({"rows": msg.arrays["rows"]})
-            spec, hit = msg.arrays["spec"], msg.arrays["hit"]
+            a = msg.arrays
+            counts = ("lookups_by_accept", "hits_by_accept", "backups")
             header = json.dumps({"kind": "resolved", "fields": {"times": {}}, "arrays": [
-                ["spec", "int32", list(spec.shape)], ["rows", "object", [len(payload)]],
-                ["hit", "bool", list(hit.shape)]]}).encode()
+                ["spec", "int32", list(a["spec"].shape)], ["rows", "object", [len(payload)]],
+                ["hit", "bool", list(a["hit"].shape)],
+                *[[n, "int32", list(a[n].shape)] for n in counts]]}).encode()
             self.sock.sendall(struct.pack("!4sBI", wire.MAGIC, wire.VERSION, len(header)) + header
-                              + spec.tobytes() + payload + hit.tobytes())
+                              + a["spec"].tobytes() + payload + a["hit"].tobytes()
+                              + b"".join(a[n].tobytes() for n in counts))
             return
         return real(self, msg, timeout)
 

@@ -1,7 +1,7 @@
 """The round loop with the call's state on the device: one fetch per round, no per-row Python.
 
-`Engine.generate` runs here unless its draft cannot (a draft in another process, a mesh over
-several processes: the host loop, `ssd_jax.runtime.host_loop`). The
+`Engine.generate` runs here unless the call runs on a mesh over several processes (the host
+loop, `ssd_jax.runtime.host_loop`). The
 call's per-row state is a `DecodeState` on the target mesh; the jitted steps advance it
 (`ssd_jax.algorithm.round_steps`); the draft's side of a round (lookup, backup, next tree) runs on
 the draft mesh from the verify's `Outcome`, moved device to device. The host dispatches each round
@@ -19,6 +19,10 @@ round enqueued after the last one is void and dropped. The round's last array re
 on the draft's device surfaces at that read; round T+1's verify has then taken the target's KV
 cache, so the call rolls back to the state before round T+1 and re-prefills the target's cache
 (`recover`) before it falls back to plain decoding (`ssd_jax.runtime.fallback`).
+
+A draft in another process (`ssd_jax.runtime.transport.RemoteDraft`) has the same methods: its
+`first`, `propose_from` and `resolve_on_device` send the round's packed `Outcome` (one read) and
+return its reply, the next speculation, as host arrays; so its rounds are not pipelined.
 
 One SSD round, as the host dispatches it (nothing waits until the last line):
 
@@ -69,7 +73,9 @@ class DeviceLoop(RoundChunks, RoundReports):
         self.phases: dict[str, float] = {}  # a timed round's phase seconds, set by its dispatch
         # SD's drafter is a proposer (not the draft model): it reads the rows' history, kept
         # here on the target mesh from the prompt block and each round's report
-        self.proposer = engine.worker is not None and not isinstance(engine.worker, DraftWorker)
+        self.remote = getattr(engine.worker, "remote", False)  # a draft in another process
+        self.proposer = (engine.worker is not None and not self.remote
+                         and not isinstance(engine.worker, DraftWorker))
         self.history = None  # [B, cache_len] int32, a proposer's
         self.prompt_block = None  # [B, T] the prompts as prefilled (host), for the history
         self.tgt = engine.placement.target
@@ -137,9 +143,10 @@ class DeviceLoop(RoundChunks, RoundReports):
     @property
     def pipelined(self) -> bool:
         """Whether rounds are dispatched one ahead of the host's read (module docstring): when
-        no row's tokens pass through the host per round (no callback, no stop string) and the
-        rounds are not timed."""
-        return not self.mirror and not self.timed
+        no row's tokens pass through the host per round (no callback, no stop string), the
+        rounds are not timed and the draft is in this process (a remote draft's next
+        speculation is its reply to the round's outcome: nothing is left to enqueue)."""
+        return not self.mirror and not self.timed and not self.remote
 
     def ar(self, measure: bool = True) -> None:
         """Plain decoding. Pipelined (no row's tokens pass through the host): chunks of up to
@@ -220,29 +227,23 @@ class DeviceLoop(RoundChunks, RoundReports):
         return self.pipelined and bool(np.any(self.alive & (self.batch.max_new - self.count
                                                             > per_round)))
 
-    def _draft_view(self):
-        """The rows' round state and the unread report moved to the draft mesh in one transfer
-        (the prefill's: SD and SSD read it with their first speculation)."""
-        return rs.unpack(self._to_draft(rs.round_view(self.state, self.pending)))
-
-    def _to_draft(self, tree):
-        """Per-row arrays onto the draft model's mesh in one move (a proposer's stay on the
-        target mesh)."""
-        return tree if self.proposer else self.e.worker._put_rows(tree)
-
-    def _propose(self, draft, v, drun: DraftRun):
-        """SD's next speculation (spec `[B, K]`, rows `[B, K, V]`) from the unpacked outcome
-        `v`; a proposer's from the rows' history, brought up to `v` first."""
-        if self.proposer:
-            if self.history is None:
-                self.history = backups.start_history(
-                    to_mesh(self.prompt_block, self.tgt), v.report, v.n, self.cache_len)
-            else:
-                self.history = _record_committed(self.history, v.report, v.n)
-        spec, rows = draft.propose(_round_state(v, self.history), drun)
-        if self.proposer:
-            check_rows(rows, self.batch.size, drun.k, self.e.target.cfg.vocab_size)
-        return spec, rows
+    def _next_proposal(self, draft, packed, drun: DraftRun):
+        """SD's next speculation from a round's packed `Outcome` (round 1: the rows after the
+        prefill, `round_steps.round_view`): (spec `[B, K]`, rows `[B, K, V]`, the report the host
+        reads, made to wait for the speculation where it is in flight). A proposer's comes from
+        the rows' history on the target mesh, brought up to the outcome first."""
+        if not self.proposer:
+            spec, rows, v = draft.propose_from(packed, drun)
+            return spec, rows, v.report if self.remote else rs.pass_report(v.report, spec)
+        v = rs.unpack(packed)
+        if self.history is None:
+            self.history = backups.start_history(
+                to_mesh(self.prompt_block, self.tgt), v.report, v.n, self.cache_len)
+        else:
+            self.history = _record_committed(self.history, v.report, v.n)
+        spec, rows = draft.propose(RoundState.of_outcome(v, self.history), drun)
+        check_rows(rows, self.batch.size, drun.k, self.e.target.cfg.vocab_size)
+        return spec, rows, rs.pass_report(v.report, spec)
 
     def _verify(self, spec, rows):
         """Dispatch the verify of the speculation (spec `[B, K]`, rows `[B, K, V]`, on the draft
@@ -318,8 +319,8 @@ class DeviceLoop(RoundChunks, RoundReports):
         r = self.read_draft(rep, during)
         phases = self._phases(ssd) if self.timed else {}
         entry = self._round(t0, c0, **self._round_counts(ssd), **phases)
-        for name, seconds in phases.items():
-            setattr(self.m, name, getattr(self.m, name) + seconds)
+        for name in ("verify_s", "draft_s", "backup_s"):
+            setattr(self.m, name, getattr(self.m, name) + phases.get(name, 0.0))
         if self.auto is not None:
             self.auto.read(r, entry)
 
@@ -364,9 +365,8 @@ class DeviceLoop(RoundChunks, RoundReports):
         run = self.run
         self.m.init_hist(run["k"])
         drun = DraftRun.of_call(self.rids_np, run)
-        v = self._draft_view()
-        spec, rows = self._propose(draft, v, drun)
-        self.read_draft(rs.pass_report(v.report, spec), "propose")
+        spec, rows, rep = self._next_proposal(draft, rs.round_view(self.state, self.pending), drun)
+        self.read_draft(rep, "propose")
         if self._chunked(draft) and self._sd_chunks(draft.worker, drun, spec, rows):
             draft.finish()
             self.counters_into(self.m)
@@ -378,11 +378,10 @@ class DeviceLoop(RoundChunks, RoundReports):
             res, lp = self._verify(spec, rows)
             packed = self._commit(res, lp)
             t1 = self._wait(packed) if self.timed else 0.0
-            v = rs.unpack(self._to_draft(packed))
-            spec, rows = self._propose(draft, v, drun)  # waited for when timed (`Guarded`)
+            spec, rows, rep = self._next_proposal(draft, packed, drun)  # waited for when timed
             if self.timed:
                 self.phases = dict(verify_s=t1 - t0, draft_s=time.perf_counter() - t1)
-            return packed, rs.pass_report(v.report, spec)
+            return packed, rep
 
         self._rounds(dispatch, "propose")
         draft.finish()
@@ -392,28 +391,27 @@ class DeviceLoop(RoundChunks, RoundReports):
         """SSD: verify and the tree overlap; the lookup and backup run on the draft mesh.
         chooser: backup="auto"'s `BackupChooser` (then each round's or chunk's backup is chosen
         at its dispatch, `AutoBackup`), or None."""
-        run = self.run
         worker = self.e.worker
-        worker.start_counters(run["k"])
         self.backup = drun.backup
         self.auto = AutoBackup(chooser) if chooser is not None else None
-        v = self._draft_view()
-        if drun.backup == "ngram":
-            worker.start_history(v)
-        spec, rows = draft.backup(_round_state(v), drun)  # round 1: no cache yet
-        self.read_draft(rs.pass_report(v.report, spec), "backup")
+        # round 1 has no speculation cache yet: a backup (`first` zeroes the lookup counters)
+        spec, rows, v = draft.first(rs.round_view(self.state, self.pending), drun)
+        self.read_draft(v.report if self.remote else rs.pass_report(v.report, spec), "first")
         ones = np.ones(self.batch.size, bool)
-        if self._chunked(draft) and self._ssd_chunks(worker, drun, _round_state(v), spec, rows, ones):
+        if self._chunked(draft) and self._ssd_chunks(worker, drun, RoundState.of_outcome(v), spec,
+                                                     rows, ones):
             draft.finish()
             self.counters_into(self.m, worker.counters)
             return
-        from_backup, from_backup_d = to_mesh(ones, self.tgt), to_mesh(ones, worker.rows)
+        from_backup = to_mesh(ones, self.tgt)
+        from_backup_d = ones if self.remote else to_mesh(ones, worker.rows)
 
         def dispatch():
             nonlocal spec, rows, from_backup, from_backup_d, v
             t0 = time.perf_counter() if self.timed else 0.0
             res, lp = self._verify(spec, rows)
-            draft.dispatch_tree(_round_state(v), spec, from_backup_d, drun)  # overlaps the verify
+            # overlaps the verify (a remote draft dispatched it after its last reply)
+            draft.dispatch_tree(RoundState.of_outcome(v), spec, from_backup_d, drun)
             packed = self._commit(res, lp, from_backup)
             if self.timed:  # the outcome, then the tree: T_v and T_p from the round's start
                 t1 = self._wait(packed)
@@ -424,6 +422,10 @@ class DeviceLoop(RoundChunks, RoundReports):
             if self.timed:  # resolve waited for (`Guarded`): the lookup and any backup
                 self.phases = dict(verify_s=t1 - t0, draft_s=t2 - t0,
                                    backup_s=time.perf_counter() - t2)
+                if self.remote:  # as the draft process timed them
+                    t = worker.times
+                    self.phases.update(draft_s=t.get("tree_s", 0.0), backup_s=t["resolve_s"],
+                                       exchange_s=t["exchange_s"])
             from_backup = move(from_backup_d, self.tgt)
             return packed, rep
 
@@ -433,8 +435,3 @@ class DeviceLoop(RoundChunks, RoundReports):
         self._rounds(dispatch, "resolve", ssd=True, keep=lambda: worker.counters, restore=restore)
         draft.finish()
         self.counters_into(self.m, worker.counters)
-
-
-def _round_state(v, history=None) -> RoundState:
-    """A `RoundState` of device arrays from an unpacked `Outcome` (history: a proposer's)."""
-    return RoundState(n=v.n, prev=v.prev, bonus=v.bonus, active=v.active, history=history)

@@ -50,19 +50,24 @@ def _load(spec: str, dtype: str, cache_dir: str | None, quant: str = "none",
     return model, model.tokenizer.vocab_size, model.tokenizer.fingerprint()
 
 
-def decode_state(a: dict):
-    """The `RoundState` of a request's arrays; ValueError if they do not fit together."""
-    from ssd_jax.runtime.draft_worker import RoundState
+def decode_outcome(a: dict, k: int, row_vocab: int, resolve: bool) -> np.ndarray:
+    """A request's packed `round_steps.Outcome` `[B, 6 + R]` (R = 4 + 2M: a report of M token
+    columns); ValueError where it cannot be one: a report without a token column or of an odd
+    width, a row's position, bonus or accepted count out of range (`resolve`: a verified round's
+    outcome, M = K + 1 tokens)."""
+    from ssd_jax.algorithm import decode_state as ds
 
-    B = len(a["n"])
-    if any(len(a[k]) != B for k in ("prev", "bonus", "active", "history_lens")):
-        raise ValueError("the round state's arrays differ in batch size")
-    lens = a["history_lens"]
-    if lens.size and (lens.min() < 0 or int(lens.sum()) != len(a["history"])):
-        raise ValueError("history lengths do not add up to the history")
-    cuts = np.cumsum(lens)[:-1] if B else []
-    history = [h.tolist() for h in np.split(a["history"], cuts)] if B else []
-    return RoundState(a["n"], a["prev"], a["bonus"], a["active"], history)
+    p = a["outcome"]
+    width = p.shape[1] - 6 - ds.R_TOKENS
+    if width < 2 or width % 2 or (resolve and width != 2 * (k + 1)):
+        raise ValueError(f"an outcome of {p.shape[1]} columns: not 6 + {ds.R_TOKENS} + 2 x the "
+                         f"round's tokens{f' (K + 1 = {k + 1})' if resolve else ''}")
+    if p.size and (p[:, 2].min() < 1 or p[:, [1, 3, 4]].min() < 0
+                   or p[:, [1, 3, 4]].max() >= row_vocab or p[:, 0].min() < 0
+                   or p[:, 0].max() > k or not np.isin(p[:, 5], (0, 1)).all()):
+        raise ValueError("an outcome with a position, token, accepted count or active flag out "
+                         "of range")
+    return p
 
 
 def decode_run(f: dict, batch: int):
@@ -210,24 +215,38 @@ class DraftServer:
         if kind == "finish":
             w._tree = None
             return Message("ok"), None
-        s = decode_state(a)
-        run = decode_run(f, len(s.n))
+        from ssd_jax.runtime.draft_worker import RoundState
+
+        packed = a["outcome"]
+        run = decode_run(f, len(packed))
+        if len(packed) != w._batch:
+            raise ValueError(f"an outcome of {len(packed)} rows for a call of {w._batch}")
+        decode_outcome(a, run.k, w.row_vocab, resolve=kind == "resolve")
         if kind == "propose":
-            return self._spec(*w.propose(s, run)), None
+            spec, rows, _ = w.propose_from(packed, run)
+            return self._spec(spec, rows), None
         if kind == "first":
-            spec, rows = w.backup(s, run)
+            spec, rows, v = w.first(packed, run)
             return self._spec(spec, rows), lambda: w.dispatch_tree(
-                s, spec, np.ones(len(s.n), bool), run, wait=True)
-        # resolve
-        if len(a["num_accepted"]) != len(s.n) or len(a["outcome_bonus"]) != len(s.n):
-            raise ValueError("the outcome's arrays differ in batch size from the round state")
-        spec, rows, hit, times = w.resolve(a["num_accepted"], a["outcome_bonus"], s, run)
-        reply = Message("resolved", {"times": {k: float(v) for k, v in times.items()}},
-                        {"spec": np.asarray(spec), "rows": np.asarray(rows),
-                         "hit": np.asarray(hit, bool)})
-        if not s.active.any():
+                RoundState.of_outcome(v), spec, w._put(np.ones(len(packed), bool)), run, wait=True)
+        # resolve: the lookup and any backup, then (after the reply) the next round's tree
+        import jax
+
+        from ssd_jax.algorithm import decode_state as ds
+        t0, tree_s = time.perf_counter(), w._tree_s
+        spec, rows, missed, rep, v = w.resolve_on_device(packed, run, f["neural"])
+        spec_h, rows_h, rep_h, counters = jax.device_get((spec, rows, rep, w.counters))
+        c = counters.totals()
+        times = {"resolve_s": time.perf_counter() - t0}
+        if tree_s is not None:
+            times["tree_s"] = tree_s
+        reply = Message("resolved", {"times": times},
+                        {"spec": spec_h, "rows": rows_h, "hit": rep_h[:, ds.R_HIT] > 0,
+                         **{name: getattr(c, name).astype(np.int32) for name in
+                            ("lookups_by_accept", "hits_by_accept", "backups")}})
+        if not (packed[:, 5] > 0).any():
             return reply, None
-        return reply, lambda: w.dispatch_tree(s, spec, ~hit & s.active, run, wait=True)
+        return reply, lambda: w.dispatch_tree(RoundState.of_outcome(v), spec, missed, run, wait=True)
 
     def serve(self) -> None:
         """Answer requests until "shutdown" or until the target goes away; a "compiling"

@@ -1,8 +1,11 @@
 """Everything the draft does, on the draft mesh: prefill, SD drafting, the SSD tree, lookup, backups.
 
-The engine talks to the draft only through these methods, with host values (a `RoundState` of token
-ids and positions, outcome integers) in and speculation tokens / proposal rows out — the calls a
-transport to another process carries unchanged (`ssd_jax.runtime.transport`).
+The engine talks to the draft only through these methods. The device loop's (`first`,
+`propose_from`, `dispatch_tree`, `resolve_on_device`) take a round's packed `Outcome`, on any
+mesh or the host, and return speculation tokens / proposal rows: the same calls a draft in
+another process serves from the packed outcome the wire carries (`ssd_jax.runtime.transport`,
+`ssd_jax.runtime.draft_process`). The host loop's (`propose`, `backup`, `resolve`) take host
+values.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import numpy as np
 from ssd_jax.models import backends
 from ssd_jax.models.protocol import forward, init_cache, is_builtin, with_lengths
 from ssd_jax.algorithm import backups, round_steps, steps
+from ssd_jax.algorithm import decode_state as ds
 from ssd_jax.algorithm.aot import step_jit
 from ssd_jax.runtime.metrics import layout_bytes
 from ssd_jax.runtime.placement import _placed, move, settle, spans_processes, to_host, to_mesh
@@ -41,6 +45,12 @@ class RoundState:
     def of(cls, batch) -> "RoundState":
         """The round-boundary state of an `ssd_jax.runtime.batch.Batch`."""
         return cls(batch.n, batch.prev, batch.bonus, batch.active, batch.history)
+
+    @classmethod
+    def of_outcome(cls, v, history=None) -> "RoundState":
+        """The rows after an unpacked `round_steps.Outcome`'s commit (device or host arrays);
+        history: a proposer's `[B, H]`."""
+        return cls(n=v.n, prev=v.prev, bonus=v.bonus, active=v.active, history=history)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,23 +200,50 @@ class DraftWorker:
         """Run a throwaway call of `call`'s shapes and statics (a `warmup.CallPlan`), so that the
         call itself finds its draft programs compiled or loaded: the prefill, then SD's proposal,
         or SSD's first backup, its tree, and a lookup that misses (an outcome no branch holds)
-        with the backup that follows. The next `start` replaces what it leaves."""
+        with the backup that follows, each from a packed `Outcome` as the device loop sends it.
+        The next `start` replaces what it leaves."""
         B, run = len(call.lens), call.run
         self.start(call.tokens, call.lens, call.cache_len)
         lens = np.asarray(call.lens, np.int32)
-        s = RoundState(n=lens, prev=np.asarray(call.tokens, np.int32)[np.arange(B), lens - 1],
-                       bonus=np.zeros(B, np.int32), active=np.ones(B, bool),
-                       history=[p + [0] for p in call.prompts()])
-        if call.mode == "sd":
-            jax.block_until_ready(self.propose(s, run))
+        z, ones = np.zeros(B, np.int32), np.ones(B, np.int32)
+        prev = np.asarray(call.tokens, np.int32)[np.arange(B), lens - 1]
+        # the rows after the prefill and its one-token report (`round_steps.round_view`)
+        view = _packed(z, z, lens, prev, z, ones, tokens=1)
+        if call.mode == "sd":  # round 1's proposal, then one from a verified round's outcome
+            for packed in (view, _packed(z, z, lens + 1, prev, z, ones, tokens=run.k + 1)):
+                spec, _, v = self.propose_from(packed, run)
+                jax.block_until_ready(round_steps.pass_report(v.report, spec))
             return
-        spec, _ = self.backup(s, run)
-        self.dispatch_tree(s, spec, np.ones(B, bool), run, wait=True)
+        spec, _, v = self.first(view, run)
+        jax.block_until_ready(round_steps.pass_report(v.report, spec))
+        self.dispatch_tree(RoundState.of_outcome(v), spec, self._put(np.ones(B, bool)), run,
+                           wait=True)
         keys = np.asarray(self._tree.keys)  # [B, MQ, 2]: (accepted, bonus) each branch assumed
         bonus = np.asarray([min(set(range(len(k) + 1)) - set(k[k[:, 0] == 0, 1].tolist()))
                             for k in keys], np.int32)
-        jax.block_until_ready(self.resolve(np.zeros(B, np.int32), bonus, s, run)[1])
+        # a verified round: none accepted, a bonus no branch holds, its (K+1)-token report
+        outcome = _packed(z, bonus, lens + 1, prev, bonus, ones, tokens=run.k + 1)
+        jax.block_until_ready(self.resolve_on_device(outcome, run)[1])
         self._tree = None
+
+    def first(self, packed, run: DraftRun):
+        """SSD's round 1, which has no speculation cache yet: a backup from the rows after the
+        prefill (packed `[B, 6 + R]`: `round_steps.round_view`, on any mesh or the host). Zeroes
+        the call's lookup counters and, for the n-gram backup, starts the rows' history. Returns
+        (spec `[B, K]`, rows `[B, K, V]`, the view unpacked on the draft mesh), in flight."""
+        self.start_counters(run.k)
+        v = round_steps.unpack(self._put_rows(packed))
+        if run.backup == "ngram":
+            self.start_history(v)
+        spec, rows = self.backup(RoundState.of_outcome(v), run)
+        return spec, rows, v
+
+    def propose_from(self, packed, run: DraftRun):
+        """SD's next speculation from a round's packed `Outcome` (or round 1's view): (spec
+        `[B, K]`, rows `[B, K, V]`, the outcome unpacked on the draft mesh), in flight."""
+        v = round_steps.unpack(self._put_rows(packed))
+        spec, rows = self.propose(RoundState.of_outcome(v), run)
+        return spec, rows, v
 
     def start_history(self, outcome) -> None:
         """The device loop's n-gram backup: each row's tokens by position `[B, cache_len]` on
@@ -418,3 +455,13 @@ def _batch_sharding(sharding, batch: int):
     if mesh.devices.size > 1 and batch % mesh.devices.size == 0:
         return NamedSharding(mesh, P(mesh.axis_names))
     return sharding
+
+
+def _packed(num_accepted, bonus_out, n, prev, bonus, active, tokens: int) -> np.ndarray:
+    """A packed `Outcome` `[B, 6 + R]` of host values with an empty report of `tokens` token
+    columns (`decode_state.report`'s width): the shapes a warm-up's steps meet."""
+    B = len(n)
+    report = np.zeros((B, ds.R_TOKENS + 2 * tokens), np.int32)
+    report[:, ds.R_HIT] = -1
+    cols = np.stack([num_accepted, bonus_out, n, prev, bonus, active], 1).astype(np.int32)
+    return np.concatenate([cols, report], 1)

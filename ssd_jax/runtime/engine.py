@@ -25,6 +25,7 @@ from ssd_jax.models import backends
 from ssd_jax.models.adapters import as_model
 from ssd_jax.models.draft_head import head_width
 from ssd_jax.models.protocol import init_cache, is_builtin
+from ssd_jax.algorithm import round_steps as rs
 from ssd_jax.algorithm import steps
 from ssd_jax.runtime.batch import Batch, GenerationResult
 from ssd_jax.runtime.chat import chat_prompts
@@ -319,14 +320,9 @@ class Engine(HostLoop):
         return not self.placement.on_cpu
 
     def _on_device(self, mode: str) -> bool:
-        """Whether a call runs the device loop: not on a mesh over several processes, and for
-        SD / SSD not with a draft in another process. An in-process draft model runs there on
-        one device or data-parallel over several, whose shards never communicate
-        (`round_steps.resolve`'s `local_rows`); every backup has a device form ("auto":
-        `ssd_jax.runtime.auto_backup`); a proposer reads the rows' history kept there."""
-        if self._serial:
-            return False
-        return mode == "ar" or not getattr(self.worker, "remote", False)
+        """Whether a call runs the device loop: every mode and draft (in process, data-parallel,
+        a proposer, in another process), except on a mesh over several processes."""
+        return not self._serial
 
     def _generate_on_device(self, batch: Batch, rids, cache_len: int, run: dict, m: Metrics,
                             mode: str, setup, draft, timeline: bool) -> None:
@@ -344,7 +340,9 @@ class Engine(HostLoop):
                 loop.ssd(draft, drun, chooser)
         except DraftDown as down:  # go on with the target alone from the committed tokens
             loop.sync_host()
-            loop.counters_into(m, None)
+            # a remote draft's counters came with its last reply, of a round committed; an
+            # in-process draft's are on its failed device (or count a round rolled back)
+            loop.counters_into(m, self.worker.counters if loop.remote else None)
             m.new_tokens = sum(len(g) for g in batch.generated)
             fall_back(self, down, batch, m, self.strict)
             loop.recover(cache_len)
@@ -441,8 +439,8 @@ class Engine(HostLoop):
     @_one_call_at_a_time
     def warm_up(self, plan) -> dict:
         """Run the target's side of a throwaway first round of `plan` (a
-        `ssd_jax.runtime.warmup.CallPlan`) on the host loop, the loop of a remote draft's calls:
-        its prefill, then a verify of a speculation of K zeros. The call
+        `ssd_jax.runtime.warmup.CallPlan`) as the device loop runs it: its prefill and the
+        commit of its token, then a verify of a speculation of K zeros and its commit. The call
         of that plan then finds the target's programs compiled or loaded; the draft's side is
         `RemoteDraft.warm` (`DraftWorker.warm_up` in process). Returns {"seconds": its wall
         time, "compile_s": the part spent compiling or loading, "programs": {name: {"source",
@@ -455,19 +453,20 @@ class Engine(HostLoop):
                               for name, p in timer.programs.items()})
 
     def _warm_up(self, plan) -> None:
-        B, V = len(plan.lens), self.target.cfg.vocab_size
-        batch = Batch(plan.prompts(), 2, (), ())
+        B, V, k = len(plan.lens), self.target.cfg.vocab_size, plan.run.k
+        batch = Batch(plan.prompts(), plan.max_new_tokens, plan.eos_ids, ())
         rids = np.asarray(plan.run.request_ids, np.int32)
-        run = dict(seed=jnp.int32(plan.run.seed), k=plan.run.k, verifier=_default_verifier(),
+        run = dict(seed=jnp.int32(plan.run.seed), k=k, verifier=_default_verifier(),
                    sampling=to_mesh(plan.sampling, self.placement.target))
+        # the device loop's target side of round 1, as a call with this engine's draft runs it
+        loop = DeviceLoop(self, batch, rids, run, Metrics(mode=plan.mode), k=k)
         first, lp, self.tcache, _ = self._prefill_target(batch, rids, plan.cache_len, run)
-        first, lp = np.asarray(first), np.asarray(lp)
-        for b in range(B):
-            batch.emit(b, [first[b]], [lp[b]])
-        rows = np.full((B, plan.run.k, V), 1.0 / V, jnp.dtype(plan.run.row_dtype))
-        res, _ = self._verify(batch, np.zeros((B, plan.run.k), np.int32), rows,
-                              to_mesh(rids, self.placement.target), run)
-        jax.block_until_ready(res)
+        loop.state, loop.active, loop._bonus, report = rs.commit_tokens(loop.state, first, lp)
+        jax.block_until_ready(rs.round_view(loop.state, report))
+        rows = np.full((B, k, V), 1.0 / V, jnp.dtype(plan.run.row_dtype))
+        res, lp = loop._verify(np.zeros((B, k), np.int32), rows)
+        ones = to_mesh(np.ones(B, bool), self.placement.target) if plan.mode == "ssd" else None
+        jax.block_until_ready(loop._commit(res, lp, ones))
         self.tcache = None
 
     @_one_call_at_a_time

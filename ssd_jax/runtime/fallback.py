@@ -18,9 +18,9 @@ import warnings
 class DraftFailure(RuntimeError):
     """The draft failed during a generate call of an `Engine(strict=True)`.
 
-    draft: the draft's name; during: the draft call that failed ("start", "propose", "backup",
-    "dispatch_tree", "tree_ready" (a timed round), "resolve", "finish"); cause: the error's
-    text; result: the `GenerationResult` of the tokens committed before the failure
+    draft: the draft's name; during: the draft call that failed ("start", "propose", "first"
+    (SSD's round 1), "dispatch_tree", "tree_ready" (a timed round), "resolve", "finish");
+    cause: the error's text; result: the `GenerationResult` of the tokens committed before the failure
     (token_ids: the same, per prompt). The original exception is `__cause__`."""
 
     def __init__(self, message: str, *, draft: str, during: str, cause: str, result=None):
@@ -44,6 +44,9 @@ class DraftDown(Exception):
 # Calls whose failure waits for the draft's next call: the engine has target work in flight or to
 # commit when it makes them (the prefill's first tokens, the round's verify).
 _DEFERRED = ("start", "dispatch_tree")
+# the name a failure gives its call (`DraftFailure.during`): the device loop's forms of a call
+# under the call's name
+_DURING = {"propose_from": "propose", "resolve_on_device": "resolve"}
 
 
 class Guarded:
@@ -75,7 +78,7 @@ class Guarded:
                                            if isinstance(x, jax.Array)])
                 return out
             except Exception as e:  # noqa: BLE001 - any draft failure is contained
-                self.failed = DraftDown(name, e)
+                self.failed = DraftDown(_DURING.get(name, name), e)
                 self.failed.__cause__ = e
                 if name not in _DEFERRED:
                     raise self.failed from e

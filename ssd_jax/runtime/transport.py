@@ -42,15 +42,6 @@ class TransportWarning(UserWarning):
     """A peer was refused while the target waited for its draft (the wait goes on)."""
 
 
-def state_arrays(s) -> dict:
-    """A `RoundState`'s arrays for the wire (the ragged histories flattened, with lengths)."""
-    hist = [np.asarray(h, np.int32).reshape(-1) for h in s.history]
-    return {"n": np.asarray(s.n, np.int32), "prev": np.asarray(s.prev, np.int32),
-            "bonus": np.asarray(s.bonus, np.int32), "active": np.asarray(s.active, bool),
-            "history": np.concatenate(hist) if hist else np.zeros(0, np.int32),
-            "history_lens": np.asarray([len(h) for h in hist], np.int32)}
-
-
 def run_fields(run) -> dict:
     """A `DraftRun`'s fields for the wire (JSON scalars and lists; the draft's sampling values one
     per request: `SamplingParams.per_request`)."""
@@ -138,6 +129,8 @@ class RemoteDraft:
         self.info: dict = {}
         self._warming: float | None = None  # when `warm` was sent, until its "warmed" is read
         self.warmup: dict | None = None  # the last warm-up's account (`warmed`)
+        self.counters = None  # the call's lookup counters (`LookupCounters`, summed), SSD
+        self.times: dict[str, float] = {}  # the last resolve's seconds (`resolve_on_device`)
         self._connect()
         self.row_vocab = self.info["vocab_rows"]  # set by the engine to the target's rows
         atexit.register(self.close)
@@ -270,7 +263,7 @@ class RemoteDraft:
         a = msg.arrays
         want = {"spec": (batch, k), "rows": (batch, k, self.row_vocab), "hit": (batch,)}
         for name, arr in a.items():
-            if arr.shape != want[name]:
+            if name in want and arr.shape != want[name]:
                 raise self._fail(TransportError("malformed", f"malformed message refused: {name} "
                                                 f"of shape {arr.shape}, expected {want[name]}"))
         spec = a["spec"]
@@ -284,6 +277,7 @@ class RemoteDraft:
         """Send prompt_tokens `[B, T]`, prompt_lens `[B]`, cache_len S and the row vocabulary V: the
         draft process builds its worker if needed (the first time: up to `timeout` seconds) and
         dispatches its prefill."""
+        self.counters, self.times = None, {}  # the call's, from its first round on
         self._ask("start", {"cache_len": int(cache_len), "row_vocab": int(self.row_vocab)},
                   {"tokens": np.asarray(prompt_tokens, np.int32),
                    "lens": np.asarray(prompt_lens, np.int32)}, "ok",
@@ -293,19 +287,32 @@ class RemoteDraft:
         """Block until the draft process's prefill is done."""
         self._ask("ready", {}, {}, "ok")
 
-    def propose(self, s, run):
-        """SD drafting in the draft process: (spec `[B, K]` int32, rows `[B, K, V]`) as numpy."""
-        return self._spec(self._ask("propose", run_fields(run), state_arrays(s), "spec"),
-                          len(s.n), run.k)
+    def propose_from(self, packed, run):
+        """SD drafting in the draft process from a round's packed `Outcome` (on the target's
+        mesh: fetched once and sent): (spec `[B, K]`, rows `[B, K, V]` as numpy, the outcome
+        unpacked on the host)."""
+        p = _fetched(packed)
+        spec, rows = self._spec(self._ask("propose", run_fields(run), {"outcome": p}, "spec"),
+                                len(p), run.k)
+        return spec, rows, _unpacked(p)
 
-    def backup(self, s, run):
-        """Round 1's speculation (a backup from the real outcome): (spec `[B, K]`, rows `[B, K, V]`)
-        as numpy; the draft process then dispatches its tree at once."""
-        return self._spec(self._ask("first", run_fields(run), state_arrays(s), "spec"),
-                          len(s.n), run.k)
+    def first(self, packed, run):
+        """SSD's round 1 in the draft process (a backup from the rows after the prefill, packed:
+        `round_steps.round_view`): (spec `[B, K]`, rows `[B, K, V]`, the view unpacked on the
+        host); the draft process then dispatches its tree at once. Zeroes the call's lookup
+        counters."""
+        p = _fetched(packed)
+        spec, rows = self._spec(self._ask("first", run_fields(run), {"outcome": p}, "spec"),
+                                len(p), run.k)
+        from ssd_jax.algorithm.lookup_counters import LookupCounters
+        self.counters = LookupCounters.zeros(run.k, 1)
+        return spec, rows, _unpacked(p)
 
     def dispatch_tree(self, s, spec, from_backup, run):
         """Nothing to do here: the draft process dispatched the tree when it sent `spec`."""
+
+    def tree_ready(self) -> None:
+        """Nothing to wait for here: the draft process times its tree (`times`)."""
 
     def warm(self, call) -> None:
         """Have the draft process run a throwaway call of `call`'s shapes (a
@@ -338,18 +345,39 @@ class RemoteDraft:
                                                          f"pending: {msg.fields['message']}"))
         return self._take_warmed(msg, t0, count=False)
 
-    def resolve(self, num_accepted, bonus, s, run):
-        """Send the outcome (num_accepted `[B]`, bonus `[B]`); receive (spec `[B, K]`, rows
-        `[B, K, V]`, hit `[B]` bool, times dict); times["exchange_s"]: the round trip less the
-        draft process's own handling time."""
+    def resolve_on_device(self, packed, run, neural: bool | None = None):
+        """The round's packed `Outcome` (fetched once) to the draft process, which looks it up,
+        drafts the backup for the rows that missed and (after its reply) the next tree; returns
+        (spec `[B, K]`, rows `[B, K, V]`, missed `[B]`, the round's report with its hit column,
+        the outcome unpacked), host arrays, as `DraftWorker.resolve_on_device` returns them on
+        the draft's mesh. `counters` becomes the call's lookup counters so far and `times` the
+        draft process's seconds: "tree_s" (this round's tree, dispatch to ready), "resolve_s"
+        (the lookup and any backup), "exchange_s" (the round trip less its handling).
+        neural: backup="auto"'s choice for this round."""
+        from ssd_jax.algorithm import decode_state as ds
+        from ssd_jax.algorithm.lookup_counters import BACKUP_INDEX, LookupCounters
+
         t0 = time.perf_counter()
-        arrays = dict(state_arrays(s), num_accepted=np.asarray(num_accepted, np.int32),
-                      outcome_bonus=np.asarray(bonus, np.int32))
-        msg = self._ask("resolve", run_fields(run), arrays, "resolved")
-        spec, rows, hit = self._spec(msg, len(s.n), run.k, hit=True)
+        p = _fetched(packed)
+        msg = self._ask("resolve", dict(run_fields(run), neural=neural), {"outcome": p},
+                        "resolved")
+        spec, rows, hit = self._spec(msg, len(p), run.k, hit=True)
+        a = msg.arrays
+        want = {"lookups_by_accept": run.k + 1, "hits_by_accept": run.k + 1,
+                "backups": len(BACKUP_INDEX)}
+        for name, size in want.items():
+            if a[name].shape != (size,) or (a[name].size and a[name].min() < 0):
+                raise self._fail(TransportError("malformed", f"malformed message refused: "
+                                                f"{name} of shape {a[name].shape}, expected "
+                                                f"({size},) counts"))
+        self.counters = LookupCounters(*(a[name][None] for name in want))
         times = dict(msg.fields["times"])
         times["exchange_s"] = max(time.perf_counter() - t0 - times.pop("handle_s", 0.0), 0.0)
-        return spec, rows, hit, times
+        self.times = times
+        o = _unpacked(p)
+        report = o.report.copy()
+        report[:, ds.R_HIT] = np.where(o.active, hit, -1)  # `decode_state.with_hits`, on the host
+        return spec, rows, ~hit & o.active, report, o
 
     def finish(self):
         """End of a generate call: the draft process drops its pending tree."""
@@ -387,6 +415,18 @@ class RemoteDraft:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=30)
+
+
+def _fetched(packed) -> np.ndarray:
+    """A packed `Outcome` as the int32 numpy array the wire carries (one device-to-host read)."""
+    from ssd_jax.runtime.placement import to_host
+    return np.ascontiguousarray(to_host(packed), np.int32)
+
+
+def _unpacked(p: np.ndarray):
+    """`round_steps.Outcome.unpack` on the host."""
+    from ssd_jax.algorithm.round_steps import Outcome
+    return Outcome.unpack(p)
 
 
 def _count_compiles(programs: list) -> None:

@@ -45,6 +45,8 @@ class CallPlan:
     row_vocab: int  # V: the target's embedding rows, the width of the draft's proposal rows
     sampling: SamplingParams  # the target's, [B] numpy values
     run: DraftRun  # the draft's view (its sampling, K, fan-out, backup, row dtype)
+    max_new_tokens: int = 64  # the budget and the ids that end a row: the shapes of the call's
+    eos_ids: tuple[int, ...] = ()  # state (`decode_state.initial_state`), the target's side
 
     def prompts(self) -> list[list[int]]:
         """The prompts as B lists of token ids (`tokens` without their padding)."""
@@ -87,5 +89,7 @@ def call_plan(tokenizer, target_cfg, *, max_len: int = 4096, prompts=None, messa
         drun = DraftRun.of_ssd_call(rids, dict(run, f_hit=f_hit, f_backup=f_backup), ssd)
     else:
         drun = DraftRun.of_call(rids, run)
+    if eos_ids is None:  # the engine's own (`Engine.eos_ids`)
+        eos_ids = tokenizer.eos_ids if tokenizer is not None else ()
     return CallPlan(mode, right_padded(ids), lens, int(cache_len), int(target_cfg.vocab_size),
-                    sampling, drun)
+                    sampling, drun, int(max_new_tokens), tuple(int(e) for e in eos_ids))

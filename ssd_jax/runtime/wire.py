@@ -33,8 +33,9 @@ import time
 import numpy as np
 
 MAGIC = b"SSDJ"
-VERSION = 5  # 2: the run's temperature / top-k / top-p are lists, one per request; 3: "compiling";
-# 4: "compiled"; 5: "warm" / "warmed"
+VERSION = 6  # 2: the run's temperature / top-k / top-p are lists, one per request; 3: "compiling";
+# 4: "compiled"; 5: "warm" / "warmed"; 6: the round's packed outcome in place of the host's state
+# and histories, the lookup counters in "resolved"
 _PREFIX = struct.Struct("!4sBI")
 MAX_HEADER = 1 << 16  # bytes of JSON header
 MAX_MESSAGE_BYTES = 1 << 30  # default cap on one message's array bytes (1 GiB)
@@ -70,9 +71,12 @@ class TransportError(RuntimeError):
 
 # ------------------------------------------------------------------------------------ schemas
 # field types: int, float, str, bool, "ints" (a list of ints), "reals" (a list of finite numbers),
-# "floats" (a str -> float dict), "str?" / "float?" (or null), "records" (compile records, below)
-_STATE = {"n": (("int32",), 1), "prev": (("int32",), 1), "bonus": (("int32",), 1),
-          "active": (("bool",), 1), "history": (("int32",), 1), "history_lens": (("int32",), 1)}
+# "floats" (a str -> float dict), "str?" / "float?" / "bool?" (or null), "records" (compile
+# records, below)
+# a round's rows as the target's device loop has them: `round_steps.Outcome` packed, [B, 6 + R]
+# int32 (the verify's outcome, the rows after its commit, the round's report; before round 1 the
+# rows after the prefill and its report, no outcome)
+_OUTCOME = {"outcome": (("int32",), 2)}
 _RUN = {"seed": "int", "request_ids": "ints", "temperature": "reals", "top_k": "ints",
         "top_p": "reals", "k": "int", "fanout_hit": "ints", "fanout_backup": "ints",
         "saguaro_c": "float", "backup": "str", "row_dtype": "str"}
@@ -83,10 +87,10 @@ REQUESTS = {  # target -> draft
     "start": ({"cache_len": "int", "row_vocab": "int"},
               {"tokens": (("int32",), 2), "lens": (("int32",), 1)}),
     "ready": ({}, {}),
-    "propose": (_RUN, _STATE),
-    "first": (_RUN, _STATE),
-    "resolve": (_RUN, {**_STATE, "num_accepted": (("int32",), 1),
-                       "outcome_bonus": (("int32",), 1)}),
+    "propose": (_RUN, _OUTCOME),
+    "first": (_RUN, _OUTCOME),
+    # neural: backup="auto"'s choice for this round (null for the other backups)
+    "resolve": ({**_RUN, "neural": "bool?"}, _OUTCOME),
     "finish": ({}, {}),
     "shutdown": ({}, {}),
     # a throwaway call of a coming call's shapes (`warmup.CallPlan`), run after the "ok": the
@@ -99,7 +103,11 @@ REPLIES = {  # draft -> target
               "backend": "str"}, {}),
     "ok": ({}, {}),
     "spec": ({}, _SPEC),
-    "resolved": ({"times": "floats"}, {**_SPEC, "hit": (("bool",), 1)}),
+    # the lookup's hit per row, and the call's lookup counters so far (summed over the rows)
+    "resolved": ({"times": "floats"}, {**_SPEC, "hit": (("bool",), 1),
+                                        "lookups_by_accept": (("int32",), 1),
+                                        "hits_by_accept": (("int32",), 1),
+                                        "backups": (("int32",), 1)}),
     "error": ({"message": "str", "during": "str"}, {}),
     # a heartbeat, about every HEARTBEAT_S while the draft lowers or compiles a step (so a reply
     # timeout measures the answer, never a compile); the target skips it wherever it reads
@@ -132,6 +140,7 @@ def _check_field(kind: str, name: str, typ: str, v) -> None:
         "int": lambda: type(v) is int,
         "float": lambda: type(v) in (int, float) and math.isfinite(v),
         "bool": lambda: type(v) is bool,
+        "bool?": lambda: v is None or type(v) is bool,
         "str": lambda: type(v) is str and len(v) <= MAX_STR,
         "str?": lambda: v is None or (type(v) is str and len(v) <= MAX_STR),
         "float?": lambda: v is None or (type(v) in (int, float) and math.isfinite(v)),

@@ -187,6 +187,7 @@ def test_killed_draft_process_mid_generate(remote, reference, clock):
     # while it is down, a call is plain decoding at once (one warning again), never an exception
     again, warning2, _ = timed_call(eng)
     assert again.token_ids == reference["ar"] and again.metrics.fallback["during"] == "start"
+    assert again.metrics.lookups == 0  # none of the last call's counts
     assert "is down" in again.metrics.fallback["error"]
     restart_s = eng.restart_draft()
     assert eng.worker.proc.pid != proc.pid and eng.worker.down is None

@@ -10,6 +10,7 @@ import hmac
 import json
 import os
 import pickle
+import re
 import socket
 import struct
 import subprocess
@@ -159,9 +160,12 @@ def test_frames_round_trip_every_kind_and_dtype(link):
     for dtype in ("float32", "bfloat16", "float16"):
         rows = np.random.default_rng(0).random((2, 3, 5)).astype(
             ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
-        msg = Message("resolved", {"times": {"tree_wait_s": 0.5, "backup_s": 0}},
+        msg = Message("resolved", {"times": {"tree_s": 0.5, "resolve_s": 0}},
                       {"spec": np.arange(6, dtype=np.int32).reshape(2, 3), "rows": rows,
-                       "hit": np.array([True, False])})
+                       "hit": np.array([True, False]),
+                       "lookups_by_accept": np.array([3, 1, 0, 2], np.int32),
+                       "hits_by_accept": np.array([2, 1, 0, 1], np.int32),
+                       "backups": np.array([2, 0, 0], np.int32)})
         send.send(msg)
         got = recv.recv(REPLIES, timeout=5)
         assert got.kind == "resolved" and got.fields == msg.fields
@@ -179,6 +183,42 @@ def test_frames_round_trip_every_kind_and_dtype(link):
     send.send(Message("info", {"vocab_rows": 64, "vocab_size": 60, "fingerprint": None,
                                "name": "d", "backend": "xla"}))
     assert recv.recv(REPLIES, timeout=5).fields["fingerprint"] is None
+
+
+def test_a_rounds_outcome_crosses_the_wire_and_the_draft_checks_it(link):
+    """The device loop's requests carry the round's packed `Outcome` (one int32 array) and, for
+    "resolve", backup="auto"'s choice; the draft process refuses an outcome it cannot serve
+    (`draft_process.decode_outcome`) with a ValueError naming what is wrong, which it reports as
+    its own error (the target falls back)."""
+    from ssd_jax.runtime import transport
+    from ssd_jax.runtime.draft_process import decode_outcome
+    from ssd_jax.runtime.draft_worker import DraftRun
+
+    send, recv, _ = link
+    K, V = 2, 8
+    # num_accepted, bonus_out, n, prev, bonus, active, then a report of K + 1 token columns
+    cols = np.array([[0, 1, 3, 2, 1, 1], [2, 5, 7, 4, 5, 0]], np.int32)
+    report = np.zeros((2, 4 + 2 * (K + 1)), np.int32)
+    good = np.concatenate([cols, report], 1)
+    run = DraftRun(seed=1, request_ids=(4, 5), sampling=SamplingParams(), k=K)
+    for neural in (None, True, False):
+        send.send(Message("resolve", dict(transport.run_fields(run), neural=neural),
+                          {"outcome": good}))
+        got = recv.recv(REQUESTS, timeout=5)
+        assert got.fields["neural"] is neural
+        np.testing.assert_array_equal(decode_outcome(got.arrays, K, V, resolve=True), good)
+    np.testing.assert_array_equal(decode_outcome({"outcome": good[:, :12]}, K, V, False),
+                                  good[:, :12])  # round 1's view: a one-token report
+    bad = {"odd report width": (good[:, :-1], "columns"),
+           "K + 1 tokens": (good[:, :12], "K + 1 = 3"),
+           "position 0": (np.where(np.arange(good.shape[1]) == 2, 0, good), "out of range"),
+           "token past the rows": (np.where(np.arange(good.shape[1]) == 4, V, good), "out of range"),
+           "accepted > K": (np.where(np.arange(good.shape[1]) == 0, K + 1, good), "out of range"),
+           "active flag 2": (np.where(np.arange(good.shape[1]) == 5, 2, good), "out of range")}
+    for case, (packed, needle) in bad.items():
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            decode_outcome({"outcome": packed.astype(np.int32)}, K, V, resolve=True)
+            pytest.fail(case)
 
 
 BAD_FRAMES = {
@@ -206,8 +246,9 @@ BAD_FRAMES = {
     "field type": (_raw({"kind": "error", "fields": {"message": 3, "during": "x"}, "arrays": []}),
                    "'message' must be str"),
     "bool byte": (_raw({"kind": "resolved", "fields": {"times": {}}, "arrays": [
-        ["spec", "int32", [1, 1]], ["rows", "float32", [1, 1, 1]], ["hit", "bool", [1]]]},
-        b"\0" * 8 + b"\x07"), "bool byte"),
+        ["spec", "int32", [1, 1]], ["rows", "float32", [1, 1, 1]], ["hit", "bool", [1]],
+        ["lookups_by_accept", "int32", [0]], ["hits_by_accept", "int32", [0]],
+        ["backups", "int32", [0]]]}, b"\0" * 8 + b"\x07"), "bool byte"),
     "extra key": (_raw({"kind": "ok", "fields": {}, "arrays": [], "code": "x"}), "header must be"),
     "compile record": (_raw({"kind": "compiled", "fields": {"programs": [
         ["jit(x)", "compiled", -1.0, 0, 0, 0, 1]]}, "arrays": []}), "'programs' must be records"),

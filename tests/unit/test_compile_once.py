@@ -137,11 +137,8 @@ def test_per_request_sampling_crosses_the_wire():
     a, b = socket.socketpair()
     try:
         send, recv = wire.Channel(a, max_bytes=1 << 20), wire.Channel(b, max_bytes=1 << 20)
-        state = transport.state_arrays(
-            type("S", (), dict(n=np.array([3, 3, 3]), prev=np.array([1, 1, 1]),
-                               bonus=np.array([2, 2, 2]), active=np.array([True] * 3),
-                               history=[[1, 2], [1, 2], [1, 2]]))())
-        send.send(wire.Message("propose", transport.run_fields(run), state))
+        outcome = {"outcome": np.zeros((3, 12), np.int32)}  # a packed round_steps.Outcome
+        send.send(wire.Message("propose", transport.run_fields(run), outcome))
         got = recv.recv(wire.REQUESTS, timeout=5)
         back = draft_process.decode_run(got.fields, 3)
         for f in ("temperature", "top_k", "top_p"):

@@ -17,7 +17,6 @@ import jax
 import numpy as np
 import pytest
 from _cli_models import SCRIPT, gen_args
-from _host_loop import on_host_loop
 
 from _byte_tokenizer import CHAT_TEMPLATE, byte_tokenizer
 from _tiny import padded_draft, padded_model
@@ -79,8 +78,8 @@ def same_run(a, b) -> bool:
 
 @pytest.mark.parametrize("case", sorted(REQUESTS))
 def test_the_plan_is_what_the_call_asks_of_its_draft(models, case, monkeypatch):
-    """The engine's own calls to its draft (on the host loop, as a remote draft's are) are the
-    plan's: the prefill block, lengths and cache length, and the DraftRun of the first round."""
+    """The engine's own calls to its draft are the plan's: the prefill block, lengths and cache
+    length, and the DraftRun of the first round."""
     request = dict(REQUESTS[case], max_new_tokens=6)
     seen = {}
     start, calls = DraftWorker.start, {m: getattr(DraftWorker, m) for m in ("propose", "backup")}
@@ -102,8 +101,7 @@ def test_the_plan_is_what_the_call_asks_of_its_draft(models, case, monkeypatch):
     plan = call_plan(target.tokenizer, target.cfg, max_len=512, **request)
     eng = fresh(models)
     eng.max_len = 512
-    with on_host_loop():
-        eng.generate(**request)
+    eng.generate(**request)
     tokens, lens, cache_len = seen["start"]
     np.testing.assert_array_equal(plan.tokens, tokens)
     np.testing.assert_array_equal(plan.lens, lens)
@@ -135,27 +133,24 @@ def test_no_plan_without_a_draft_call_and_a_bad_request_is_the_calls_error(model
 def test_after_the_warm_up_a_call_compiles_nothing(models, mode):
     """A first call at new shapes compiles (the module's own vocabulary: nothing of it is cached
     yet); after `Engine.warm_up` and `DraftWorker.warm_up` of another call's plan, that call
-    compiles nothing, and its tokens are the tokens of the call without a warm-up. (The warm-up
-    is the remote draft's, whose calls run the host loop: so do these.)"""
+    compiles nothing, and its tokens are the tokens of the call without a warm-up."""
     target, _ = models
     eng = fresh(models)
     # shapes no other test here runs: K (4, 5 for SSD; 6, 7 for SD), prefill buckets 64 and 32,
     # caches 256 and 512
     k_cold, k = (4, 5) if mode == "ssd" else (6, 7)
     cold = dict(prompts=[list(range(1, 40))], mode=mode, k=k_cold, max_new_tokens=8)
-    with on_host_loop():
-        assert eng.generate(**cold).metrics.compile_s > 0
+    assert eng.generate(**cold).metrics.compile_s > 0
     request = dict(prompts=[list(range(40, 60))], mode=mode, k=k, max_new_tokens=300,
                    ssd=SSDConfig(fanout=(2,) + (1,) * k))
     plan = call_plan(target.tokenizer, target.cfg, max_len=eng.max_len, **request)
     target_side = eng.warm_up(plan)
     eng.worker.warm_up(plan)
     assert target_side["compile_s"] > 0 and any(p["count"] for p in target_side["programs"].values())
-    with on_host_loop():
-        out = eng.generate(**request)
-        assert out.metrics.compile_s == 0 and out.metrics.compiles == {}, out.metrics.compiles
-        assert not any(r.compiled for r in out.metrics.timeline)
-        assert out.token_ids == fresh(models).generate(**request).token_ids
+    out = eng.generate(**request)
+    assert out.metrics.compile_s == 0 and out.metrics.compiles == {}, out.metrics.compiles
+    assert not any(r.compiled for r in out.metrics.timeline)
+    assert out.token_ids == fresh(models).generate(**request).token_ids
 
 
 def _two_process(pair, tmp_path, *extra):
