@@ -1,7 +1,7 @@
 """The host loop (`ssd_jax.runtime.host_loop`) with an in-process draft, for the tests that hold
-it to the device loop while both exist: it is the loop of a remote draft, a proposer and a mesh
-over several processes, and issue #57 folds it into the device loop. (`timeline=True` ran it
-until the device loop timed its own rounds.)"""
+it to the device loop while both exist: it is the loop of a mesh over several processes, and
+issue #57 folds it into the device loop. (`timeline=True`, a proposer and a draft in another
+process ran it until the device loop served them.)"""
 from __future__ import annotations
 
 import contextlib

@@ -7,8 +7,8 @@
   set (AR <= 400 a token, SD / SSD <= 1,000 a round, one read a round plus a few per call) and
   not growing with the batch. The counters are `ssd_jax.testing.host_work`'s, which
   benchmarks/host_overhead.py reports.
-- The device loop, its timed rounds (`timeline=True`) and the host loop (the loop of a remote
-  draft, `_host_loop.on_host_loop`) give the same tokens and counters; only the timed loops time
+- The device loop, its timed rounds (`timeline=True`) and the host loop (the loop of a mesh over
+  several processes, `_host_loop.on_host_loop`) give the same tokens and counters; only the timed loops time
   a round's phases. tests/unit/test_golden_ids.py holds the device loop to the ids of the engine
   before the rewrite. SD and SSD
   on one mesh run in chunks of rounds (`round_steps.sd_chunk` / `ssd_chunk`): the same as their
