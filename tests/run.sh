@@ -6,8 +6,8 @@
 #          a CUDA build of several GB), then JAX's CUDA plugin and the `gpu_aot` tests.
 #   floor  Python 3.11 and the oldest versions pyproject admits (tests/floor-constraints.txt), with
 #          the oracle: every `oracle` test, then the engine, the exactness quick loop, loading,
-#          checkpoints, the golden ids and the CLI again on the old JAX, then the model and engine
-#          tests with the CPU kernels built for AVX2 only.
+#          checkpoints, the golden ids and the real models again on the old JAX, then the model
+#          and engine tests with the CPU kernels built for AVX2 only.
 # SSD_JAX_TEST_PASSES="main" (or "floor") runs one; PYTHON312 / PYTHON311 name the interpreters.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -55,7 +55,10 @@ floor_pass() {
   python -c "import jax, jaxlib, flax, orbax.checkpoint as o, sys; print('floor pass: Python', sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, 'orbax-checkpoint', o.__version__)"
   ssd-jax fetch qwen2.5-coder-1.5b qwen2.5-coder-0.5b smollm2-135m
   python -m pytest -n 2 -m "not real_weights and (oracle or not slow)" "${FLOOR_MODULES[@]}"
-  python -m pytest -n 2 -m "real_weights and not alone and (oracle or not slow)"
+  # the real weights on the old JAX: loading (orbax, the conversion cache) and the real models;
+  # the CLI's real-weight tests (pure Python over the engine tested above) run in the main pass
+  python -m pytest -n 2 -m "real_weights and not alone and (oracle or not slow)" \
+    tests/real_weights/test_loading.py tests/real_weights/test_real_models.py
   python -m pytest -m alone
   # The portable path and the backend / dtype / draft-format selection: the model and engine tests
   # again with the CPU kernels built for AVX2 only (SSD_JAX_CPU_ISA=avx2 compiles out the AVX-512
