@@ -1,7 +1,7 @@
 """The timed host loop: AR, SD and SSD rounds driven from the host, the `Engine`'s `HostLoop` part.
 
-A call runs here when it cannot run on the device loop (`Engine._on_device`: a draft in another
-process, a mesh over several processes; issue #57 folds these into the device loop).
+A call runs here when it cannot run on the device loop (`Engine._on_device`: a mesh over several
+processes; issue #57 folds it into the device loop).
 Each round waits for its outcome, emits the rows' tokens in Python and times its phases (verify,
 draft, backup) for the timeline, the §6 prediction and `backup="auto"` (which the device loop
 prices from round walls instead, `ssd_jax.runtime.auto_backup`; its `timeline=True` times the

@@ -120,8 +120,8 @@ def worker_layout(layout: str, job: dict) -> dict:
     modes, t1 = {}, None
     for mode in [m for m in MODES if m in job["modes"]]:
         k = job.get("k_modes", {}).get(mode, job["k"])  # --suite paper: SD's K and SSD's differ
-        # the timed host loop: the report's predictions and --fanout plan need a round's verify
-        # and draft times, which the device loop does not measure apart
+        # timed rounds: the report's predictions and --fanout plan need a round's verify and
+        # draft times, which an untimed round does not measure apart
         kw = dict(sampling=sampling, k=k, ssd=ssd, seed=job["seed"],
                   timeline=job.get("timeline", True))
         if job["warmup"]:
