@@ -3,7 +3,7 @@ pins it; the draft process on core 1, connected over the authenticated socket).
 
 argv: draft HF folder, target HF folder, signal file (or "-"), optionally the draft's quantization
 ("int8") and the width of its cut head (models/draft_head.py). Prints one JSON line: tokens of SSD
-(two backups) and SD, hit counts, the T = 1 runs of `T1` (a batch of 16 with its own seed and
+(two backups, the neural one timed too) and SD, hit counts, the T = 1 runs of `T1` (a batch of 16 with its own seed and
 request ids), and — with a signal file — whether every verify saw the draft's tree run while it
 was executing (the overlap proof)."""
 import json
@@ -85,6 +85,11 @@ out["sd"] = dict(tokens=r.token_ids, accept_hist=list(r.metrics.accept_hist))
 out["saw_tree"] = saw_tree
 if signal != "-":
     os.remove(signal + ".armed")
+# timed rounds (timeline=True): each round's phases as the draft process timed them
+r = eng.generate(PROMPTS, mode="ssd", max_new_tokens=20, k=3, ssd=SSDConfig(fanout=(2, 2, 1, 1)),
+                 timeline=True)
+out["timed"] = dict(tokens=r.token_ids, rounds=[[t.verify_s, t.draft_s, t.backup_s, t.exchange_s,
+                                                 t.hit, t.lookups] for t in r.metrics.timeline])
 from ssd_jax.algorithm.sampling import SamplingParams  # noqa: E402
 
 t1 = dict(T1, sampling=SamplingParams(temperature=1.0))

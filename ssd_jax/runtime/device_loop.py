@@ -319,8 +319,9 @@ class DeviceLoop(RoundChunks, RoundReports):
         r = self.read_draft(rep, during)
         phases = self._phases(ssd) if self.timed else {}
         entry = self._round(t0, c0, **self._round_counts(ssd), **phases)
-        for name in ("verify_s", "draft_s", "backup_s"):
-            setattr(self.m, name, getattr(self.m, name) + phases.get(name, 0.0))
+        for name, seconds in phases.items():
+            if name != "exchange_s":  # a remote draft's, in the timeline only
+                setattr(self.m, name, getattr(self.m, name) + seconds)
         if self.auto is not None:
             self.auto.read(r, entry)
 

@@ -85,6 +85,13 @@ def test_two_process_equals_in_process_and_overlaps(pair):
         assert 0 < got[backup]["hits"] < got[backup]["lookups"]
     # the overlap proof: every verify saw a tree step run while it was executing
     assert len(got["saw_tree"]) >= 4 and all(got["saw_tree"]), got["saw_tree"]
+    # timed rounds: the same tokens; each round has its verify, the draft process's tree and
+    # exchange seconds, and backup (the draft process's resolve) seconds exactly where it missed
+    timed = got["timed"]
+    assert timed["tokens"] == got["neural"]["tokens"]
+    for verify_s, tree_s, backup_s, exchange_s, hit, lookups in timed["rounds"]:
+        assert verify_s > 0 and tree_s > 0 and exchange_s > 0, timed["rounds"]
+        assert (backup_s > 0) == (hit < lookups), timed["rounds"]
     # T = 1: the draft's draws (keyed by seed, request id, position) and its proposal rows cross
     # the wire unchanged, so every sampled token, hit and acceptance is the in-process one
     T1 = got["t1_batch"]  # the batch the target script ran: prompts, budget, K, seed, request ids
