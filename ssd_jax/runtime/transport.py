@@ -357,8 +357,8 @@ class RemoteDraft:
         from ssd_jax.algorithm import decode_state as ds
         from ssd_jax.algorithm.lookup_counters import BACKUP_INDEX, LookupCounters
 
-        t0 = time.perf_counter()
         p = _fetched(packed)
+        t0 = time.perf_counter()  # the round trip, not the wait for the verify before it
         msg = self._ask("resolve", dict(run_fields(run), neural=neural), {"outcome": p},
                         "resolved")
         spec, rows, hit = self._spec(msg, len(p), run.k, hit=True)
