@@ -139,6 +139,20 @@ class DeviceLoop(RoundChunks, RoundReports):
         finally:
             self.m.prefill_s = time.perf_counter() - t0
 
+    def warm_round(self, cache_len: int, row_dtype: str, ssd: bool) -> None:
+        """The target's side of a throwaway round 1 (`Engine.warm_up`), each step waited for:
+        the prefill and the commit of its token, the rows' view, a verify of K zeros and its
+        commit (SSD's with from_backup), as this loop runs them."""
+        e, B, k = self.e, self.batch.size, self.run["k"]
+        first, lp, e.tcache, _ = e._prefill_target(self.batch, self.rids_np, cache_len, self.run)
+        self.state, self.active, self._bonus, report = rs.commit_tokens(self.state, first, lp)
+        jax.block_until_ready(rs.round_view(self.state, report))
+        V = e.target.cfg.vocab_size
+        res, lp = self._verify(np.zeros((B, k), np.int32),
+                               np.full((B, k, V), 1.0 / V, jax.numpy.dtype(row_dtype)))
+        jax.block_until_ready(self._commit(res, lp, to_mesh(np.ones(B, bool), self.tgt)
+                                           if ssd else None))
+
     # ------------------------------------------------------------------ loops
     @property
     def pipelined(self) -> bool:

@@ -25,7 +25,6 @@ from ssd_jax.models import backends
 from ssd_jax.models.adapters import as_model
 from ssd_jax.models.draft_head import head_width
 from ssd_jax.models.protocol import init_cache, is_builtin
-from ssd_jax.algorithm import round_steps as rs
 from ssd_jax.algorithm import steps
 from ssd_jax.runtime.batch import Batch, GenerationResult
 from ssd_jax.runtime.chat import chat_prompts
@@ -453,20 +452,12 @@ class Engine(HostLoop):
                               for name, p in timer.programs.items()})
 
     def _warm_up(self, plan) -> None:
-        B, V, k = len(plan.lens), self.target.cfg.vocab_size, plan.run.k
         batch = Batch(plan.prompts(), plan.max_new_tokens, plan.eos_ids, ())
         rids = np.asarray(plan.run.request_ids, np.int32)
-        run = dict(seed=jnp.int32(plan.run.seed), k=k, verifier=_default_verifier(),
+        run = dict(seed=jnp.int32(plan.run.seed), k=plan.run.k, verifier=_default_verifier(),
                    sampling=to_mesh(plan.sampling, self.placement.target))
-        # the device loop's target side of round 1, as a call with this engine's draft runs it
-        loop = DeviceLoop(self, batch, rids, run, Metrics(mode=plan.mode), k=k)
-        first, lp, self.tcache, _ = self._prefill_target(batch, rids, plan.cache_len, run)
-        loop.state, loop.active, loop._bonus, report = rs.commit_tokens(loop.state, first, lp)
-        jax.block_until_ready(rs.round_view(loop.state, report))
-        rows = np.full((B, k, V), 1.0 / V, jnp.dtype(plan.run.row_dtype))
-        res, lp = loop._verify(np.zeros((B, k), np.int32), rows)
-        ones = to_mesh(np.ones(B, bool), self.placement.target) if plan.mode == "ssd" else None
-        jax.block_until_ready(loop._commit(res, lp, ones))
+        DeviceLoop(self, batch, rids, run, Metrics(mode=plan.mode), k=plan.run.k).warm_round(
+            plan.cache_len, plan.run.row_dtype, ssd=plan.mode == "ssd")
         self.tcache = None
 
     @_one_call_at_a_time

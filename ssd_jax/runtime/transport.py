@@ -291,21 +291,23 @@ class RemoteDraft:
         """SD drafting in the draft process from a round's packed `Outcome` (on the target's
         mesh: fetched once and sent): (spec `[B, K]`, rows `[B, K, V]` as numpy, the outcome
         unpacked on the host)."""
-        p = _fetched(packed)
-        spec, rows = self._spec(self._ask("propose", run_fields(run), {"outcome": p}, "spec"),
-                                len(p), run.k)
-        return spec, rows, _unpacked(p)
+        return self._speculation("propose", packed, run)
 
     def first(self, packed, run):
         """SSD's round 1 in the draft process (a backup from the rows after the prefill, packed:
         `round_steps.round_view`): (spec `[B, K]`, rows `[B, K, V]`, the view unpacked on the
         host); the draft process then dispatches its tree at once. Zeroes the call's lookup
         counters."""
-        p = _fetched(packed)
-        spec, rows = self._spec(self._ask("first", run_fields(run), {"outcome": p}, "spec"),
-                                len(p), run.k)
         from ssd_jax.algorithm.lookup_counters import LookupCounters
+        out = self._speculation("first", packed, run)
         self.counters = LookupCounters.zeros(run.k, 1)
+        return out
+
+    def _speculation(self, kind: str, packed, run):
+        """Request `kind` ("propose", "first") with the packed outcome; its "spec" reply."""
+        p = _fetched(packed)
+        spec, rows = self._spec(self._ask(kind, run_fields(run), {"outcome": p}, "spec"),
+                                len(p), run.k)
         return spec, rows, _unpacked(p)
 
     def dispatch_tree(self, s, spec, from_backup, run):
