@@ -31,6 +31,11 @@ Engine cost. A request's draws do not depend on its batch row, so a case runs in
 (tests/_engine_stats.make_pair), which took a third off an SSD chunk. Each case's seconds:
 benchmarks/README.md at 8faea7c ("A one-layer draft for the statistical pair").
 
+Backend. SD's cases, the neural-backup SSD case and the quick case run the engine as a user does
+here (its default backend: the CPU kernels); the backup, mixed-sampling and cut-head variants run
+the XLA formulation (`XLA`), as test_engine_paths.py's cases do and for its reason (the path is
+the engine's, whatever computes a forward; the CPU kernels took 1.6x the time).
+
 Planted bugs: tests/statistical/test_planted_bugs.py (the same tests with a bug planted, each failing).
 
 The deterministic checks (SSD emits SD's tokens with the neural backup and C = 1; batch order;
@@ -72,6 +77,8 @@ def pair():
     return make_pair()
 
 
+# the variants' engine (module docstring, "Backend")
+XLA = dict(engine_kw=dict(backend="xla"))
 # registered case name (_engine_stats.STAT_CASES: sampling, n, window, skip) -> (mode, the
 # Engine's and generate's other keywords)
 EXACT_CASES = {
@@ -85,15 +92,16 @@ EXACT_CASES = {
     # backups: a backup's rows do not depend on C, and the C = 1 tree is tested with the neural
     # backup (test_engine_paths.py) and emits SD's tokens (test_ssd_emits_sds_tokens).
     "ssd-t1.0-saguaro0.5-random-backup": ("ssd", dict(
-        ssd=SSDConfig(fanout=(2, 1, 1), saguaro_c=0.5, backup="random"))),
+        ssd=SSDConfig(fanout=(2, 1, 1), saguaro_c=0.5, backup="random"), **XLA)),
     "ssd-t1.0-saguaro0.5-ngram-backup": ("ssd", dict(
-        ssd=SSDConfig(fanout=(2, 1, 1), saguaro_c=0.5, backup="ngram"))),
+        ssd=SSDConfig(fanout=(2, 1, 1), saguaro_c=0.5, backup="ngram"), **XLA)),
 }
 # What a cut draft head changes is the proposal: SD shows it from round 1 (tokens 1-4), SSD reads
 # tokens 5-8, whose speculations came out of lookups (a hit's branch drafted by the cut head).
 DRAFT_HEAD_CASES = {
-    "draft-head-sd-t1.0": ("sd", {}),
-    "draft-head-ssd-t0.7-saguaro0.5": ("ssd", dict(ssd=SSDConfig(fanout=(2, 2, 1), saguaro_c=0.5))),
+    "draft-head-sd-t1.0": ("sd", XLA),
+    "draft-head-ssd-t0.7-saguaro0.5": ("ssd", dict(ssd=SSDConfig(fanout=(2, 2, 1), saguaro_c=0.5),
+                                               **XLA)),
 }
 # Per-request sampling in one batch: rows alternate between the MIXED_SAMPLING settings (each
 # row's draft sampling its own); each setting's rows are tested against its own exact
@@ -191,7 +199,7 @@ def test_per_request_mixed_sampling_gives_each_row_its_settings_distribution(pai
     assert [c.sampling for c in cases] == list(MIXED_SAMPLING) and len({c.skip for c in cases}) == 1
     rows = [MIXED_SAMPLING[i % len(MIXED_SAMPLING)] for i in range(CHUNK)]
     toks, metrics = sample_windows(pair, "ssd", rows, n=sum(c.n for c in cases),
-                                   skip=cases[0].skip, ssd=ssd)
+                                   skip=cases[0].skip, ssd=ssd, **XLA)
     for i, case in enumerate(MIXED_CASES):
         res = check_windows(toks[i::len(MIXED_SAMPLING)], case)
         assert res.passed, f"{case}: {res}"
