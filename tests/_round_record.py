@@ -1,7 +1,7 @@
 """Which rounds made a statistical case's tokens (tests/_engine_stats.py's cases): `Rounds`, per
 verify round and row, how many tokens it kept, how many draft tokens it accepted and whether its
 speculation came from a speculation-cache hit or a miss's backup; `recording_rounds` records them
-from what the round loops already read on the host; `generate_recorded` is one generate call with
+from what the round loop already reads on the host; `generate_recorded` is one generate call with
 its rounds recorded and their histograms attached to its Metrics."""
 from __future__ import annotations
 
@@ -30,15 +30,15 @@ class Rounds:
     `kept` (tokens it kept), `accepted` (draft tokens accepted, before any cut at the budget or
     EOS) and `after` (how the round's speculation was made: 1 from a speculation-cache hit, 0 from
     a miss's backup, -1 no lookup: SD, or SSD's first round), each `[B]`. Recorded by
-    `recording_rounds` from what the round loops already read: the device loop's per-round
+    `recording_rounds` from what the round loop already reads: its per-round
     report (`DeviceLoop.read`: its kept column, its tokens' -1 padding after accepted + 1, and
     its hit column, the lookup of that round's outcome, which made the next round's
-    speculation) and the host loop's commit."""
+    speculation)."""
 
     def __init__(self):
         self.rounds: list[dict[str, np.ndarray]] = []
-        self._count = None  # device loop: tokens per row from the reports read so far
-        self._hit = None    # device loop: the last report's hit column
+        self._count = None  # tokens per row from the reports read so far
+        self._hit = None    # the last report's hit column
 
     def _report(self, act, kept, hit, toks) -> None:
         if self._count is None:  # the prefill's report: its one token, no verify
@@ -49,9 +49,6 @@ class Rounds:
                                 after=np.where(act, self._hit, -1)))
         self._count += kept
         self._hit = hit.copy()
-
-    def _commit(self, start, kept, accepted, after) -> None:
-        self.rounds.append(dict(start=start, kept=kept, accepted=accepted, after=after))
 
     def window_hist(self, skip: int, window: int, k: int) -> np.ndarray:
         """`[2, k + 1]`: rounds (per row) that kept a token of the window (generated tokens
@@ -77,34 +74,22 @@ class Rounds:
 
 @contextlib.contextmanager
 def recording_rounds():
-    """Record the `Rounds` of the generate call made inside (either round loop) by wrapping the
-    two places they read a round's outcome on the host; the engine runs as it would otherwise."""
+    """Record the `Rounds` of the generate call made inside by wrapping the round loop's one
+    read of a round (`DeviceLoop.read`); the engine runs as it would otherwise."""
     from ssd_jax.algorithm import decode_state
     from ssd_jax.runtime.device_loop import DeviceLoop
-    from ssd_jax.runtime.host_loop import HostLoop
 
     rec = Rounds()
-    read, commit = DeviceLoop.read, HostLoop._commit
+    read = DeviceLoop.read
 
-    def spy_read(self, rep):  # the device loop's one read of a round (auto's chooser reads it too)
+    def spy_read(self, rep):  # the loop's one read of a round (auto's chooser reads it too)
         r = read(self, rep)
         act, kept, _, hit, toks, _ = decode_state.read_report(r)
         rec._report(act, kept, hit, toks)
         return r
 
-    def spy_commit(self, batch, res, lp, m, from_backup=None):
-        start = np.array([len(g) for g in batch.generated])
-        act = batch.active
-        accepted = commit(self, batch, res, lp, m, from_backup)
-        kept = np.array([len(g) for g in batch.generated]) - start
-        first = not rec.rounds  # SSD's first round: its speculation came from no lookup
-        after = (np.full(len(start), -1) if from_backup is None or first
-                 else np.where(from_backup, 0, 1))
-        rec._commit(start, kept, np.asarray(accepted), np.where(act, after, -1))
-        return accepted
-
-    DeviceLoop.read, HostLoop._commit = spy_read, spy_commit
+    DeviceLoop.read = spy_read
     try:
         yield rec
     finally:
-        DeviceLoop.read, HostLoop._commit = read, commit
+        DeviceLoop.read = read

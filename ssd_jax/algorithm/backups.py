@@ -122,11 +122,12 @@ def start_history(prompt_tokens, report, n, length: int) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("k", "vocab_size", "row_vocab", "row_dtype", "ngram"))
 def ngram_speculation_on_device(history, seed, request_ids, n, *, k: int, vocab_size: int,
                                 row_vocab: int, row_dtype: str = "float32", ngram: int = 2):
-    """`ngram_speculation` from a history on the device: history `[B, H]` int32 holding each
-    row's tokens at positions 0..n (n `[B]`, the bonus's position), seed, request_ids `[B]` as
-    for `random_speculation` (the uniform fallback where nothing matches). Returns tokens
-    `[B, K]` int32 and rows `[B, K, V]` (V = row_vocab) in `row_dtype`; the same tokens and rows
-    as `ngram_speculation` on the same histories."""
+    """Per row: an n-gram guess with one-hot rows, or uniform tokens and rows where none
+    matches. history `[B, H]` int32 holding each row's tokens at positions 0..n (n `[B]`, the
+    bonus's position), seed, request_ids `[B]` as for `random_speculation` (the uniform fallback
+    where nothing matches); `ngram`, the longest suffix matched (`ngram_guess`, the plain Python
+    reference per row, which tests/unit/test_ngram_backup.py holds this to). Returns tokens
+    `[B, K]` int32 and rows `[B, K, V]` (V = row_vocab) in `row_dtype`."""
     rand, _ = random_speculation(seed, request_ids, n, k=k, vocab_size=vocab_size,
                                  row_vocab=row_vocab, row_dtype=row_dtype)
     guess, matched = ngram_match(history, n + 1, k=k, ngram=ngram)
@@ -135,23 +136,3 @@ def ngram_speculation_on_device(history, seed, request_ids, n, *, k: int, vocab_
                               row_dtype=row_dtype)
 
 
-def ngram_speculation(histories: list[list[int]], seed, request_ids, n, *, k: int,
-                      vocab_size: int, row_vocab: int, row_dtype: str = "float32", ngram: int = 2):
-    """Per sequence: an n-gram guess with one-hot rows, or uniform tokens and rows where none matches.
-
-    histories: B lists of token ids (host-side); seed, request_ids `[B]`, n `[B]`: as for
-    `random_speculation`, which supplies the uniform fallback. Returns tokens `[B, K]` int32 and rows
-    `[B, K, V]` (V = row_vocab) in `row_dtype`. k, vocab_size, row_vocab and row_dtype mean what they
-    mean in `random_speculation`; `ngram` is the longest suffix matched (`ngram_guess`'s n).
-    """
-    rand_toks, _ = random_speculation(seed, request_ids, n, k=k, vocab_size=vocab_size,
-                                      row_vocab=row_vocab, row_dtype=row_dtype)
-    rand_toks = np.asarray(rand_toks)
-    guesses, matched = [], []
-    for b, hist in enumerate(histories):
-        g = ngram_guess(hist, k, ngram)
-        matched.append(g is not None)
-        guesses.append(g if g is not None else rand_toks[b].tolist())
-    guess = jnp.asarray(np.asarray(guesses, np.int32))
-    m = jnp.asarray(np.asarray(matched))
-    return guess, _ngram_rows(guess, m, row_vocab=row_vocab, vocab_size=vocab_size, row_dtype=row_dtype)

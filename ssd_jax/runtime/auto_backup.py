@@ -1,7 +1,7 @@
-"""backup="auto" in the device loop: the host loop's `BackupChooser`, fed without a sync.
+"""backup="auto" in the round loop: `BackupChooser` (`ssd_jax.algorithm.policy`), fed without a sync.
 
-The host loop waits between a round's phases and times the backup itself. The device loop reads
-one report a round and knows only the wall between two reads, so `AutoBackup` prices the neural
+The loop reads one report a round and, untimed, knows only the wall between two reads (timed
+rounds wait between phases; they are priced the same way), so `AutoBackup` prices the neural
 backup from those walls: a round that ran no neural backup (no row missed, or the random backup
 served the misses) is a base round, max(T_v, T_p); a round whose misses the neural backup
 drafted costs T_b more. The walls, hits and lookups are the timeline's entries for the rounds;
@@ -44,7 +44,7 @@ class AutoBackup:
 
     def next(self) -> bool:
         """The backup for the round being dispatched; True for neural. The first round uses
-        neural, as the host loop's does; every later one asks the chooser, with the base
+        neural (no lookup has been priced yet); every later one asks the chooser, with the base
         round's wall as T_v and T_p (None until a base round was read)."""
         self.dispatched += 1
         kind = "neural"

@@ -116,21 +116,6 @@ class Batch:
         """`[B]` bool: rows not finished yet."""
         return np.array([f == "" for f in self.finish])
 
-    @property
-    def n(self) -> np.ndarray:
-        """`[B]` int32: position of each row's bonus token (len(history) - 1)."""
-        return np.array([len(h) - 1 for h in self.history], np.int32)
-
-    @property
-    def bonus(self) -> np.ndarray:
-        """`[B]` int32: each row's bonus token, the last entry of its history."""
-        return np.array([h[-1] for h in self.history], np.int32)
-
-    @property
-    def prev(self) -> np.ndarray:
-        """`[B]` int32: the token before each row's bonus (the bonus itself for a one-token history)."""
-        return np.array([h[-2] if len(h) > 1 else h[-1] for h in self.history], np.int32)
-
     def emit(self, row: int, tokens: Sequence[int], logprobs: Sequence[float]) -> int:
         """Commit `tokens` (with their `logprobs`) for an active row, in order, until a stop
         condition (EOS, the budget or a stop string; the token that meets it is kept); returns how

@@ -1,7 +1,6 @@
 """The round loop with the call's state on the device: one fetch per round, no per-row Python.
 
-`Engine.generate` runs here unless the call runs on a mesh over several processes (the host
-loop, `ssd_jax.runtime.host_loop`). The
+`Engine.generate` runs every call here. The
 call's per-row state is a `DecodeState` on the target mesh; the jitted steps advance it
 (`ssd_jax.algorithm.round_steps`); the draft's side of a round (lookup, backup, next tree) runs on
 the draft mesh from the verify's `Outcome`, moved device to device. The host dispatches each round
@@ -19,6 +18,11 @@ round enqueued after the last one is void and dropped. The round's last array re
 on the draft's device surfaces at that read; round T+1's verify has then taken the target's KV
 cache, so the call rolls back to the state before round T+1 and re-prefills the target's cache
 (`recover`) before it falls back to plain decoding (`ssd_jax.runtime.fallback`).
+
+Meshes over several processes (multi-controller JAX on the CPU, `placement.spans_processes`):
+every process runs this same loop, each step is waited for where it is dispatched (`serial`: two
+computations in flight could meet their gloo collectives in another order on each process), no
+round is enqueued ahead, and a read is of the array's global value (`placement.to_host`).
 
 A draft in another process (`ssd_jax.runtime.transport.RemoteDraft`) has the same methods: its
 `first`, `propose_from` and `resolve_on_device` send the round's packed `Outcome` (one read) and
@@ -55,7 +59,7 @@ from ssd_jax.algorithm import steps
 from ssd_jax.runtime.auto_backup import AutoBackup
 from ssd_jax.runtime.draft_worker import DraftRun, DraftWorker, RoundState
 from ssd_jax.runtime.metrics import Metrics
-from ssd_jax.runtime.placement import move, to_mesh
+from ssd_jax.runtime.placement import move, settle, to_mesh
 from ssd_jax.runtime.proposer import check_rows
 from ssd_jax.runtime.round_chunks import RoundChunks
 from ssd_jax.runtime.round_reports import RoundReports
@@ -74,6 +78,7 @@ class DeviceLoop(RoundChunks, RoundReports):
         # SD's drafter is a proposer (not the draft model): it reads the rows' history, kept
         # here on the target mesh from the prompt block and each round's report
         self.remote = getattr(engine.worker, "remote", False)  # a draft in another process
+        self.serial = engine._serial  # meshes over several processes: each step waited for
         self.proposer = (engine.worker is not None and not self.remote
                          and not isinstance(engine.worker, DraftWorker))
         self.history = None  # [B, cache_len] int32, a proposer's
@@ -129,8 +134,8 @@ class DeviceLoop(RoundChunks, RoundReports):
         self.prompt_block, self.cache_len = toks, cache_len
         if draft is not None:
             draft.start(toks, b.prompt_lens, cache_len)
-        self.state, self.active, self._bonus, self.pending = rs.commit_tokens(
-            self.state, first, lp)
+        self.state, self.active, self._bonus, self.pending = self._settled(rs.commit_tokens(
+            self.state, first, lp))
         try:
             if draft is not None and hasattr(e.worker, "ready"):
                 draft.ready()
@@ -160,7 +165,12 @@ class DeviceLoop(RoundChunks, RoundReports):
         no row's tokens pass through the host per round (no callback, no stop string), the
         rounds are not timed and the draft is in this process (a remote draft's next
         speculation is its reply to the round's outcome: nothing is left to enqueue)."""
-        return not self.mirror and not self.timed and not self.remote
+        return not self.mirror and not self.timed and not self.remote and not self.serial
+
+    def _settled(self, tree):
+        """`tree` (a step's outputs) waited for on meshes over several processes (module
+        docstring), as is otherwise."""
+        return settle(tree, self.serial)
 
     def ar(self, measure: bool = True) -> None:
         """Plain decoding. Pipelined (no row's tokens pass through the host): chunks of up to
@@ -214,10 +224,11 @@ class DeviceLoop(RoundChunks, RoundReports):
         prev = None  # the report of the token dispatched and not read yet
         t0, c0 = time.perf_counter(), e._timer.seconds
         while self.running:
-            tok, lp, e.tcache = steps.decode(
+            tok, lp, e.tcache = self._settled(steps.decode(
                 e.tparams, e.tcfg, e.tcache, self.bonus, self.active, run["seed"],
-                self.rids_t, run["sampling"], e.vocab_size, ops=e.tops)
-            self.state, self.active, self._bonus, rep = rs.commit_tokens(self.state, tok, lp)
+                self.rids_t, run["sampling"], e.vocab_size, ops=e.tops))
+            self.state, self.active, self._bonus, rep = self._settled(
+                rs.commit_tokens(self.state, tok, lp))
             if prev is not None:
                 self.read(prev)
                 prev = None
@@ -247,15 +258,16 @@ class DeviceLoop(RoundChunks, RoundReports):
         reads, made to wait for the speculation where it is in flight). A proposer's comes from
         the rows' history on the target mesh, brought up to the outcome first."""
         if not self.proposer:
-            spec, rows, v = draft.propose_from(packed, drun)
+            spec, rows, v = self._settled(draft.propose_from(packed, drun))
             return spec, rows, v.report if self.remote else rs.pass_report(v.report, spec)
-        v = rs.unpack(packed)
+        v = self._settled(rs.unpack(packed))
         if self.history is None:
             self.history = backups.start_history(
                 to_mesh(self.prompt_block, self.tgt), v.report, v.n, self.cache_len)
         else:
             self.history = _record_committed(self.history, v.report, v.n)
-        spec, rows = draft.propose(RoundState.of_outcome(v, self.history), drun)
+        self._settled(self.history)
+        spec, rows = self._settled(draft.propose(RoundState.of_outcome(v, self.history), drun))
         check_rows(rows, self.batch.size, drun.k, self.e.target.cfg.vocab_size)
         return spec, rows, rs.pass_report(v.report, spec)
 
@@ -265,17 +277,17 @@ class DeviceLoop(RoundChunks, RoundReports):
         e, run = self.e, self.run
         tspec = move(spec, self.tgt)
         trows = move(rows, e.placement.target_rows(rows.shape[-1]))
-        res, lp, e.tcache = steps.verify(
+        res, lp, e.tcache = self._settled(steps.verify(
             e.tparams, e.tcfg, e.tcache, self.bonus, tspec, trows, self.active,
-            run["seed"], self.rids_t, run["sampling"], e.vocab_size, run["verifier"], ops=e.tops)
+            run["seed"], self.rids_t, run["sampling"], e.vocab_size, run["verifier"], ops=e.tops))
         return res, lp
 
     def _commit(self, res, lp, from_backup=None):
         """The verify's outcome into the state; its packed `Outcome` is the unread report.
         Pipelined, the state before it stays valid (a failure rolls back to it)."""
         commit = rs.commit_verify_kept if self.pipelined else rs.commit_verify
-        self.state, self.active, self._bonus, packed = commit(
-            self.state, res.num_accepted, res.bonus, res.tokens, lp, from_backup)
+        self.state, self.active, self._bonus, packed = self._settled(commit(
+            self.state, res.num_accepted, res.bonus, res.tokens, lp, from_backup))
         self.pending, self.pending_packed = packed, True
         return packed
 
@@ -341,7 +353,7 @@ class DeviceLoop(RoundChunks, RoundReports):
 
     def _phases(self, ssd: bool) -> dict[str, float]:
         """The timed round's phases as its timeline entry takes them: SSD's resolve counts as
-        backup time only in a round whose lookup missed a row (the host loop's backup_s)."""
+        backup time only in a round whose lookup missed a row."""
         phases = dict(self.phases)
         if ssd and self.last["hit"] == self.last["lookups"]:
             phases["backup_s"] = 0.0
@@ -380,7 +392,8 @@ class DeviceLoop(RoundChunks, RoundReports):
         run = self.run
         self.m.init_hist(run["k"])
         drun = DraftRun.of_call(self.rids_np, run)
-        spec, rows, rep = self._next_proposal(draft, rs.round_view(self.state, self.pending), drun)
+        spec, rows, rep = self._next_proposal(
+            draft, self._settled(rs.round_view(self.state, self.pending)), drun)
         self.read_draft(rep, "propose")
         if self._chunked(draft) and self._sd_chunks(draft.worker, drun, spec, rows):
             draft.finish()
@@ -410,7 +423,8 @@ class DeviceLoop(RoundChunks, RoundReports):
         self.backup = drun.backup
         self.auto = AutoBackup(chooser) if chooser is not None else None
         # round 1 has no speculation cache yet: a backup (`first` zeroes the lookup counters)
-        spec, rows, v = draft.first(rs.round_view(self.state, self.pending), drun)
+        spec, rows, v = self._settled(draft.first(
+            self._settled(rs.round_view(self.state, self.pending)), drun))
         self.read_draft(v.report if self.remote else rs.pass_report(v.report, spec), "first")
         ones = np.ones(self.batch.size, bool)
         if self._chunked(draft) and self._ssd_chunks(worker, drun, RoundState.of_outcome(v), spec,
@@ -433,7 +447,8 @@ class DeviceLoop(RoundChunks, RoundReports):
                 draft.tree_ready()
                 t2 = time.perf_counter()
             neural = self.auto.next() if self.auto is not None else None
-            spec, rows, from_backup_d, rep, v = draft.resolve_on_device(packed, drun, neural)
+            spec, rows, from_backup_d, rep, v = self._settled(
+                draft.resolve_on_device(packed, drun, neural))
             if self.timed:  # resolve waited for (`Guarded`): the lookup and any backup
                 self.phases = dict(verify_s=t1 - t0, draft_s=t2 - t0,
                                    backup_s=time.perf_counter() - t2)

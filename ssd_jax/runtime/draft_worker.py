@@ -4,8 +4,8 @@ The engine talks to the draft only through these methods. The device loop's (`fi
 `propose_from`, `dispatch_tree`, `resolve_on_device`) take a round's packed `Outcome`, on any
 mesh or the host, and return speculation tokens / proposal rows: the same calls a draft in
 another process serves from the packed outcome the wire carries (`ssd_jax.runtime.transport`,
-`ssd_jax.runtime.draft_process`). The host loop's (`propose`, `backup`, `resolve`) take host
-values.
+`ssd_jax.runtime.draft_process`). `propose` and `backup` serve them (and a proposer's caller)
+from a `RoundState`.
 """
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import dataclasses
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ssd_jax.models import backends
@@ -22,29 +21,23 @@ from ssd_jax.algorithm import backups, round_steps, steps
 from ssd_jax.algorithm import decode_state as ds
 from ssd_jax.algorithm.aot import step_jit
 from ssd_jax.runtime.metrics import layout_bytes
-from ssd_jax.runtime.placement import _placed, move, settle, spans_processes, to_host, to_mesh
+from ssd_jax.runtime.placement import _placed, move, settle, spans_processes, to_mesh
 from ssd_jax.runtime.request import prefill_once
 from ssd_jax.runtime.sharding import consume
-from ssd_jax.algorithm.speculation_cache import lookup
 from ssd_jax.algorithm.tree import draft_tree
 
 
 @dataclasses.dataclass
 class RoundState:
-    """Per-row state at a round boundary: the device loop's device arrays, or the host loop's
-    host values (`of`, from an `ssd_jax.runtime.batch.Batch`)."""
+    """Per-row state at a round boundary, `[B]` device (or host) arrays: an unpacked `Outcome`'s
+    rows (`of_outcome`)."""
     n: np.ndarray  # [B] position of the bonus token
     prev: np.ndarray  # [B] committed token at n-1
     bonus: np.ndarray  # [B]
     active: np.ndarray  # [B] bool
-    # the rows' tokens for prompt lookup: the device loop's [B, H] int32 by position (a
-    # proposer's; None where nothing reads it), the host loop's prompt + generated list per row
-    history: list[list[int]] | jax.Array | None
-
-    @classmethod
-    def of(cls, batch) -> "RoundState":
-        """The round-boundary state of an `ssd_jax.runtime.batch.Batch`."""
-        return cls(batch.n, batch.prev, batch.bonus, batch.active, batch.history)
+    # the rows' tokens for prompt lookup, [B, H] int32 by position (a proposer's; None where
+    # nothing reads it)
+    history: jax.Array | None
 
     @classmethod
     def of_outcome(cls, v, history=None) -> "RoundState":
@@ -282,11 +275,8 @@ class DraftWorker:
                   row_dtype=run.row_dtype)
         if run.backup == "random":
             return settle(backups.random_speculation(seed, rids, n, **kw), self._serial)
-        if run.backup == "ngram" and s.history is None:  # the device loop: its history here
+        if run.backup == "ngram":  # the rows' history kept here (`start_history`)
             return backups.ngram_speculation_on_device(self.history, seed, rids, n, **kw)
-        if run.backup == "ngram":
-            spec, rows = backups.ngram_speculation(s.history, seed, rids, n, **kw)
-            return self._put(spec), self._put(rows)
         raise ValueError(f"unknown backup {run.backup!r}")
 
     def dispatch_tree(self, s: RoundState, spec, from_backup: np.ndarray, run: DraftRun,
@@ -352,36 +342,6 @@ class DraftWorker:
     def spec_bytes(self, value: dict[str, int]) -> None:
         self._spec_bytes, self._tree_shapes = value, None
 
-    def resolve(self, num_accepted: np.ndarray, bonus: np.ndarray, s: RoundState, run: DraftRun):
-        """Lookup of the realised outcome in the tree just computed; a backup for the rows that
-        missed (rows that hit keep their cached speculation). Returns (spec, rows, hit [B], times)."""
-        t0 = time.perf_counter()
-        try:
-            hit, spec, rows = lookup(self._tree, self._put(num_accepted), self._put(bonus),
-                                     ops=self.ops)
-        except Exception as e:  # noqa: BLE001 - as in dispatch_tree
-            fallback = backends.without_kernels(self.ops, ("cache_gather",), f"{type(e).__name__}: {e}")
-            if fallback is self.ops:
-                raise
-            self.ops = fallback
-            hit, spec, rows = lookup(self._tree, self._put(num_accepted), self._put(bonus),
-                                     ops=self.ops)
-        self._drop_tree()
-        hit = to_host(hit)
-        t1 = time.perf_counter()
-        rows = settle(self._fit_rows(rows), self._serial)
-        missed = ~hit & s.active
-        backup_s = 0.0
-        if missed.any():
-            bspec, brows = self.backup(s, run, draft_rows=missed)
-            spec, rows = _take_backup(self._put(missed), bspec, spec, brows, rows)
-            jax.block_until_ready(rows)
-            backup_s = time.perf_counter() - t1
-        times = {"tree_wait_s": t1 - t0, "backup_s": backup_s}
-        if self._tree_s is not None:
-            times["tree_s"] = self._tree_s
-        return spec, rows, hit, times
-
     def start_counters(self, k: int) -> None:
         """Zero SSD's lookup counters for a call at lookahead k (the device loop's; per row,
         placed as the rows are, after `start`)."""
@@ -437,14 +397,6 @@ class DraftWorker:
 
     def finish(self):
         """End of a generate call (a remote worker is told to stop waiting for outcomes)."""
-
-
-@jax.jit
-def _take_backup(missed, bspec, spec, brows, rows):
-    """The backup's speculation [B, K] and rows [B, K, V] for the rows that missed [B], the
-    cached ones elsewhere (one computation, see `ssd_jax.runtime.placement.spans_processes`)."""
-    return (jnp.where(missed[:, None], bspec, spec),
-            jnp.where(missed[:, None, None], brows, rows))
 
 
 def _batch_sharding(sharding, batch: int):

@@ -17,7 +17,6 @@ import threading
 import time
 from typing import Callable, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -34,7 +33,6 @@ from ssd_jax.runtime.config import SSDConfig, check_max_len, check_pair, check_r
 from ssd_jax.runtime.device_loop import DeviceLoop
 from ssd_jax.runtime.draft_worker import DraftRun, DraftWorker
 from ssd_jax.runtime.fallback import DraftDown, Guarded, fall_back, restart
-from ssd_jax.runtime.host_loop import HostLoop
 from ssd_jax.runtime.mappings import watch_mappings
 from ssd_jax.runtime.metrics import CompileTimer, Metrics
 from ssd_jax.algorithm.policy import BackupChooser, plan_from_sd, width_slope_from_times
@@ -66,7 +64,7 @@ def _one_call_at_a_time(method):
     return call
 
 
-class Engine(HostLoop):
+class Engine:
     """Holds the loaded target and draft, placed on their meshes, and runs generate calls.
 
     One call at a time: an engine's calls (`generate`, `stream`, `restart_draft`) serialise on
@@ -255,7 +253,8 @@ class Engine(HostLoop):
                       verifier=verifier, chat=chat, request_ids=request_ids)
         if mode != "ar" and self.draft is None:
             raise ValueError(f"mode {mode!r} needs a draft model: Engine(target, draft)")
-        if mode == "ssd" and isinstance(self.worker, Proposer) and not hasattr(self.worker, "resolve"):
+        if mode == "ssd" and isinstance(self.worker, Proposer) and not hasattr(self.worker,
+                                                                             "resolve_on_device"):
             raise ValueError("mode 'ssd' needs a draft model (its tree); a proposer serves mode 'sd'")
         ids = encode(prompts, self.target.tokenizer, self.vocab_size, chat)
         rids = np.asarray(request_ids if request_ids is not None else range(len(ids)), np.int32)
@@ -279,28 +278,13 @@ class Engine(HostLoop):
         # SSD's fan-out lists and speculation-cache budget: a refusal comes before any work
         setup = self._ssd_setup(batch, rids, run, metrics, ssd) if mode == "ssd" else None
         self._timer = timer = CompileTimer()
-        device = self._on_device(mode)
-        # its failures: DraftDown (the host loop, and a timed round, wait for each draft call;
-        # the device loop reads the draft's last array of each round instead, `device_loop`)
-        draft = Guarded(self.worker, wait=not device or timeline) if mode != "ar" else None
+        # its failures: DraftDown (a timed round waits for each draft call; otherwise the loop
+        # reads the draft's last array of each round instead, `device_loop`)
+        draft = Guarded(self.worker, wait=timeline) if mode != "ar" else None
         with timer.measure():
-            if device:
-                self._generate_on_device(batch, rids, cache_len, run, metrics, mode, setup, draft,
-                                         timeline)
-            else:
-                try:
-                    self._prefill(batch, rids, cache_len, run, draft, metrics)
-                    if mode == "ar":
-                        self._run_ar(batch, rids, run, metrics)
-                    elif mode == "sd":
-                        self._run_sd(batch, rids, run, metrics, draft)
-                    else:
-                        self._run_ssd(batch, rids, metrics, draft, *setup)
-                except DraftDown as down:  # go on with the target alone from the committed tokens
-                    metrics.new_tokens = sum(len(g) for g in batch.generated)
-                    fall_back(self, down, batch, metrics, self.strict)
-                    self._run_ar(batch, rids, run, metrics, measure=False)
-        if (timeline or not device) and metrics.fallback is None:  # its phases were timed
+            self._rounds(batch, rids, cache_len, run, metrics, mode, setup, draft,
+                                     timeline)
+        if timeline and metrics.fallback is None:  # its phases were timed
             if mode == "sd":  # what fanout="plan" plans from
                 self._sd = metrics.sd_phases() or self._sd
             elif mode == "ssd":
@@ -318,13 +302,11 @@ class Engine(HostLoop):
             return self.batch_buckets
         return not self.placement.on_cpu
 
-    def _on_device(self, mode: str) -> bool:
-        """Whether a call runs the device loop: every mode and draft (in process, data-parallel,
-        a proposer, in another process), except on a mesh over several processes."""
-        return not self._serial
-
-    def _generate_on_device(self, batch: Batch, rids, cache_len: int, run: dict, m: Metrics,
-                            mode: str, setup, draft, timeline: bool) -> None:
+    def _rounds(self, batch: Batch, rids, cache_len: int, run: dict, m: Metrics, mode: str,
+                setup, draft, timeline: bool) -> None:
+        """The call's prefill and rounds (`ssd_jax.runtime.device_loop`, every mode, draft and
+        placement); a draft that fails hands the call to plain decoding from its committed
+        tokens."""
         loop = DeviceLoop(self, batch, rids, run, m, k=0 if mode == "ar" else run["k"],
                           timed=timeline)
         try:
@@ -395,26 +377,9 @@ class Engine(HostLoop):
             return init_target_cache(cfg, batch, cache_len, self.placement.target_mesh)
         return init_cache(cfg, batch, cache_len, self.placement.target)
 
-    def _prefill(self, batch: Batch, rids, cache_len: int, run: dict, draft, m: Metrics):
-        t0, B = time.perf_counter(), batch.size
-        first, lp, self.tcache, toks = self._prefill_target(batch, rids, cache_len, run)
-        if draft is not None:
-            draft.start(toks, batch.prompt_lens, cache_len)  # a failure raises at the next call
-        first, lp = np.asarray(first), np.asarray(lp)
-        for b in range(B):
-            batch.emit(b, [first[b]], [lp[b]])
-        try:
-            if draft is not None and hasattr(self.worker, "ready"):
-                # the prefill ends when the draft's KV is there too: left in flight, it would be
-                # billed to the first round's drafting (and so to steady-state tokens/s)
-                draft.ready()
-        finally:
-            m.prefill_s = time.perf_counter() - t0
-
-    # ------------------------------------------------------------------ both loops (the host
-    # loop itself is `HostLoop`, ssd_jax/runtime/host_loop.py; the device loop `DeviceLoop`)
+    # ------------------------------------------------------------------ SSD's set-up
     def _ssd_setup(self, batch: Batch, rids, run: dict, m: Metrics, ssd: SSDConfig):
-        """SSD's per-call set-up, both loops, before any work: the fan-out lists (planned if
+        """SSD's per-call set-up, before any work: the fan-out lists (planned if
         asked), the cache budget check, the histograms; returns (run with f_hit / f_backup, the
         DraftRun, the BackupChooser of backup="auto" or None)."""
         k = run["k"]

@@ -85,12 +85,9 @@ class PromptLookupProposer:
 
     def propose(self, state, run):
         """tokens `[B, K]` int32, rows `[B, K, V]` float32 (V = row_vocab) by
-        `ssd_jax.algorithm.backups.ngram_speculation_on_device` over `state.history`, keyed by
-        `run`'s seed and request ids. (A mesh over several processes still runs the host loop,
-        whose history is a list per row: `backups.ngram_speculation`, the same tokens.)"""
-        on_host = isinstance(state.history, list)
-        speculate = backups.ngram_speculation if on_host else backups.ngram_speculation_on_device
-        return speculate(
+        `ssd_jax.algorithm.backups.ngram_speculation_on_device` over `state.history` (`[B, H]`
+        by position), keyed by `run`'s seed and request ids."""
+        return backups.ngram_speculation_on_device(
             state.history, jnp.int32(run.seed), jnp.asarray(run.request_ids, jnp.int32),
             jnp.asarray(state.n), k=run.k, vocab_size=self.vocab_size, row_vocab=self.row_vocab,
             ngram=self.ngram)

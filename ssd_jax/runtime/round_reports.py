@@ -17,7 +17,7 @@ import numpy as np
 from ssd_jax.algorithm import decode_state as ds
 from ssd_jax.algorithm import round_steps as rs
 from ssd_jax.runtime.metrics import Metrics, RoundTimes
-from ssd_jax.runtime.placement import to_mesh
+from ssd_jax.runtime.placement import fetch, to_host, to_mesh
 
 
 class RoundReports:
@@ -25,7 +25,7 @@ class RoundReports:
 
     def read(self, rep) -> np.ndarray:
         """Fetch one report (the round's one device->host read) and apply it on the host."""
-        r = np.asarray(rep)
+        r = to_host(rep) if self.serial else np.asarray(rep)  # several processes: the global value
         self.pending, self.pending_packed = None, False
         act, kept, fin, hit, toks, lps = ds.read_report(r)
         tokens = int(kept.sum())
@@ -33,8 +33,8 @@ class RoundReports:
             was = self.batch.active
             tokens = self._emit(kept, fin, toks, lps)
             # A row the host ended this round (a stop string, a closed stream) was still running
-            # on the device when the draft looked its outcome up: the host loop never counts
-            # that lookup, so neither does this one.
+            # on the device when the draft looked its outcome up: that lookup decided no
+            # speculation the row will verify, so it is not counted.
             ended = was & ~self.batch.active & (fin == ds.RUNNING) & (hit >= 0)
             if ended.any():
                 self._uncount(ended, kept, hit)
@@ -93,7 +93,7 @@ class RoundReports:
             ended = (fin == ds.RUNNING) & ~host_active & \
                 np.asarray([f == name for f in b.finish])
             if ended.any():
-                self.state = rs.end_rows(self.state, to_mesh(ended, self.tgt), code)
+                self.state = self._settled(rs.end_rows(self.state, to_mesh(ended, self.tgt), code))
                 self.active = self.state.active
         return n
 
@@ -104,7 +104,7 @@ class RoundReports:
             self.read(self._pending_report())
         if self.mirror:
             return
-        st = jax.device_get(self.state)
+        st = fetch(self.state)
         b = self.batch
         # whole arrays to lists at once, then each row cut to its count: a batch of thousands of
         # rows spent longer converting row by row than the rounds' reads
@@ -121,9 +121,9 @@ class RoundReports:
         st = self.state
         hists = (st.accept_hist, st.accept_hist_after_hit, st.accept_hist_after_miss)
         try:
-            hists, c = jax.device_get((hists, lookups))
+            hists, c = fetch((hists, lookups))
         except Exception:  # noqa: BLE001 - the draft failed: its counters are lost with it
-            hists, c = jax.device_get(hists), None
+            hists, c = fetch(hists), None
         if m.k:
             m.accept_hist = [int(x) for x in hists[0]]
             if m.mode == "ssd":

@@ -47,7 +47,6 @@ sampling and prompt lookup), each row checked by its own rule (one-hot, uniform 
 STREAM_BACKUP, or the exponential race keyed on STREAM_DRAFT); the first two in the quick loop.
 """
 import collections
-import contextlib
 import dataclasses
 import pathlib
 
@@ -66,7 +65,6 @@ from _engine_checks import (DET_BATCH, QUICK, SAGUARO_SSD, draws_not_from_their_
 from _engine_stats import (CHUNK, DETERMINISTIC_CHECKS, K, MIXED_SAMPLING, PROMPT, ROWS,
                            STAT_CASES, V, assert_every_path_ran, check_windows, coverage_rows,
                            documented_table, make_pair, power_at, sample_windows, verdict)
-from _host_loop import on_host_loop
 from _round_record import recording_rounds
 
 slow = pytest.mark.slow
@@ -226,14 +224,14 @@ def test_recorded_rounds_are_the_engines_own(pair, backup):
     """`_round_record.recording_rounds`, whose window histogram the SSD cases assert on, records
     what the engine did: over the whole output its hit row is the engine's own after-hit
     histogram, the accepted counts its accept histogram, the kept tokens every token but the
-    prefill's; with the neural backup the device loop's rounds equal the host loop's
-    (`_host_loop.on_host_loop`) row for row (auto's choices follow measured times, so its two
-    loops may differ; its chooser reads each report again, which must not count twice)."""
+    prefill's; with the neural backup the rounds read one ahead (pipelined) equal the rounds
+    read one by one (`timeline=True`) row for row (auto's choices follow measured times, so its
+    two runs may differ; its chooser reads each report again, which must not count twice)."""
     n, runs = 300, {}
     ssd = dataclasses.replace(SAGUARO_SSD, backup=backup)
-    for host in (False, True):
-        with recording_rounds() as rec, on_host_loop() if host else contextlib.nullcontext():
-            _, m = generate_ids(pair, "ssd", range(n), ssd=ssd)
+    for timed in (False, True):
+        with recording_rounds() as rec:
+            _, m = generate_ids(pair, "ssd", range(n), ssd=ssd, timeline=timed)
         rounds = rec.rounds
         assert len(rounds) == m.rounds
         hist = rec.window_hist(0, 8, K)
@@ -247,7 +245,7 @@ def test_recorded_rounds_are_the_engines_own(pair, backup):
         assert sum(int(r["kept"].sum()) for r in rounds) == n * 7
         # the window counts only the rounds that kept one of its tokens: tokens 9.. none
         assert not rec.window_hist(8, 4, K).any() and (rec.window_hist(4, 4, K) <= hist).all()
-        runs[host] = rounds
+        runs[timed] = rounds
     if backup == "neural":
         for a, b in zip(*runs.values(), strict=True):
             assert all(np.array_equal(a[f], b[f]) for f in a), (a, b)

@@ -8,7 +8,8 @@
   columns, per row of the round before.
 - On the engine: rounds whose choices differ run the same compiled steps (the choice is a
   traced flag of `round_steps.resolve`), and the counters say which kind served the misses.
-  tests/unit/test_device_loop.py holds the device loop's auto to the host loop's, choice for choice.
+  tests/unit/test_device_loop.py holds the timed rounds' auto to the untimed rounds', choice for
+  choice.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def _read(auto: AutoBackup, kept, hit, wall: float, active=None) -> None:
 def test_the_neural_backup_is_priced_against_a_round_without_one():
     chooser = BackupChooser(batch=2)
     auto = AutoBackup(chooser)
-    assert auto.next() is True  # round 1: neural, as the host loop
+    assert auto.next() is True  # round 1: neural (nothing priced yet)
     _read(auto, [2, 1], [0, 1], 5.0)  # a miss served by neural, no base yet
     assert chooser.tb["neural"] is None and auto.base is None
     assert auto.next() is False  # the probe: a round with no neural backup
@@ -113,6 +114,6 @@ def test_switching_kinds_compiles_nothing_and_the_counters_say_who_served(monkey
         served[kind] = out.metrics.backups
         if i:
             assert out.metrics.compile_s == 0.0, (kind, out.metrics.compile_s)
-    # round 1's misses are always neural's (the host loop's rule); every later one the pinned kind's
+    # round 1's misses are always neural's (`AutoBackup.next`); every later one the pinned kind's
     assert served["random"].get("random", 0) > 0, served
     assert set(served["neural"]) == {"neural"}, served

@@ -7,10 +7,10 @@
   set (AR <= 400 a token, SD / SSD <= 1,000 a round, one read a round plus a few per call) and
   not growing with the batch. The counters are `ssd_jax.testing.host_work`'s, which
   benchmarks/host_overhead.py reports.
-- The device loop, its timed rounds (`timeline=True`) and the host loop (the loop of a mesh over
-  several processes, `_host_loop.on_host_loop`) give the same tokens and counters; only the timed loops time
-  a round's phases. tests/unit/test_golden_ids.py holds the device loop to the ids of the engine
-  before the rewrite. SD and SSD
+- The round loop and its timed rounds (`timeline=True`, each read before the next is dispatched)
+  give the same tokens and counters; only the timed rounds time a round's phases.
+  tests/unit/test_golden_ids.py holds the loop to the ids of the engine before the rewrite. SD
+  and SSD
   on one mesh run in chunks of rounds (`round_steps.sd_chunk` / `ssd_chunk`): the same as their
   rounds one by one.
 """
@@ -27,7 +27,6 @@ from ssd_jax.runtime.engine import Engine, SSDConfig
 from ssd_jax.algorithm.sampling import SamplingParams
 from ssd_jax.testing.host_work import call_work
 
-from _host_loop import on_host_loop
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -52,8 +51,9 @@ def test_commit_is_batch_emit_as_array_code(seed):
         assert st.tokens[b, :c].tolist() == batch.generated[b]
         np.testing.assert_array_equal(st.logprobs[b, :c], np.float32(batch.logprobs[b]))
         assert ds.FINISH_NAMES[int(st.finish[b])] == batch.finish[b]
-        assert int(st.n[b]) == batch.n[b] and int(st.bonus[b]) == batch.bonus[b]
-        assert int(st.prev[b]) == batch.prev[b]
+        h = batch.history[b]  # prompt + generated: the bonus last, at position n
+        assert int(st.n[b]) == len(h) - 1 and int(st.bonus[b]) == h[-1]
+        assert int(st.prev[b]) == (h[-2] if len(h) > 1 else h[-1])
 
 
 def test_report_round_trips_tokens_and_logprobs():
@@ -107,16 +107,16 @@ def test_host_work_per_round_is_bounded_and_flat_in_the_batch(tiny, mode):
 
 @pytest.mark.parametrize("mode,backup", [("sd", None), ("ssd", "random"), ("ssd", "ngram"),
                                          ("ssd", "auto")])
-def test_device_loop_timed_rounds_and_host_loop_agree(tiny, monkeypatch, mode, backup):
-    """The device loop, its timed rounds and the host loop give the same tokens and counters,
-    and the timed ones each round's verify and draft seconds (SSD's backup seconds in rounds
-    that missed). The n-gram backup's device form (the rows' history kept on the draft mesh, matched as
-    array code) against the host loop's Python lookup over each row's list: prompts with
-    repeats, so some missed rows match an n-gram and others fall back to random tokens.
+def test_timed_rounds_agree_with_untimed_ones(tiny, monkeypatch, mode, backup):
+    """The loop's rounds untimed (pipelined, in chunks where `tiny` runs them) and timed (one by
+    one) give the same tokens and counters, and the timed ones each round's verify and draft
+    seconds (SSD's backup seconds in rounds that missed). The n-gram backup with prompts that
+    repeat, so some missed rows match an n-gram and others fall back to random tokens
+    (tests/unit/test_ngram_backup.py holds its device form to the Python reference).
     backup="auto" with its chooser alternating random, neural, ... (tests/_golden_cases.py's
-    `deterministic_auto`): both loops ask it once a round from the second, so the same kind
-    serves each round's misses, chosen on the device loop as a traced flag of the round's resolve
-    (in rounds one by one: `tiny` runs chunks of rounds, where auto asks once a chunk)."""
+    `deterministic_auto`): both runs ask it once a round from the second, so the same kind
+    serves each round's misses, chosen as a traced flag of the round's resolve (in rounds one by
+    one: `tiny` runs chunks of rounds, where auto asks once a chunk)."""
     import contextlib
     from _golden_cases import deterministic_auto
     _, eng = tiny
@@ -128,27 +128,23 @@ def test_device_loop_timed_rounds_and_host_loop_agree(tiny, monkeypatch, mode, b
     kw = dict(mode=mode, max_new_tokens=12, k=2, sampling=SamplingParams(temperature=0.9),
               seed=4, eos_ids=[3], ssd=SSDConfig(fanout=(2, 1, 1), backup=backup or "neural"))
     with deterministic_auto() if backup == "auto" else contextlib.nullcontext():
-        with on_host_loop():
-            a = eng.generate(prompts, **kw)
         b = eng.generate(prompts, **kw)
         c = eng.generate(prompts, timeline=True, **kw)
     for kind in ("neural", "random") if backup == "auto" else (backup,) if backup else ():
         assert b.metrics.backups.get(kind, 0) > 0, b.metrics.backups
-    for other in (a, c):
-        assert other.token_ids == b.token_ids and other.finish_reasons == b.finish_reasons
-        for key in ("accept_hist", "accept_hist_after_hit", "accept_hist_after_miss", "hits",
-                    "lookups", "hits_by_accept", "lookups_by_accept", "backups", "rounds"):
-            assert getattr(other.metrics, key) == getattr(b.metrics, key), key
-        assert [r.active for r in other.metrics.timeline] == [r.active for r in b.metrics.timeline]
+    assert c.token_ids == b.token_ids and c.finish_reasons == b.finish_reasons
+    for key in ("accept_hist", "accept_hist_after_hit", "accept_hist_after_miss", "hits",
+                "lookups", "hits_by_accept", "lookups_by_accept", "backups", "rounds"):
+        assert getattr(c.metrics, key) == getattr(b.metrics, key), key
+    assert [r.active for r in c.metrics.timeline] == [r.active for r in b.metrics.timeline]
     assert b.metrics.verify_s == 0  # untimed rounds: walls and counts only
-    for timed in (a, c):
-        m = timed.metrics
-        assert all(r.verify_s > 0 and r.draft_s > 0 for r in m.timeline), m.timeline
-        assert m.verify_s == pytest.approx(sum(r.verify_s for r in m.timeline))
-        assert m.draft_s == pytest.approx(sum(r.draft_s for r in m.timeline))
-        if mode == "ssd":  # backup time only in the rounds whose lookup missed a row
-            assert all((r.backup_s > 0) == (r.hit < r.lookups) for r in m.timeline), m.timeline
-            assert m.backup_s > 0
+    m = c.metrics
+    assert all(r.verify_s > 0 and r.draft_s > 0 for r in m.timeline), m.timeline
+    assert m.verify_s == pytest.approx(sum(r.verify_s for r in m.timeline))
+    assert m.draft_s == pytest.approx(sum(r.draft_s for r in m.timeline))
+    if mode == "ssd":  # backup time only in the rounds whose lookup missed a row
+        assert all((r.backup_s > 0) == (r.hit < r.lookups) for r in m.timeline), m.timeline
+        assert m.backup_s > 0
 
 
 def _one_round_at_a_time(monkeypatch):

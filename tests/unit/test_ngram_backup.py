@@ -1,10 +1,10 @@
-"""The n-gram (prompt lookup) backup's device form against its host form.
+"""The n-gram (prompt lookup) backup's device form against its plain reference.
 
-The host loop looks each missed row's history up in Python (`backups.ngram_guess` over a list);
-the device loop keeps every row's tokens by position on the draft mesh (`record_committed`, fed
-by each round's report) and matches them as array code (`ngram_match`). Both must give the same
-guesses, tokens and rows, or the device loop would change the engine's outputs (the end-to-end
-comparison is tests/unit/test_device_loop.py's host-vs-device test)."""
+The reference looks each row's history up in Python (`backups.ngram_guess` over a list); the
+round loop keeps every row's tokens by position on the draft mesh (`record_committed`, fed by each
+round's report) and matches them as array code (`ngram_match`). Both must give the same guesses,
+tokens and rows (the end-to-end run with the n-gram backup, timed and untimed, is
+tests/unit/test_device_loop.py's `test_timed_rounds_agree_with_untimed_ones`)."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -48,7 +48,25 @@ def test_record_committed_writes_each_rows_kept_tokens_at_their_positions():
     np.testing.assert_array_equal(got, want)
 
 
-def test_device_speculation_equals_the_host_speculation():
+def _reference_speculation(histories, seed, rids, n, *, k, vocab_size, row_vocab, ngram=2):
+    """The plain reference of `backups.ngram_speculation_on_device`: per row, `ngram_guess` over
+    its token list with one-hot rows, or the random backup's tokens with rows uniform over the
+    ids where nothing matches."""
+    rand, _ = backups.random_speculation(seed, rids, n, k=k, vocab_size=vocab_size,
+                                         row_vocab=row_vocab)
+    rand = np.asarray(rand)
+    toks = np.zeros((len(histories), k), np.int32)
+    rows = np.zeros((len(histories), k, row_vocab), np.float32)
+    for b, h in enumerate(histories):
+        guess = backups.ngram_guess(h, k, ngram)
+        if guess is None:
+            toks[b], rows[b, :, :vocab_size] = rand[b], 1.0 / vocab_size
+        else:
+            toks[b], rows[b, np.arange(k), guess] = guess, 1.0
+    return toks, rows
+
+
+def test_device_speculation_equals_the_reference():
     rng = np.random.default_rng(1)
     B, H, k, V = 12, 16, 3, 5
     lens = rng.integers(1, H + 1, B)
@@ -59,7 +77,7 @@ def test_device_speculation_equals_the_host_speculation():
     n = jnp.asarray(lens - 1, jnp.int32)
     rids = jnp.arange(B, dtype=jnp.int32) + 7
     kw = dict(k=k, vocab_size=V, row_vocab=V + 3)
-    want_t, want_r = backups.ngram_speculation(histories, 3, rids, n, **kw)
+    want_t, want_r = _reference_speculation(histories, 3, rids, n, **kw)
     got_t, got_r = backups.ngram_speculation_on_device(jnp.asarray(hist), 3, rids, n, **kw)
     matched = [backups.ngram_guess(h, k) is not None for h in histories]
     assert any(matched) and not all(matched)  # both the lookup and its uniform fallback

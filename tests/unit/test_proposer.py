@@ -1,7 +1,5 @@
 """A user-supplied proposer plugs into SD: prompt lookup (one-hot rows) stays exact, and runs on
 the device loop with the rows' history kept on the device."""
-import contextlib
-
 import jax
 import numpy as np
 import pytest
@@ -12,7 +10,6 @@ from ssd_jax.algorithm.near_tie import assert_greedy_agreement
 from ssd_jax.runtime.proposer import PromptLookupProposer, Proposer
 from ssd_jax.algorithm.sampling import SamplingParams
 
-from _host_loop import on_host_loop
 from _tiny import padded_model
 
 IDS = 32
@@ -107,7 +104,7 @@ def test_proposer_without_ready_still_runs(target):
 
 class _Histories(PromptLookupProposer):
     """Prompt lookup that keeps, per call to propose, each active row's history as the engine
-    handed it (a list per row on the host loop, `[B, H]` by position on the device loop)."""
+    handed it (`[B, H]` by position, up to the row's bonus at n)."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
@@ -115,42 +112,39 @@ class _Histories(PromptLookupProposer):
 
     def propose(self, state, run):
         active, n = np.asarray(state.active), np.asarray(state.n)
-        on_host = isinstance(state.history, list)
-        self.kinds.add("lists" if on_host else type(state.history).__name__)
-        if on_host:
-            rows = [list(h) for h in state.history]
-        else:
-            hist = np.asarray(state.history)
-            rows = [hist[b, :n[b] + 1].tolist() for b in range(len(n))]
+        self.kinds.add(type(state.history).__name__)
+        hist = np.asarray(state.history)
+        rows = [hist[b, :n[b] + 1].tolist() for b in range(len(n))]
         self.seen.append([r if a else None for r, a in zip(rows, active)])
         return super().propose(state, run)
 
 
-def test_a_proposer_on_the_device_loop_sees_the_host_loops_history(target):
-    """The device loop keeps the rows' history on the device (the prompt block, then each
-    round's committed tokens from its report): prompt lookup there gets each active row's
-    tokens as the host loop's lists hold them, round for round, and so drafts and emits the same
-    tokens; sampled, with rows ending at an EOS and on their budget, prompts of different
-    lengths."""
+def test_a_proposer_sees_each_rows_committed_tokens(target):
+    """The round loop keeps the rows' history on the device (the prompt block, then each round's
+    committed tokens from its report): every call of prompt lookup gets each active row's prompt
+    and committed tokens up to its bonus, one round's tokens more each call; sampled, with rows
+    ending at an EOS and on their budget, prompts of different lengths."""
     prompts = PROMPTS + [[9, 4, 9, 4, 9]]
     kw = dict(mode="sd", max_new_tokens=14, k=3, sampling=SamplingParams(temperature=0.8),
               seed=3)
     free = Engine(target, proposer=PromptLookupProposer(IDS, row_vocab=target.cfg.vocab_size),
                   compilation_cache=False).generate(prompts, **kw)
     kw["eos_ids"] = [free.token_ids[0][4]]  # ends row 0 mid-call, maybe others
-    outs, props = [], []
-    for host in (True, False):
-        prop = _Histories(IDS, row_vocab=target.cfg.vocab_size)
-        eng = Engine(target, proposer=prop, compilation_cache=False)
-        with on_host_loop() if host else contextlib.nullcontext():
-            outs.append(eng.generate(prompts, **kw))
-        props.append(prop)
-    host, device = outs
-    assert device.token_ids == host.token_ids and device.finish_reasons == host.finish_reasons
-    assert device.metrics.accept_hist == host.metrics.accept_hist
-    assert "eos" in host.finish_reasons and "length" in host.finish_reasons
-    assert props[0].kinds == {"lists"} and props[1].kinds == {type(jax.numpy.zeros(1)).__name__}
-    # the device loop may draft once more (the speculation after the last round)
-    assert len(props[1].seen) >= len(props[0].seen) > 2
-    for want, got in zip(props[0].seen, props[1].seen):
-        assert got == want
+    prop = _Histories(IDS, row_vocab=target.cfg.vocab_size)
+    out = Engine(target, proposer=prop, compilation_cache=False).generate(prompts, **kw)
+    assert "eos" in out.finish_reasons and "length" in out.finish_reasons
+    assert prop.kinds == {type(jax.numpy.zeros(1)).__name__} and len(prop.seen) > 2
+    full = [p + t for p, t in zip(prompts, out.token_ids)]
+    # the first proposal follows the prefill: each prompt and its first token
+    assert prop.seen[0] == [f[:len(p) + 1] for f, p in zip(full, prompts)]
+    last = [len(p) + 1 for p in prompts]
+    for seen in prop.seen[1:]:
+        for b, got in enumerate(seen):
+            if got is None:
+                continue
+            assert got == full[b][:len(got)], (b, got, full[b])  # the committed tokens
+            assert last[b] < len(got) <= last[b] + kw["k"] + 1  # one round's (accepted + bonus)
+            last[b] = len(got)
+    # each row's history reached its last round's tokens: all it emitted, or all but the round
+    # that ended it (the speculation after a row's last round is never drafted for it)
+    assert all(len(f) - (kw["k"] + 1) <= n <= len(f) for f, n in zip(full, last)), (last, full)

@@ -107,20 +107,18 @@ def test_ssd_colocated_equals_split(target, drafts):
 
 def test_speculation_cache_budget_error(target, drafts, monkeypatch):
     """A sampled draft's cache holds its V-wide rows and the budget refuses them, before any
-    work (no prefill), on either loop; a greedy draft's rows are implicit in its tokens
+    work (no prefill), timed or not; a greedy draft's rows are implicit in its tokens
     (`SpeculationCache.one_hot_vocab`): nothing to refuse."""
-    from _host_loop import on_host_loop
     eng = Engine(target, drafts["same"], compilation_cache=False)
     tight = SSDConfig(cache_budget_bytes=1000)
     with monkeypatch.context() as m:
         def prefill(*a, **k):
             raise AssertionError("the prefill ran before the budget was checked")
         m.setattr(Engine, "_prefill_target", prefill)
-        for host in (False, True):
-            with on_host_loop() if host else contextlib.nullcontext():
-                with pytest.raises(ValueError, match="speculation cache needs"):
-                    eng.generate(PROMPTS, mode="ssd", k=3, ssd=tight,
-                                 sampling=SamplingParams(temperature=1.0))
+        for timed in (False, True):
+            with pytest.raises(ValueError, match="speculation cache needs"):
+                eng.generate(PROMPTS, mode="ssd", k=3, ssd=tight, timeline=timed,
+                             sampling=SamplingParams(temperature=1.0))
     out = eng.generate(PROMPTS, mode="ssd", k=3, max_new_tokens=4, ssd=tight)
     assert all(len(t) == 4 for t in out.token_ids)
 
