@@ -59,7 +59,7 @@ from ssd_jax.algorithm import steps
 from ssd_jax.runtime.auto_backup import AutoBackup
 from ssd_jax.runtime.draft_worker import DraftRun, DraftWorker, RoundState
 from ssd_jax.runtime.metrics import Metrics
-from ssd_jax.runtime.placement import move, settle, to_mesh
+from ssd_jax.runtime.placement import move, to_mesh
 from ssd_jax.runtime.proposer import check_rows
 from ssd_jax.runtime.round_chunks import RoundChunks
 from ssd_jax.runtime.round_reports import RoundReports
@@ -134,8 +134,10 @@ class DeviceLoop(RoundChunks, RoundReports):
         self.prompt_block, self.cache_len = toks, cache_len
         if draft is not None:
             draft.start(toks, b.prompt_lens, cache_len)
-        self.state, self.active, self._bonus, self.pending = self._settled(rs.commit_tokens(
-            self.state, first, lp))
+        self.state, self.active, self._bonus, self.pending = rs.commit_tokens(
+            self.state, first, lp)
+        if self.serial:
+            jax.block_until_ready(self.pending)
         try:
             if draft is not None and hasattr(e.worker, "ready"):
                 draft.ready()
@@ -166,11 +168,6 @@ class DeviceLoop(RoundChunks, RoundReports):
         rounds are not timed and the draft is in this process (a remote draft's next
         speculation is its reply to the round's outcome: nothing is left to enqueue)."""
         return not self.mirror and not self.timed and not self.remote and not self.serial
-
-    def _settled(self, tree):
-        """`tree` (a step's outputs) waited for on meshes over several processes (module
-        docstring), as is otherwise."""
-        return settle(tree, self.serial)
 
     def ar(self, measure: bool = True) -> None:
         """Plain decoding. Pipelined (no row's tokens pass through the host): chunks of up to
@@ -224,11 +221,14 @@ class DeviceLoop(RoundChunks, RoundReports):
         prev = None  # the report of the token dispatched and not read yet
         t0, c0 = time.perf_counter(), e._timer.seconds
         while self.running:
-            tok, lp, e.tcache = self._settled(steps.decode(
+            tok, lp, e.tcache = steps.decode(
                 e.tparams, e.tcfg, e.tcache, self.bonus, self.active, run["seed"],
-                self.rids_t, run["sampling"], e.vocab_size, ops=e.tops))
-            self.state, self.active, self._bonus, rep = self._settled(
-                rs.commit_tokens(self.state, tok, lp))
+                self.rids_t, run["sampling"], e.vocab_size, ops=e.tops)
+            if self.serial:
+                jax.block_until_ready(tok)
+            self.state, self.active, self._bonus, rep = rs.commit_tokens(self.state, tok, lp)
+            if self.serial:
+                jax.block_until_ready(rep)
             if prev is not None:
                 self.read(prev)
                 prev = None
@@ -258,16 +258,21 @@ class DeviceLoop(RoundChunks, RoundReports):
         reads, made to wait for the speculation where it is in flight). A proposer's comes from
         the rows' history on the target mesh, brought up to the outcome first."""
         if not self.proposer:
-            spec, rows, v = self._settled(draft.propose_from(packed, drun))
+            spec, rows, v = draft.propose_from(packed, drun)
+            if self.serial:
+                jax.block_until_ready((spec, rows, v))
             return spec, rows, v.report if self.remote else rs.pass_report(v.report, spec)
-        v = self._settled(rs.unpack(packed))
+        v = rs.unpack(packed)
         if self.history is None:
             self.history = backups.start_history(
                 to_mesh(self.prompt_block, self.tgt), v.report, v.n, self.cache_len)
         else:
             self.history = _record_committed(self.history, v.report, v.n)
-        self._settled(self.history)
-        spec, rows = self._settled(draft.propose(RoundState.of_outcome(v, self.history), drun))
+        if self.serial:
+            jax.block_until_ready((v, self.history))
+        spec, rows = draft.propose(RoundState.of_outcome(v, self.history), drun)
+        if self.serial:
+            jax.block_until_ready((spec, rows))
         check_rows(rows, self.batch.size, drun.k, self.e.target.cfg.vocab_size)
         return spec, rows, rs.pass_report(v.report, spec)
 
@@ -277,17 +282,21 @@ class DeviceLoop(RoundChunks, RoundReports):
         e, run = self.e, self.run
         tspec = move(spec, self.tgt)
         trows = move(rows, e.placement.target_rows(rows.shape[-1]))
-        res, lp, e.tcache = self._settled(steps.verify(
+        res, lp, e.tcache = steps.verify(
             e.tparams, e.tcfg, e.tcache, self.bonus, tspec, trows, self.active,
-            run["seed"], self.rids_t, run["sampling"], e.vocab_size, run["verifier"], ops=e.tops))
+            run["seed"], self.rids_t, run["sampling"], e.vocab_size, run["verifier"], ops=e.tops)
+        if self.serial:
+            jax.block_until_ready((res, lp))
         return res, lp
 
     def _commit(self, res, lp, from_backup=None):
         """The verify's outcome into the state; its packed `Outcome` is the unread report.
         Pipelined, the state before it stays valid (a failure rolls back to it)."""
         commit = rs.commit_verify_kept if self.pipelined else rs.commit_verify
-        self.state, self.active, self._bonus, packed = self._settled(commit(
-            self.state, res.num_accepted, res.bonus, res.tokens, lp, from_backup))
+        self.state, self.active, self._bonus, packed = commit(
+            self.state, res.num_accepted, res.bonus, res.tokens, lp, from_backup)
+        if self.serial:
+            jax.block_until_ready(packed)
         self.pending, self.pending_packed = packed, True
         return packed
 
@@ -392,8 +401,10 @@ class DeviceLoop(RoundChunks, RoundReports):
         run = self.run
         self.m.init_hist(run["k"])
         drun = DraftRun.of_call(self.rids_np, run)
-        spec, rows, rep = self._next_proposal(
-            draft, self._settled(rs.round_view(self.state, self.pending)), drun)
+        view = rs.round_view(self.state, self.pending)  # round 1's: the rows after the prefill
+        if self.serial:
+            jax.block_until_ready(view)
+        spec, rows, rep = self._next_proposal(draft, view, drun)
         self.read_draft(rep, "propose")
         if self._chunked(draft) and self._sd_chunks(draft.worker, drun, spec, rows):
             draft.finish()
@@ -423,8 +434,12 @@ class DeviceLoop(RoundChunks, RoundReports):
         self.backup = drun.backup
         self.auto = AutoBackup(chooser) if chooser is not None else None
         # round 1 has no speculation cache yet: a backup (`first` zeroes the lookup counters)
-        spec, rows, v = self._settled(draft.first(
-            self._settled(rs.round_view(self.state, self.pending)), drun))
+        view = rs.round_view(self.state, self.pending)
+        if self.serial:
+            jax.block_until_ready(view)
+        spec, rows, v = draft.first(view, drun)
+        if self.serial:
+            jax.block_until_ready((spec, rows, v))
         self.read_draft(v.report if self.remote else rs.pass_report(v.report, spec), "first")
         ones = np.ones(self.batch.size, bool)
         if self._chunked(draft) and self._ssd_chunks(worker, drun, RoundState.of_outcome(v), spec,
@@ -447,8 +462,9 @@ class DeviceLoop(RoundChunks, RoundReports):
                 draft.tree_ready()
                 t2 = time.perf_counter()
             neural = self.auto.next() if self.auto is not None else None
-            spec, rows, from_backup_d, rep, v = self._settled(
-                draft.resolve_on_device(packed, drun, neural))
+            spec, rows, from_backup_d, rep, v = draft.resolve_on_device(packed, drun, neural)
+            if self.serial:
+                jax.block_until_ready((spec, rows, from_backup_d, rep, v))
             if self.timed:  # resolve waited for (`Guarded`): the lookup and any backup
                 self.phases = dict(verify_s=t1 - t0, draft_s=t2 - t0,
                                    backup_s=time.perf_counter() - t2)

@@ -93,7 +93,9 @@ class RoundReports:
             ended = (fin == ds.RUNNING) & ~host_active & \
                 np.asarray([f == name for f in b.finish])
             if ended.any():
-                self.state = self._settled(rs.end_rows(self.state, to_mesh(ended, self.tgt), code))
+                self.state = rs.end_rows(self.state, to_mesh(ended, self.tgt), code)
+                if self.serial:
+                    jax.block_until_ready(self.state)
                 self.active = self.state.active
         return n
 
