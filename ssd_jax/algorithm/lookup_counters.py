@@ -9,12 +9,14 @@ from __future__ import annotations
 from flax import struct
 import jax
 
+from ssd_jax.algorithm.backups import BACKUPS
+
 
 @struct.dataclass
 class LookupCounters:
     """SSD's lookup counters on the draft mesh, per row: lookups_by_accept / hits_by_accept
-    `[B, K+1]` by the accepted count looked up; backups `[B, 3]`: rounds the row was served by
-    the neural / random / n-gram backup (`BACKUP_INDEX`). Per row, so a round adds to them
+    `[B, K+1]` by the accepted count looked up; backups `[B, len(BACKUPS)]`: rounds the row was
+    served by each backup speculator (`BACKUP_INDEX`, in `backups.BACKUPS`'s order). Per row, so a round adds to them
     without a reduction across rows (on a data-parallel draft, a collective between its shards);
     the host sums them once a call (`totals`)."""
     lookups_by_accept: jax.Array
@@ -36,4 +38,4 @@ class LookupCounters:
                                 (self.lookups_by_accept, self.hits_by_accept, self.backups)))
 
 
-BACKUP_INDEX = {"neural": 0, "random": 1, "ngram": 2}
+BACKUP_INDEX = {kind: i for i, kind in enumerate(BACKUPS)}  # the counters' column of each kind

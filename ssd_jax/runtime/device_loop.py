@@ -99,6 +99,7 @@ class DeviceLoop(RoundChunks, RoundReports):
         self.lost = False  # pipelined: a draft failure left the target's KV cache lost (`recover`)
         self.count = np.zeros(batch.size, np.int64)  # tokens per row, from the reports read
         self.alive = batch.active  # rows running after the last report read (no padding row)
+        self.t1 = None  # AR: the median step of the call's rounds that compiled nothing
         self.uncounted = dict(lookups_by_accept=np.zeros(k + 1, np.int64),
                               hits_by_accept=np.zeros(k + 1, np.int64),
                               backups=np.zeros(len(rs.BACKUP_INDEX), np.int64))
@@ -174,7 +175,6 @@ class DeviceLoop(RoundChunks, RoundReports):
         `round_steps.AR_CHUNK` steps, one dispatch and one read each, chunk c+1 dispatched before
         chunk c's report is read. Otherwise decode + commit per token, one read each (token t+1
         dispatched before token t's report is read)."""
-        e = self.e
         if self.pending is not None:
             self.read(self._pending_report())
         if self.pipelined:
@@ -183,7 +183,7 @@ class DeviceLoop(RoundChunks, RoundReports):
             self._ar_tokens()
         steady = [r.round_s for r in self.m.timeline if not r.compiled]
         if steady and measure:
-            e._t1 = float(np.median(steady))
+            self.t1 = float(np.median(steady))
 
     def _ar_chunks(self) -> None:
         """AR's chunks (`ar`). A chunk dispatched after the last one (an EOS ended every row)

@@ -181,7 +181,7 @@ class DraftServer:
         except Exception as e:  # noqa: BLE001 - the call that follows reports it
             error = f"{type(e).__name__}: {e}"[:MAX_STR]
             if self.worker is not None:
-                self.worker._tree = None
+                self.worker.finish()  # the failed call's tree, if any, goes
         _COMPILING[0] = False
         self.send(Message("warmed", {"seconds": time.perf_counter() - t0,
                                      "programs": self._records()[:100], "error": error}))
@@ -213,7 +213,7 @@ class DraftServer:
             w.ready()
             return Message("ok"), None
         if kind == "finish":
-            w._tree = None
+            w.finish()
             return Message("ok"), None
         from ssd_jax.runtime.draft_worker import RoundState
 
@@ -290,7 +290,7 @@ class DraftServer:
                 reply = Message("error", {"message": f"{type(e).__name__}: {e}"[:MAX_STR],
                                           "during": msg.kind})
                 if self.worker is not None:
-                    self.worker._tree = None
+                    self.worker.finish()  # the failed call's tree, if any, goes
             _COMPILING[0] = False  # a trace that no compile followed (eval_shape) ends here
             if reply.kind == "resolved":
                 reply.fields["times"]["handle_s"] = time.perf_counter() - t0

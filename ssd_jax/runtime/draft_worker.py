@@ -396,7 +396,9 @@ class DraftWorker:
         return move(tree, self.rows)  # the packed outcome, every round
 
     def finish(self):
-        """End of a generate call (a remote worker is told to stop waiting for outcomes)."""
+        """End of a generate call: the call's last tree, if one is left, is dropped (its size
+        kept for `metrics.memory_of`). A remote worker is told to stop waiting for outcomes."""
+        self._drop_tree()
 
 
 def _batch_sharding(sharding, batch: int):

@@ -313,6 +313,7 @@ class Engine:
             loop.prefill(cache_len, draft)
             if mode == "ar":
                 loop.ar()
+                self._t1 = loop.t1 if loop.t1 is not None else self._t1  # the §6 prediction's
             elif mode == "sd":
                 loop.sd(draft)
             else:
