@@ -282,8 +282,7 @@ class Engine:
         # reads the draft's last array of each round instead, `device_loop`)
         draft = Guarded(self.worker, wait=timeline) if mode != "ar" else None
         with timer.measure():
-            self._rounds(batch, rids, cache_len, run, metrics, mode, setup, draft,
-                                     timeline)
+            self._rounds(batch, rids, cache_len, run, metrics, mode, setup, draft, timeline)
         if timeline and metrics.fallback is None:  # its phases were timed
             if mode == "sd":  # what fanout="plan" plans from
                 self._sd = metrics.sd_phases() or self._sd
