@@ -16,9 +16,9 @@ from ssd_jax.algorithm.backups import BACKUPS
 class LookupCounters:
     """SSD's lookup counters on the draft mesh, per row: lookups_by_accept / hits_by_accept
     `[B, K+1]` by the accepted count looked up; backups `[B, len(BACKUPS)]`: rounds the row was
-    served by each backup speculator (`BACKUP_INDEX`, in `backups.BACKUPS`'s order). Per row, so a round adds to them
-    without a reduction across rows (on a data-parallel draft, a collective between its shards);
-    the host sums them once a call (`totals`)."""
+    served by each backup speculator (`BACKUP_INDEX`, in `backups.BACKUPS`'s order). Per row, so
+    a round adds to them without a reduction across rows (on a data-parallel draft, a collective
+    between its shards); the host sums them once a call (`totals`)."""
     lookups_by_accept: jax.Array
     hits_by_accept: jax.Array
     backups: jax.Array

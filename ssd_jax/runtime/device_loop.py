@@ -78,7 +78,10 @@ class DeviceLoop(RoundChunks, RoundReports):
         # SD's drafter is a proposer (not the draft model): it reads the rows' history, kept
         # here on the target mesh from the prompt block and each round's report
         self.remote = getattr(engine.worker, "remote", False)  # a draft in another process
-        self.serial = engine._serial  # meshes over several processes: each step waited for
+        # meshes over several processes: each step is waited for where it is dispatched, written
+        # out as `if self.serial: jax.block_until_ready(...)` rather than `placement.settle`,
+        # whose call would be host work every round on every other mesh
+        self.serial = engine._serial
         self.proposer = (engine.worker is not None and not self.remote
                          and not isinstance(engine.worker, DraftWorker))
         self.history = None  # [B, cache_len] int32, a proposer's
