@@ -137,6 +137,96 @@ class SSDConfig:
         return hit, backup
 
 
+@dataclasses.dataclass(frozen=True)
+class CallConfig:
+    """One generate call's settings once checked and resolved (`call_config`): the one value the
+    target's loop, the draft and the wire read them from, host values only (each side places its
+    own copy of the traced ones on its mesh, once a call).
+
+    Static (a new value compiles anew): k, the fan-out lists, backup, row_dtype, whether a
+    sampling is greedy. Traced (a new value reuses the compiled steps): seed, request ids, the
+    sampling values `[B]`, saguaro_c. The draft's part crosses to a draft process as
+    `draft_fields()` (`of_draft_fields` there)."""
+    k: int
+    seed: int
+    request_ids: tuple[int, ...]  # [B]: the rows' PRNG keys (`ssd_jax.algorithm.sampling`)
+    draft_sampling: SamplingParams  # [B] numpy values: what the draft proposes from
+    target_sampling: SamplingParams | None = None  # [B] numpy values; None in a draft process
+    fanout_hit: tuple[int, ...] = ()  # SSD: F_0..F_K after a hit, and after a backup round
+    fanout_backup: tuple[int, ...] = ()
+    saguaro_c: float = 1.0
+    # SSD: the draft's speculation for a row that missed (backups.BACKUPS); under
+    # SSDConfig.backup="auto" "neural", and the target's `BackupChooser` switches per round
+    backup: str = "neural"
+    row_dtype: str = "float32"  # the proposal rows' dtype
+    verifier: Callable | None = None  # the target's; None: `ssd_jax.rejection_sample`
+
+    def draft_fields(self) -> dict:
+        """The draft's part for the wire: JSON scalars and lists (its sampling values one per
+        request)."""
+        sp = SamplingParams.per_request(self.draft_sampling, len(self.request_ids))
+        return dict(seed=int(self.seed), request_ids=[int(r) for r in self.request_ids],
+                    temperature=[float(x) for x in sp.temperature],
+                    top_k=[int(x) for x in sp.top_k], top_p=[float(x) for x in sp.top_p],
+                    k=int(self.k), fanout_hit=[int(f) for f in self.fanout_hit],
+                    fanout_backup=[int(f) for f in self.fanout_backup],
+                    saguaro_c=float(self.saguaro_c), backup=str(self.backup),
+                    row_dtype=str(self.row_dtype))
+
+    @classmethod
+    def of_draft_fields(cls, f: dict, batch: int) -> "CallConfig":
+        """The draft's `CallConfig` of `draft_fields()` as a draft process received them for a
+        batch of `batch` rows; a ValueError for a value the draft cannot serve."""
+        if len(f["request_ids"]) != batch:
+            raise ValueError(f"{len(f['request_ids'])} request ids for a batch of {batch}")
+        if not 1 <= f["k"] <= MAX_K:
+            raise ValueError(f"K = {f['k']} outside [1, {MAX_K}]")
+        if f["backup"] not in _backups.BACKUPS or f["row_dtype"] not in ROW_DTYPES:
+            raise ValueError(f"backup {f['backup']!r} / row dtype {f['row_dtype']!r} not served")
+        if not len(f["temperature"]) == len(f["top_k"]) == len(f["top_p"]) == batch:
+            raise ValueError(f"sampling values for {len(f['temperature'])} / {len(f['top_k'])} / "
+                             f"{len(f['top_p'])} requests (temperature / top_k / top_p), a batch "
+                             f"of {batch}")
+        sampling = SamplingParams(np.asarray(f["temperature"], np.float32),
+                                  np.asarray(f["top_k"], np.int32),
+                                  np.asarray(f["top_p"], np.float32))
+        return cls(k=f["k"], seed=f["seed"], request_ids=tuple(f["request_ids"]),
+                   draft_sampling=sampling, fanout_hit=tuple(f["fanout_hit"]),
+                   fanout_backup=tuple(f["fanout_backup"]), saguaro_c=f["saguaro_c"],
+                   backup=f["backup"], row_dtype=f["row_dtype"])
+
+
+def call_config(mode: str, k: int, seed: int, request_ids, sampling: SamplingParams,
+                draft_sampling: SamplingParams, ssd: SSDConfig | None, vocab: int | None,
+                row_vocab: int, verifier: Callable | None = None, rows: int | None = None
+                ) -> CallConfig:
+    """The `CallConfig` of a call `check_request` passed, its rows padded (`request_ids` `[B]`,
+    the samplings `[B]` numpy values): for SSD (`ssd` with its fan-out given, not "plan") the
+    fan-out lists (`SSDConfig.lists`) and the speculation cache's rows `[B, MQ, K, V]` (V =
+    row_vocab, the target's embedding rows) checked against `ssd.cache_budget_bytes`, a
+    ValueError before any work (rows: the requests among the B rows, if fewer: the rest pad the
+    batch bucket, which the message says)."""
+    from ssd_jax.algorithm.speculation_cache import check_budget
+
+    rids = tuple(int(r) for r in request_ids)
+    kw = {}
+    if mode == "ssd":
+        f_hit, f_backup = ssd.lists(k, vocab)
+        try:
+            check_budget(len(rids), sum(f_hit), k, row_vocab, ssd.row_dtype,
+                         ssd.cache_budget_bytes, draft_greedy=draft_sampling.greedy)
+        except ValueError as e:
+            if rows is None or rows == len(rids):
+                raise
+            raise ValueError(f"{e} (the {rows} requests run as {len(rids)} rows, their batch "
+                             f"bucket; Engine(batch_buckets=False) runs {rows})") from None
+        kw = dict(fanout_hit=f_hit, fanout_backup=f_backup, saguaro_c=float(ssd.saguaro_c),
+                  backup="neural" if ssd.backup == "auto" else ssd.backup,
+                  row_dtype=np.dtype(ssd.row_dtype).name)
+    return CallConfig(k=int(k), seed=int(seed), request_ids=rids, draft_sampling=draft_sampling,
+                      target_sampling=sampling, verifier=verifier, **kw)
+
+
 def check_request(mode: str, max_new_tokens: int, k: int, sampling=SamplingParams(),
                   draft_sampling=None, ssd: SSDConfig | None = SSDConfig(),
                   vocab: int | None = None, *, seed=0, stop=(), eos_ids=None,

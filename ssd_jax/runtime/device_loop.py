@@ -56,9 +56,11 @@ from ssd_jax.algorithm import backups
 from ssd_jax.algorithm import decode_state as ds
 from ssd_jax.algorithm import round_steps as rs
 from ssd_jax.algorithm import steps
+from ssd_jax.algorithm.verify import rejection_sample
 from ssd_jax.runtime.auto_backup import AutoBackup
-from ssd_jax.runtime.draft_worker import DraftRun, DraftWorker, RoundState
-from ssd_jax.runtime.metrics import Metrics
+from ssd_jax.runtime.config import CallConfig
+from ssd_jax.runtime.draft_worker import DraftWorker, RoundState
+from ssd_jax.runtime.metrics import CompileTimer, Metrics
 from ssd_jax.runtime.placement import move, to_mesh
 from ssd_jax.runtime.proposer import check_rows
 from ssd_jax.runtime.round_chunks import RoundChunks
@@ -70,9 +72,10 @@ _record_committed = jax.jit(backups.record_committed)  # a proposer's history, e
 class DeviceLoop(RoundChunks, RoundReports):
     """One generate call's device state and its rounds (made by `Engine.generate`)."""
 
-    def __init__(self, engine, batch, rids, run: dict, metrics: Metrics, k: int,
-                 timed: bool = False):
-        self.e, self.batch, self.run, self.m = engine, batch, run, metrics
+    def __init__(self, engine, batch, call: CallConfig, metrics: Metrics, k: int,
+                 timer: CompileTimer, timed: bool = False):
+        self.e, self.batch, self.call, self.m = engine, batch, call, metrics
+        self.timer = timer  # the call's compile seconds: a round that compiled is marked so
         self.timed = timed  # timeline=True: rounds read one by one, their phases timed
         self.phases: dict[str, float] = {}  # a timed round's phase seconds, set by its dispatch
         # SD's drafter is a proposer (not the draft model): it reads the rows' history, kept
@@ -87,8 +90,11 @@ class DeviceLoop(RoundChunks, RoundReports):
         self.history = None  # [B, cache_len] int32, a proposer's
         self.prompt_block = None  # [B, T] the prompts as prefilled (host), for the history
         self.tgt = engine.placement.target
-        self.rids_np = rids
-        self.rids_t = to_mesh(rids, self.tgt)
+        # the call's traced values on the target mesh, placed once (the draft places its own)
+        self.rids_t = to_mesh(np.asarray(call.request_ids, np.int32), self.tgt)
+        self.seed_t = to_mesh(np.int32(call.seed), self.tgt)
+        self.sampling_t = to_mesh(call.target_sampling, self.tgt)
+        self.verifier = call.verifier or rejection_sample
         # Tokens pass through the host per round only where the host has work for them.
         self.mirror = batch.on_tokens is not None or bool(batch.stop)
         self.state = to_mesh(ds.initial_state(batch.prompts, batch.max_new, sorted(batch.eos), k,
@@ -134,7 +140,8 @@ class DeviceLoop(RoundChunks, RoundReports):
         here (AR)."""
         e, b = self.e, self.batch
         t0 = time.perf_counter()
-        first, lp, e.tcache, toks = e._prefill_target(b, self.rids_np, cache_len, self.run)
+        first, lp, e.tcache, toks = e._prefill_target(b, cache_len, self.seed_t, self.rids_t,
+                                                      self.sampling_t)
         self.prompt_block, self.cache_len = toks, cache_len
         if draft is not None:
             draft.start(toks, b.prompt_lens, cache_len)
@@ -150,17 +157,18 @@ class DeviceLoop(RoundChunks, RoundReports):
         finally:
             self.m.prefill_s = time.perf_counter() - t0
 
-    def warm_round(self, cache_len: int, row_dtype: str, ssd: bool) -> None:
+    def warm_round(self, cache_len: int, ssd: bool) -> None:
         """The target's side of a throwaway round 1 (`Engine.warm_up`), each step waited for:
         the prefill and the commit of its token, the rows' view, a verify of K zeros and its
         commit (SSD's with from_backup), as this loop runs them."""
-        e, B, k = self.e, self.batch.size, self.run["k"]
-        first, lp, e.tcache, _ = e._prefill_target(self.batch, self.rids_np, cache_len, self.run)
+        e, B, k = self.e, self.batch.size, self.call.k
+        first, lp, e.tcache, _ = e._prefill_target(self.batch, cache_len, self.seed_t,
+                                                   self.rids_t, self.sampling_t)
         self.state, self.active, self._bonus, report = rs.commit_tokens(self.state, first, lp)
         jax.block_until_ready(rs.round_view(self.state, report))
         V = e.target.cfg.vocab_size
         res, lp = self._verify(np.zeros((B, k), np.int32),
-                               np.full((B, k, V), 1.0 / V, jax.numpy.dtype(row_dtype)))
+                               np.full((B, k, V), 1.0 / V, jax.numpy.dtype(self.call.row_dtype)))
         jax.block_until_ready(self._commit(res, lp, to_mesh(np.ones(B, bool), self.tgt)
                                            if ssd else None))
 
@@ -191,24 +199,24 @@ class DeviceLoop(RoundChunks, RoundReports):
     def _ar_chunks(self) -> None:
         """AR's chunks (`ar`). A chunk dispatched after the last one (an EOS ended every row)
         runs no step: the state it returns is the one it took."""
-        e, run, N = self.e, self.run, rs.AR_CHUNK
+        e, N = self.e, rs.AR_CHUNK
         prev = None  # the report of the chunk dispatched and not read yet
-        t0, c0 = time.perf_counter(), e._timer.seconds
+        t0, c0 = time.perf_counter(), self.timer.seconds
         while self.running:
             e.tcache, self.state, self.active, rep = rs.decode_chunk(
-                e.tparams, e.tcfg, e.tcache, self.state, run["seed"], self.rids_t,
-                run["sampling"], vocab_size=e.vocab_size, steps_max=N, ops=e.tops)
+                e.tparams, e.tcfg, e.tcache, self.state, self.seed_t, self.rids_t,
+                self.sampling_t, vocab_size=e.vocab_size, steps_max=N, ops=e.tops)
             if prev is not None:
                 self._chunk_read(prev, t0, c0)
                 prev = None
-                t0, c0 = time.perf_counter(), e._timer.seconds
+                t0, c0 = time.perf_counter(), self.timer.seconds
                 if not self.running:
                     break
             if self._ahead(N):
                 prev = rep
                 continue
             self._chunk_read(rep, t0, c0)
-            t0, c0 = time.perf_counter(), e._timer.seconds
+            t0, c0 = time.perf_counter(), self.timer.seconds
 
     def _chunk_read(self, rep, t0: float, c0: float) -> None:
         """Read a chunk's report; the timeline gets one entry per step it ran (a row ran step i
@@ -220,13 +228,13 @@ class DeviceLoop(RoundChunks, RoundReports):
 
     def _ar_tokens(self) -> None:
         """AR one token a dispatch (`ar`), for rows whose tokens pass through the host."""
-        e, run = self.e, self.run
+        e = self.e
         prev = None  # the report of the token dispatched and not read yet
-        t0, c0 = time.perf_counter(), e._timer.seconds
+        t0, c0 = time.perf_counter(), self.timer.seconds
         while self.running:
             tok, lp, e.tcache = steps.decode(
-                e.tparams, e.tcfg, e.tcache, self.bonus, self.active, run["seed"],
-                self.rids_t, run["sampling"], e.vocab_size, ops=e.tops)
+                e.tparams, e.tcfg, e.tcache, self.bonus, self.active, self.seed_t,
+                self.rids_t, self.sampling_t, e.vocab_size, ops=e.tops)
             if self.serial:
                 jax.block_until_ready(tok)
             self.state, self.active, self._bonus, rep = rs.commit_tokens(self.state, tok, lp)
@@ -236,7 +244,7 @@ class DeviceLoop(RoundChunks, RoundReports):
                 self.read(prev)
                 prev = None
                 self._round(t0, c0, active=self.last["active"])
-                t0, c0 = time.perf_counter(), e._timer.seconds
+                t0, c0 = time.perf_counter(), self.timer.seconds
                 if not self.running:
                     break  # the token read late ended the call: the one in flight is void
             if self._ahead(1):
@@ -244,7 +252,7 @@ class DeviceLoop(RoundChunks, RoundReports):
                 continue
             self.read(rep)
             self._round(t0, c0, active=self.last["active"])
-            t0, c0 = time.perf_counter(), e._timer.seconds
+            t0, c0 = time.perf_counter(), self.timer.seconds
 
     def _ahead(self, per_round: int) -> bool:
         """Whether to enqueue the next round before reading the one in flight: pipelined, and
@@ -255,13 +263,13 @@ class DeviceLoop(RoundChunks, RoundReports):
         return self.pipelined and bool(np.any(self.alive & (self.batch.max_new - self.count
                                                             > per_round)))
 
-    def _next_proposal(self, draft, packed, drun: DraftRun):
+    def _next_proposal(self, draft, packed):
         """SD's next speculation from a round's packed `Outcome` (round 1: the rows after the
         prefill, `round_steps.round_view`): (spec `[B, K]`, rows `[B, K, V]`, the report the host
         reads, made to wait for the speculation where it is in flight). A proposer's comes from
         the rows' history on the target mesh, brought up to the outcome first."""
         if not self.proposer:
-            spec, rows, v = draft.propose_from(packed, drun)
+            spec, rows, v = draft.propose_from(packed, self.call)
             if self.serial:
                 jax.block_until_ready((spec, rows, v))
             return spec, rows, v.report if self.remote else rs.pass_report(v.report, spec)
@@ -273,21 +281,21 @@ class DeviceLoop(RoundChunks, RoundReports):
             self.history = _record_committed(self.history, v.report, v.n)
         if self.serial:
             jax.block_until_ready((v, self.history))
-        spec, rows = draft.propose(RoundState.of_outcome(v, self.history), drun)
+        spec, rows = draft.propose(RoundState.of_outcome(v, self.history), self.call)
         if self.serial:
             jax.block_until_ready((spec, rows))
-        check_rows(rows, self.batch.size, drun.k, self.e.target.cfg.vocab_size)
+        check_rows(rows, self.batch.size, self.call.k, self.e.target.cfg.vocab_size)
         return spec, rows, rs.pass_report(v.report, spec)
 
     def _verify(self, spec, rows):
         """Dispatch the verify of the speculation (spec `[B, K]`, rows `[B, K, V]`, on the draft
         mesh) against the state's bonus: returns (VerifyResult, log-probs), in flight."""
-        e, run = self.e, self.run
+        e = self.e
         tspec = move(spec, self.tgt)
         trows = move(rows, e.placement.target_rows(rows.shape[-1]))
         res, lp, e.tcache = steps.verify(
-            e.tparams, e.tcfg, e.tcache, self.bonus, tspec, trows, self.active,
-            run["seed"], self.rids_t, run["sampling"], e.vocab_size, run["verifier"], ops=e.tops)
+            e.tparams, e.tcfg, e.tcache, self.bonus, tspec, trows, self.active, self.seed_t,
+            self.rids_t, self.sampling_t, e.vocab_size, self.verifier, ops=e.tops)
         if self.serial:
             jax.block_until_ready((res, lp))
         return res, lp
@@ -316,10 +324,9 @@ class DeviceLoop(RoundChunks, RoundReports):
         round T+1 was enqueued, rolls the state back to before round T+1, whose verify may have
         taken the target's KV cache with it: `recover` rebuilds that cache."""
         from ssd_jax.runtime.fallback import DraftDown
-        e = self.e
         prev = None  # (packed, report, state before it, keep()) of a round dispatched, not read
         void = None
-        t0, c0 = time.perf_counter(), e._timer.seconds
+        t0, c0 = time.perf_counter(), self.timer.seconds
         while self.running:
             before, kept = self.state, keep()
             try:
@@ -329,11 +336,11 @@ class DeviceLoop(RoundChunks, RoundReports):
                     self.pending = prev[0]  # the target's side of the round read now
                     self._round_read(prev[1], during, t0, c0, ssd)
                     prev = None
-                    t0, c0 = time.perf_counter(), e._timer.seconds
+                    t0, c0 = time.perf_counter(), self.timer.seconds
                     if not self.running:
                         void = cur
                         break
-                if self._ahead(self.run["k"] + 1):
+                if self._ahead(self.call.k + 1):
                     prev = cur
                     continue
                 self.pending = packed
@@ -343,7 +350,7 @@ class DeviceLoop(RoundChunks, RoundReports):
                     self.state, self.active, self.pending = before, before.active, None
                     self.lost = True
                 raise
-            t0, c0 = time.perf_counter(), e._timer.seconds
+            t0, c0 = time.perf_counter(), self.timer.seconds
         if void is not None:  # enqueued after the last round: it committed nothing
             self.state, self.pending = void[2], None
             self.active = self.state.active
@@ -401,15 +408,13 @@ class DeviceLoop(RoundChunks, RoundReports):
     def sd(self, draft) -> None:
         """SD: the draft chain from the committed state, verify, commit; the report read waits
         for the next speculation too."""
-        run = self.run
-        self.m.init_hist(run["k"])
-        drun = DraftRun.of_call(self.rids_np, run)
+        self.m.init_hist(self.call.k)
         view = rs.round_view(self.state, self.pending)  # round 1's: the rows after the prefill
         if self.serial:
             jax.block_until_ready(view)
-        spec, rows, rep = self._next_proposal(draft, view, drun)
+        spec, rows, rep = self._next_proposal(draft, view)
         self.read_draft(rep, "propose")
-        if self._chunked(draft) and self._sd_chunks(draft.worker, drun, spec, rows):
+        if self._chunked(draft) and self._sd_chunks(draft.worker, spec, rows):
             draft.finish()
             self.counters_into(self.m)
             return
@@ -420,7 +425,7 @@ class DeviceLoop(RoundChunks, RoundReports):
             res, lp = self._verify(spec, rows)
             packed = self._commit(res, lp)
             t1 = self._wait(packed) if self.timed else 0.0
-            spec, rows, rep = self._next_proposal(draft, packed, drun)  # waited for when timed
+            spec, rows, rep = self._next_proposal(draft, packed)  # waited for when timed
             if self.timed:
                 self.phases = dict(verify_s=t1 - t0, draft_s=time.perf_counter() - t1)
             return packed, rep
@@ -429,24 +434,24 @@ class DeviceLoop(RoundChunks, RoundReports):
         draft.finish()
         self.counters_into(self.m)
 
-    def ssd(self, draft, drun: DraftRun, chooser=None) -> None:
+    def ssd(self, draft, chooser=None) -> None:
         """SSD: verify and the tree overlap; the lookup and backup run on the draft mesh.
         chooser: backup="auto"'s `BackupChooser` (then each round's or chunk's backup is chosen
         at its dispatch, `AutoBackup`), or None."""
-        worker = self.e.worker
-        self.backup = drun.backup
+        worker, call = self.e.worker, self.call
+        self.backup = call.backup
         self.auto = AutoBackup(chooser) if chooser is not None else None
         # round 1 has no speculation cache yet: a backup (`first` zeroes the lookup counters)
         view = rs.round_view(self.state, self.pending)
         if self.serial:
             jax.block_until_ready(view)
-        spec, rows, v = draft.first(view, drun)
+        spec, rows, v = draft.first(view, call)
         if self.serial:
             jax.block_until_ready((spec, rows, v))
         self.read_draft(v.report if self.remote else rs.pass_report(v.report, spec), "first")
         ones = np.ones(self.batch.size, bool)
-        if self._chunked(draft) and self._ssd_chunks(worker, drun, RoundState.of_outcome(v), spec,
-                                                     rows, ones):
+        if self._chunked(draft) and self._ssd_chunks(worker, RoundState.of_outcome(v), spec, rows,
+                                                     ones):
             draft.finish()
             self.counters_into(self.m, worker.counters)
             return
@@ -458,14 +463,14 @@ class DeviceLoop(RoundChunks, RoundReports):
             t0 = time.perf_counter() if self.timed else 0.0
             res, lp = self._verify(spec, rows)
             # overlaps the verify (a remote draft dispatched it after its last reply)
-            draft.dispatch_tree(RoundState.of_outcome(v), spec, from_backup_d, drun)
+            draft.dispatch_tree(RoundState.of_outcome(v), spec, from_backup_d, call)
             packed = self._commit(res, lp, from_backup)
             if self.timed:  # the outcome, then the tree: T_v and T_p from the round's start
                 t1 = self._wait(packed)
                 draft.tree_ready()
                 t2 = time.perf_counter()
             neural = self.auto.next() if self.auto is not None else None
-            spec, rows, from_backup_d, rep, v = draft.resolve_on_device(packed, drun, neural)
+            spec, rows, from_backup_d, rep, v = draft.resolve_on_device(packed, call, neural)
             if self.serial:
                 jax.block_until_ready((spec, rows, from_backup_d, rep, v))
             if self.timed:  # resolve waited for (`Guarded`): the lookup and any backup

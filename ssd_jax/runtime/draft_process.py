@@ -24,10 +24,9 @@ from typing import NoReturn
 
 import numpy as np
 
-from ssd_jax.runtime.wire import (HEARTBEAT_S, MAX_STR, REQUESTS, ROWS, Channel, Message,
+from ssd_jax.runtime.wire import (HEARTBEAT_S, MAX_STR, REQUESTS, Channel, Message,
                                   TransportError, handshake_draft, parse_address, read_secret)
 
-MAX_K = 256
 QUANTS = ("auto", "none", "int8", "int4")  # auto: ssd_jax.runtime.defaults.choose, in this process
 
 
@@ -68,30 +67,6 @@ def decode_outcome(a: dict, k: int, row_vocab: int, resolve: bool) -> np.ndarray
         raise ValueError("an outcome with a position, token, accepted count or active flag out "
                          "of range")
     return p
-
-
-def decode_run(f: dict, batch: int):
-    """The `DraftRun` of a request's fields; ValueError for a value the draft cannot serve."""
-    from ssd_jax.algorithm.sampling import SamplingParams
-    from ssd_jax.runtime.draft_worker import DraftRun
-
-    if len(f["request_ids"]) != batch:
-        raise ValueError(f"{len(f['request_ids'])} request ids for a batch of {batch}")
-    if not 1 <= f["k"] <= MAX_K:
-        raise ValueError(f"K = {f['k']} outside [1, {MAX_K}]")
-    from ssd_jax.algorithm.backups import BACKUPS  # the speculators: "auto" is the target's choice
-
-    if f["backup"] not in BACKUPS or f["row_dtype"] not in ROWS:
-        raise ValueError(f"backup {f['backup']!r} / row dtype {f['row_dtype']!r} not served")
-    if not len(f["temperature"]) == len(f["top_k"]) == len(f["top_p"]) == batch:
-        raise ValueError(f"sampling values for {len(f['temperature'])} / {len(f['top_k'])} / "
-                         f"{len(f['top_p'])} requests (temperature / top_k / top_p), a batch of {batch}")
-    sampling = SamplingParams(np.asarray(f["temperature"], np.float32),
-                              np.asarray(f["top_k"], np.int32), np.asarray(f["top_p"], np.float32))
-    return DraftRun(seed=f["seed"], request_ids=tuple(f["request_ids"]),
-                    sampling=sampling, k=f["k"],
-                    fanout_hit=tuple(f["fanout_hit"]), fanout_backup=tuple(f["fanout_backup"]),
-                    saguaro_c=f["saguaro_c"], backup=f["backup"], row_dtype=f["row_dtype"])
 
 
 _COMPILING = [False]  # this process is lowering or compiling a step (JAX's compile events)
@@ -191,6 +166,8 @@ class DraftServer:
 
     def handle(self, msg: Message):
         """(reply Message, a function to run after sending it, or None)."""
+        from ssd_jax.runtime.config import CallConfig
+
         kind, a, f, w = msg.kind, msg.arrays, msg.fields, self.worker
         if kind in ("start", "warm"):  # the block may be wider than the cache, a prompt not
             lens, width = a["lens"], a["tokens"].shape[1]
@@ -205,7 +182,7 @@ class DraftServer:
             if f["mode"] not in ("sd", "ssd"):
                 raise ValueError(f"warm-up for mode {f['mode']!r}: the draft serves 'sd' and 'ssd'")
             call = CallPlan(f["mode"], a["tokens"], a["lens"], f["cache_len"], f["row_vocab"],
-                            None, decode_run(f, len(a["lens"])))  # the target's sampling: not sent
+                            CallConfig.of_draft_fields(f, len(a["lens"])))
             return Message("ok"), lambda: self._warm(call)
         if w is None:
             raise ValueError(f"{kind!r} before 'start'")
@@ -218,7 +195,7 @@ class DraftServer:
         from ssd_jax.runtime.draft_worker import RoundState
 
         packed = a["outcome"]
-        run = decode_run(f, len(packed))
+        run = CallConfig.of_draft_fields(f, len(packed))
         if len(packed) != w._batch:
             raise ValueError(f"an outcome of {len(packed)} rows for a call of {w._batch}")
         decode_outcome(a, run.k, w.row_vocab, resolve=kind == "resolve")

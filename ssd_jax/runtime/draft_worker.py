@@ -20,6 +20,7 @@ from ssd_jax.models.protocol import forward, init_cache, is_builtin, with_length
 from ssd_jax.algorithm import backups, round_steps, steps
 from ssd_jax.algorithm import decode_state as ds
 from ssd_jax.algorithm.aot import step_jit
+from ssd_jax.runtime.config import CallConfig
 from ssd_jax.runtime.metrics import layout_bytes
 from ssd_jax.runtime.placement import _placed, move, settle, spans_processes, to_mesh
 from ssd_jax.runtime.request import prefill_once
@@ -44,39 +45,6 @@ class RoundState:
         """The rows after an unpacked `round_steps.Outcome`'s commit (device or host arrays);
         history: a proposer's `[B, H]`."""
         return cls(n=v.n, prev=v.prev, bonus=v.bonus, active=v.active, history=history)
-
-
-@dataclasses.dataclass(frozen=True)
-class DraftRun:
-    """What the draft needs to know about one generate call (host values; on the wire as JSON
-    fields, `ssd_jax.runtime.transport.run_fields`)."""
-    seed: int
-    request_ids: tuple[int, ...]
-    sampling: object  # SamplingParams of the draft: one value or [B] numpy arrays (traced in the steps)
-    k: int
-    fanout_hit: tuple[int, ...] = ()
-    fanout_backup: tuple[int, ...] = ()
-    saguaro_c: float = 1.0
-    backup: str = "neural"
-    row_dtype: str = "float32"
-
-    @classmethod
-    def of_call(cls, rids, run: dict, ssd=None) -> "DraftRun":
-        """The draft's view of the engine's call: request ids [B], the engine's run dict (seed,
-        draft_sampling, k, and for SSD f_hit / f_backup) and the call's SSDConfig (None for SD)."""
-        kw = {}
-        if ssd is not None:
-            kw = dict(fanout_hit=run["f_hit"], fanout_backup=run["f_backup"],
-                      saguaro_c=ssd.saguaro_c, backup=ssd.backup, row_dtype=ssd.row_dtype)
-        return cls(seed=int(run.get("seed_host", run["seed"])), request_ids=tuple(int(r) for r in rids),
-                   sampling=run["draft_sampling"], k=run["k"], **kw)
-
-    @classmethod
-    def of_ssd_call(cls, rids, run: dict, ssd) -> "DraftRun":
-        """SSD's draft view of a call whose run dict holds f_hit / f_backup (`SSDConfig.lists`):
-        backup "auto" drafts the neural backup (the engine's `BackupChooser` switches per round)."""
-        return dataclasses.replace(cls.of_call(rids, run, ssd),
-                                   backup="neural" if ssd.backup == "auto" else ssd.backup)
 
 
 @step_jit(static_argnames=("cfg", "ops"))
@@ -142,7 +110,7 @@ class DraftWorker:
         per_row = x.ndim >= 1 and x.shape[0] == self._batch
         return to_mesh(x, self.rows if per_row else self.sharding)
 
-    def _call_values(self, run: DraftRun):
+    def _call_values(self, run: CallConfig):
         """(seed, request ids `[B]`) of the call on the draft mesh, placed once per call."""
         key = (self._batch, run.seed, run.request_ids)
         if self._values[0] != key:
@@ -195,7 +163,7 @@ class DraftWorker:
         or SSD's first backup, its tree, and a lookup that misses (an outcome no branch holds)
         with the backup that follows, each from a packed `Outcome` as the device loop sends it.
         The next `start` replaces what it leaves."""
-        B, run = len(call.lens), call.run
+        B, run = len(call.lens), call.call
         self.start(call.tokens, call.lens, call.cache_len)
         lens = np.asarray(call.lens, np.int32)
         z, ones = np.zeros(B, np.int32), np.ones(B, np.int32)
@@ -219,7 +187,7 @@ class DraftWorker:
         jax.block_until_ready(self.resolve_on_device(outcome, run)[1])
         self._tree = None
 
-    def first(self, packed, run: DraftRun):
+    def first(self, packed, run: CallConfig):
         """SSD's round 1, which has no speculation cache yet: a backup from the rows after the
         prefill (packed `[B, 6 + R]`: `round_steps.round_view`, on any mesh or the host). Zeroes
         the call's lookup counters and, for the n-gram backup, starts the rows' history. Returns
@@ -231,7 +199,7 @@ class DraftWorker:
         spec, rows = self.backup(RoundState.of_outcome(v), run)
         return spec, rows, v
 
-    def propose_from(self, packed, run: DraftRun):
+    def propose_from(self, packed, run: CallConfig):
         """SD's next speculation from a round's packed `Outcome` (or round 1's view): (spec
         `[B, K]`, rows `[B, K, V]`, the outcome unpacked on the draft mesh), in flight."""
         v = round_steps.unpack(self._put_rows(packed))
@@ -249,20 +217,20 @@ class DraftWorker:
         """Block until the prompt's KV (dispatched by `start`) is computed."""
         jax.block_until_ready(self.cache)
 
-    def propose(self, s: RoundState, run: DraftRun, saguaro_top_n: tuple[int, ...] = (),
+    def propose(self, s: RoundState, run: CallConfig, saguaro_top_n: tuple[int, ...] = (),
                 saguaro_c: float = 1.0, draft_rows: np.ndarray | None = None):
         """K draft tokens from each row's bonus (SD drafting; also the neural backup, for the
         `draft_rows` [B] that missed: the others' draft KV stays untouched)."""
         seed, rids = self._call_values(run)
         spec, rows, self.cache = steps.draft_chain(
             self.params, self.cfg, self.cache, self._put(s.prev), self._put(s.bonus), self._put(s.n),
-            seed, rids, self._placed_sampling(run.sampling),
+            seed, rids, self._placed_sampling(run.draft_sampling),
             self.vocab_size, run.k, saguaro_top_n, np.float32(saguaro_c), run.row_dtype, ops=self.ops,
             draft_rows=None if draft_rows is None else self._put(
                 draft_rows if isinstance(draft_rows, jax.Array) else np.asarray(draft_rows, bool)))
         return settle((spec, self._fit_rows(rows)), self._serial)
 
-    def backup(self, s: RoundState, run: DraftRun, draft_rows: np.ndarray | None = None):
+    def backup(self, s: RoundState, run: CallConfig, draft_rows: np.ndarray | None = None):
         """A speculation from each row's real outcome (ALGORITHM.md §5) for the `draft_rows` [B]
         that need one (default: the active rows). Saguaro scales the top F^b_i + 1 tokens of draft token i+1: the
         candidates the fork after this backup round will cache."""
@@ -279,7 +247,7 @@ class DraftWorker:
             return backups.ngram_speculation_on_device(self.history, seed, rids, n, **kw)
         raise ValueError(f"unknown backup {run.backup!r}")
 
-    def dispatch_tree(self, s: RoundState, spec, from_backup: np.ndarray, run: DraftRun,
+    def dispatch_tree(self, s: RoundState, spec, from_backup: np.ndarray, run: CallConfig,
                       wait: bool = False):
         """Glue + fork + tree decode for the speculation in flight (async: returns at once).
         wait=True blocks until the tree is ready and records its time (a draft process has
@@ -305,7 +273,7 @@ class DraftWorker:
         with timeline=True); an error of its computation raises here."""
         jax.block_until_ready(self._tree)
 
-    def _tree_args(self, s: RoundState, spec, from_backup, run: DraftRun) -> tuple:
+    def _tree_args(self, s: RoundState, spec, from_backup, run: CallConfig) -> tuple:
         """`draft_tree`'s positional arguments for the speculation in flight, on the draft mesh."""
         top_n = tuple(f + 1 for f in run.fanout_hit[:-1])
         seed, rids = self._call_values(run)
@@ -317,10 +285,10 @@ class DraftWorker:
                 self._put(s.bonus), to_mesh(spec, self.rows), self._put(s.n),
                 self._put(s.active), self._put(from_backup))
         return (self.params, self.cfg, self.cache, bonus, spec, n, active, from_backup, seed,
-                rids, self._placed_sampling(run.sampling), self.vocab_size,
+                rids, self._placed_sampling(run.draft_sampling), self.vocab_size,
                 run.fanout_hit, run.fanout_backup, top_n, np.float32(run.saguaro_c), run.row_dtype)
 
-    def note_tree_layout(self, s: RoundState, spec, from_backup, run: DraftRun) -> None:
+    def note_tree_layout(self, s: RoundState, spec, from_backup, run: CallConfig) -> None:
         """Where the tree never leaves a computation (the device loop's chunks of rounds): keep
         its arguments' shapes, from which `spec_bytes` lays the tree out when asked."""
         if not self._spec_bytes:
@@ -347,7 +315,7 @@ class DraftWorker:
         placed as the rows are, after `start`)."""
         self.counters = to_mesh(round_steps.LookupCounters.zeros(k, self._batch), self.rows)
 
-    def resolve_on_device(self, outcome, run: DraftRun, neural: bool | None = None):
+    def resolve_on_device(self, outcome, run: CallConfig, neural: bool | None = None):
         """`resolve` for the device loop: the verify's packed `Outcome` (on the target mesh;
         moved here device to device) -> (spec `[B, K]`, rows `[B, K, V]`, missed `[B]`, the
         round's report with its hit column, the outcome unpacked here), all on the draft mesh and
@@ -363,7 +331,7 @@ class DraftWorker:
         def call():
             return round_steps.resolve(self.params, self.cfg, self.cache, self._tree, outcome,
                                        self.counters, seed, rids,
-                                       self._placed_sampling(run.sampling),
+                                       self._placed_sampling(run.draft_sampling),
                                        np.float32(run.saguaro_c),
                                        self.history if backup == "ngram" else None, neural,
                                        ops=self.ops, **kw)

@@ -17,7 +17,6 @@ import threading
 import time
 from typing import Callable, Sequence
 
-import jax.numpy as jnp
 import numpy as np
 
 from ssd_jax.models import backends
@@ -29,9 +28,10 @@ from ssd_jax.runtime.batch import Batch, GenerationResult
 from ssd_jax.runtime.chat import chat_prompts
 from ssd_jax.runtime import stream as streaming
 from ssd_jax.runtime.compile_cache import enable_compilation_cache
-from ssd_jax.runtime.config import SSDConfig, check_max_len, check_pair, check_request
+from ssd_jax.runtime.config import (CallConfig, SSDConfig, call_config, check_max_len, check_pair,
+                                    check_request)
 from ssd_jax.runtime.device_loop import DeviceLoop
-from ssd_jax.runtime.draft_worker import DraftRun, DraftWorker
+from ssd_jax.runtime.draft_worker import DraftWorker
 from ssd_jax.runtime.fallback import DraftDown, Guarded, fall_back, restart
 from ssd_jax.runtime.mappings import watch_mappings
 from ssd_jax.runtime.metrics import CompileTimer, Metrics
@@ -42,7 +42,6 @@ from ssd_jax.runtime.request import (cache_length, encode, padded_rows, prefill_
                                      right_padded)
 from ssd_jax.algorithm.sampling import SamplingParams
 from ssd_jax.runtime.sharding import init_target_cache, take_target
-from ssd_jax.algorithm.speculation_cache import check_budget
 
 
 def _one_call_at_a_time(method):
@@ -269,20 +268,23 @@ class Engine:
         cache_len = cache_length(batch.prompt_lens, max_new_tokens, k, self.max_len,
                                  self.target.cfg.max_position_embeddings)
         metrics = Metrics(mode=mode, backend=self.backend)
-        # the target's sampling placed once per call, the draft's sent as host values that the
-        # draft worker places itself
-        run = dict(seed=jnp.int32(seed), seed_host=int(seed),
-                   sampling=to_mesh(sampling, self.placement.target),
-                   draft_sampling=draft_sampling,
-                   k=int(k), verifier=verifier or _default_verifier())
+        if mode == "ssd" and ssd.fanout == "plan":
+            ssd = dataclasses.replace(ssd, fanout=self.plan_fanout(k, batch.rows),
+                                      fanout_backup=None)
         # SSD's fan-out lists and speculation-cache budget: a refusal comes before any work
-        setup = self._ssd_setup(batch, rids, run, metrics, ssd) if mode == "ssd" else None
-        self._timer = timer = CompileTimer()
+        call = call_config(mode, k, seed, rids, sampling, draft_sampling, ssd, self.vocab_size,
+                           self.target.cfg.vocab_size, verifier, rows=batch.rows)
+        chooser = None
+        if mode == "ssd":
+            metrics.init_hist(call.k)
+            metrics.fanout = call.fanout_hit
+            chooser = BackupChooser(batch.rows) if ssd.backup == "auto" else None
+        timer = CompileTimer()
         # its failures: DraftDown (a timed round waits for each draft call; otherwise the loop
         # reads the draft's last array of each round instead, `device_loop`)
         draft = Guarded(self.worker, wait=timeline) if mode != "ar" else None
         with timer.measure():
-            self._rounds(batch, rids, cache_len, run, metrics, mode, setup, draft, timeline)
+            self._rounds(batch, cache_len, call, metrics, mode, chooser, draft, timeline, timer)
         if timeline and metrics.fallback is None:  # its phases were timed
             if mode == "sd":  # what fanout="plan" plans from
                 self._sd = metrics.sd_phases() or self._sd
@@ -301,13 +303,13 @@ class Engine:
             return self.batch_buckets
         return not self.placement.on_cpu
 
-    def _rounds(self, batch: Batch, rids, cache_len: int, run: dict, m: Metrics, mode: str,
-                setup, draft, timeline: bool) -> None:
+    def _rounds(self, batch: Batch, cache_len: int, call: CallConfig, m: Metrics, mode: str,
+                chooser, draft, timeline: bool, timer: CompileTimer) -> None:
         """The call's prefill and rounds (`ssd_jax.runtime.device_loop`, every mode, draft and
         placement); a draft that fails hands the call to plain decoding from its committed
-        tokens."""
-        loop = DeviceLoop(self, batch, rids, run, m, k=0 if mode == "ar" else run["k"],
-                          timed=timeline)
+        tokens. chooser: SSD's `BackupChooser` under backup="auto", else None."""
+        loop = DeviceLoop(self, batch, call, m, k=0 if mode == "ar" else call.k, timed=timeline,
+                          timer=timer)
         try:
             loop.prefill(cache_len, draft)
             if mode == "ar":
@@ -316,9 +318,7 @@ class Engine:
             elif mode == "sd":
                 loop.sd(draft)
             else:
-                run, drun, chooser = setup
-                loop.run = run
-                loop.ssd(draft, drun, chooser)
+                loop.ssd(draft, chooser)
         except DraftDown as down:  # go on with the target alone from the committed tokens
             loop.sync_host()
             # a remote draft's counters came with its last reply, of a round committed; an
@@ -341,10 +341,11 @@ class Engine:
         return streaming.start(self, prompts, messages, kwargs)
 
     # ------------------------------------------------------------------ set-up
-    def _prefill_target(self, batch: Batch, rids, cache_len: int, run: dict):
-        """The target's cache for this call and its prefill (dispatched, not waited for):
-        returns (first token [B], its log-prob [B], the cache) on the target mesh, and the
-        prompts right-padded to the prefill bucket [B, T] (host), which the draft's prefill takes."""
+    def _prefill_target(self, batch: Batch, cache_len: int, seed, rids, sampling):
+        """The target's cache for this call and its prefill (dispatched, not waited for), keyed
+        by the call's seed, request ids `[B]` and sampling, placed on the target mesh: returns
+        (first token [B], its log-prob [B], the cache) on the target mesh, and the prompts
+        right-padded to the prefill bucket [B, T] (host), which the draft's prefill takes."""
         B = batch.size
         toks = right_padded(batch.prompts)  # nothing generated yet: the history's rows
         tgt = self.placement.target
@@ -356,7 +357,7 @@ class Engine:
             prefill, rows = steps.prefill_shared, slice(0, 1)
         first, lp, cache = settle(prefill(
             self.tparams, cfg, self.tcache, to_mesh(toks[rows], tgt), to_mesh(lens[rows], tgt),
-            run["seed"], to_mesh(rids, tgt), run["sampling"], self.vocab_size, ops=self.tops),
+            seed, rids, sampling, self.vocab_size, ops=self.tops),
             self._serial)
         return first, lp, cache, toks
 
@@ -377,29 +378,6 @@ class Engine:
             return init_target_cache(cfg, batch, cache_len, self.placement.target_mesh)
         return init_cache(cfg, batch, cache_len, self.placement.target)
 
-    # ------------------------------------------------------------------ SSD's set-up
-    def _ssd_setup(self, batch: Batch, rids, run: dict, m: Metrics, ssd: SSDConfig):
-        """SSD's per-call set-up, before any work: the fan-out lists (planned if
-        asked), the cache budget check, the histograms; returns (run with f_hit / f_backup, the
-        DraftRun, the BackupChooser of backup="auto" or None)."""
-        k = run["k"]
-        m.init_hist(k)
-        if ssd.fanout == "plan":
-            ssd = dataclasses.replace(ssd, fanout=self.plan_fanout(k, batch.rows), fanout_backup=None)
-        f_hit, f_backup = ssd.lists(k, self.vocab_size)
-        m.fanout = f_hit
-        try:
-            check_budget(batch.size, sum(f_hit), k, self.target.cfg.vocab_size, ssd.row_dtype,
-                         ssd.cache_budget_bytes, draft_greedy=run["draft_sampling"].greedy)
-        except ValueError as e:
-            if batch.rows == batch.size:
-                raise
-            raise ValueError(f"{e} (the {batch.rows} requests run as {batch.size} rows, their "
-                             f"batch bucket; Engine(batch_buckets=False) runs {batch.rows})") from None
-        run = dict(run, f_hit=f_hit, f_backup=f_backup)
-        chooser = BackupChooser(batch.rows) if ssd.backup == "auto" else None
-        return run, DraftRun.of_ssd_call(rids, run, ssd), chooser
-
     @_one_call_at_a_time
     def warm_up(self, plan) -> dict:
         """Run the target's side of a throwaway first round of `plan` (a
@@ -418,11 +396,8 @@ class Engine:
 
     def _warm_up(self, plan) -> None:
         batch = Batch(plan.prompts(), plan.max_new_tokens, plan.eos_ids, ())
-        rids = np.asarray(plan.run.request_ids, np.int32)
-        run = dict(seed=jnp.int32(plan.run.seed), k=plan.run.k, verifier=_default_verifier(),
-                   sampling=to_mesh(plan.sampling, self.placement.target))
-        DeviceLoop(self, batch, rids, run, Metrics(mode=plan.mode), k=plan.run.k).warm_round(
-            plan.cache_len, plan.run.row_dtype, ssd=plan.mode == "ssd")
+        DeviceLoop(self, batch, plan.call, Metrics(mode=plan.mode), k=plan.call.k,
+                   timer=CompileTimer()).warm_round(plan.cache_len, ssd=plan.mode == "ssd")
         self.tcache = None
 
     @_one_call_at_a_time
@@ -453,7 +428,3 @@ class Engine:
             self._width_slope = width_slope_from_times(self.worker.width_times())
         return self._width_slope
 
-
-def _default_verifier():
-    from ssd_jax.algorithm.verify import rejection_sample
-    return rejection_sample

@@ -8,16 +8,17 @@ a user's own drafter plugs into `Engine(target, proposer=...)` the same way:
     class MyProposer:
         def start(self, prompt_tokens, prompt_lens, cache_len): ...      # once per generate call
         def ready(self): ...     # optional: block until start's work (e.g. a prefill) is done
-        def propose(self, state: RoundState, run: DraftRun):
+        def propose(self, state: RoundState, run: CallConfig):
             return tokens [B, K] int32, rows [B, K, V] (the distributions tokens were drawn from)
         def finish(self): ...
 
 `state` holds device arrays: each row's bonus token, its position n, the previous token and
 whether it is active (`[B]` each), and its history `[B, H]` int32, the row's tokens by position
-(prompt and generated ones at 0..n; past n, nothing to read). `run` holds the seed, request ids,
-K and the draft sampling parameters (see `ssd_jax.runtime.draft_worker`). The call's rounds run
-on the device loop (`ssd_jax.runtime.device_loop`): `propose` is dispatched with the previous
-round still in flight, so it should return arrays without waiting for them (jitted code does).
+(prompt and generated ones at 0..n; past n, nothing to read). `run` is the call's
+`ssd_jax.runtime.config.CallConfig`: its seed, request ids, K and `draft_sampling`. The call's
+rounds run on the device loop (`ssd_jax.runtime.device_loop`): `propose` is dispatched with the
+previous round still in flight, so it should return arrays without waiting for them (jitted code
+does).
 Only SD uses a proposer; SSD needs the draft model's tree (glue, fork, branch decode).
 
 `start` may return with work still in flight (the draft prefill overlaps the target's on separate
@@ -45,8 +46,8 @@ class Proposer(Protocol):
 
     def propose(self, state, run):
         """K tokens per row from `state` (a `ssd_jax.runtime.draft_worker.RoundState` of device
-        arrays, history `[B, H]`) and `run` (a `DraftRun`: seed, request ids, K, draft sampling)
-        -> (tokens `[B, K]` int32, rows `[B, K, V]`: the distributions the tokens were drawn
+        arrays, history `[B, H]`) and `run` (the call's `CallConfig`: seed, request ids, K,
+        draft_sampling) -> (tokens `[B, K]` int32, rows `[B, K, V]`: the distributions the tokens were drawn
         from, V = the target's vocabulary rows)."""
         ...
 

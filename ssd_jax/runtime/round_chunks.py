@@ -16,7 +16,7 @@ import numpy as np
 
 from ssd_jax.algorithm import decode_state as ds
 from ssd_jax.algorithm import round_steps as rs
-from ssd_jax.runtime.draft_worker import DraftRun, DraftWorker, RoundState
+from ssd_jax.runtime.draft_worker import DraftWorker, RoundState
 from ssd_jax.runtime.metrics import RoundTimes
 from ssd_jax.runtime.placement import to_mesh
 
@@ -28,7 +28,7 @@ class RoundChunks:
         """The timeline's entries for a chunk read: one per dict of `RoundTimes` counts (active,
         tokens; SSD's hit, lookups) in `rounds`, the chunk's wall since t0 split evenly among
         them. Returns the entries."""
-        wall, compiled = time.perf_counter() - t0, self.e._timer.seconds > c0
+        wall, compiled = time.perf_counter() - t0, self.timer.seconds > c0
         added = [RoundTimes(**counts, round_s=wall / len(rounds), compiled=compiled)
                  for counts in rounds]
         for r in added:
@@ -59,9 +59,8 @@ class RoundChunks:
         the chunk in flight, whose verify took the target's KV cache (`recover`); a target that
         really failed fails again in the fallback's plain decoding."""
         from ssd_jax.runtime.fallback import DraftDown
-        e = self.e
         prev = None  # (report, state before it) of the chunk dispatched and not read yet
-        t0, c0 = time.perf_counter(), e._timer.seconds
+        t0, c0 = time.perf_counter(), self.timer.seconds
         first = True
         while self.running:
             before = self.state
@@ -76,7 +75,7 @@ class RoundChunks:
                 if prev is not None:
                     read(prev[0], t0, c0)
                     prev = None
-                    t0, c0 = time.perf_counter(), e._timer.seconds
+                    t0, c0 = time.perf_counter(), self.timer.seconds
                     if not self.running:
                         break
                 if self._ahead(tokens_max):
@@ -88,35 +87,35 @@ class RoundChunks:
                 self.state, self.active, self.pending = back, back.active, None
                 self.lost = True  # the chunk's verify took the target's KV cache with it
                 raise
-            t0, c0 = time.perf_counter(), e._timer.seconds
+            t0, c0 = time.perf_counter(), self.timer.seconds
         return True
 
-    def _chunk_inputs(self, draft: DraftWorker, drun: DraftRun, spec, rows) -> tuple:
+    def _chunk_inputs(self, draft: DraftWorker, spec, rows) -> tuple:
         """What every chunk of the call takes besides the state and caches: the draft's seed and
         sampling on its mesh, and the first speculation (spec `[B, K]`, rows `[B, K, V]`) on the
         target's."""
-        dseed, _ = draft._call_values(drun)
-        return (dseed, draft._placed_sampling(drun.sampling), to_mesh(spec, self.tgt),
+        dseed, _ = draft._call_values(self.call)
+        return (dseed, draft._placed_sampling(self.call.draft_sampling), to_mesh(spec, self.tgt),
                 to_mesh(rows, self.e.placement.target_rows(rows.shape[-1])))
 
-    def _sd_chunks(self, draft: DraftWorker, drun: DraftRun, spec, rows) -> bool:
+    def _sd_chunks(self, draft: DraftWorker, spec, rows) -> bool:
         """SD's rounds in chunks of up to `round_steps.SD_CHUNK` (`_chunk_loop`)."""
-        e, run, N = self.e, self.run, rs.SD_CHUNK
-        dseed, dsampling, tspec, trows = self._chunk_inputs(draft, drun, spec, rows)
+        e, call, N = self.e, self.call, rs.SD_CHUNK
+        dseed, dsampling, tspec, trows = self._chunk_inputs(draft, spec, rows)
 
         def dispatch():
             nonlocal tspec, trows
             out = rs.sd_chunk(
                 e.tparams, e.tcfg, e.tcache, draft.params, draft.cfg, draft.cache, self.state,
-                tspec, trows, run["seed"], dseed, self.rids_t, run["sampling"], dsampling,
+                tspec, trows, self.seed_t, dseed, self.rids_t, self.sampling_t, dsampling,
                 vocab_size=e.vocab_size, draft_vocab_size=draft.vocab_size,
-                row_vocab=draft.row_vocab, k=run["k"], verifier=run["verifier"],
-                row_dtype=drun.row_dtype, tops=e.tops, dops=draft.ops, rounds_max=N)
+                row_vocab=draft.row_vocab, k=call.k, verifier=self.verifier,
+                row_dtype=call.row_dtype, tops=e.tops, dops=draft.ops, rounds_max=N)
             e.tcache, draft.cache, self.state, self.active, tspec, trows, rep = out
             return rep
 
         return self._chunk_loop(dispatch, functools.partial(self._rounds_read, ssd=False),
-                                N * (run["k"] + 1))
+                                N * (call.k + 1))
 
     def _rounds_read(self, rep, t0: float, c0: float, *, ssd: bool) -> None:
         """Read a chunk's report (a failed chunk raises here: DraftDown, the fallback); the
@@ -137,17 +136,16 @@ class RoundChunks:
         if ssd and self.auto is not None and ran:
             self.auto.read_chunk(per_round[:, :ran], hits[:, :ran], added)
 
-    def _ssd_chunks(self, draft: DraftWorker, drun: DraftRun, v: RoundState, spec, rows,
-                    from_backup) -> bool:
+    def _ssd_chunks(self, draft: DraftWorker, v: RoundState, spec, rows, from_backup) -> bool:
         """SSD's rounds in chunks of up to `round_steps.SD_CHUNK` (`round_steps.ssd_chunk`,
         `_chunk_loop`) from the first speculation (spec, rows) and the rows' round state `v`;
         the draft's counters and n-gram history stay on the device. backup="auto" chooses one
         kind a chunk (`AutoBackup.read_chunk` prices it from the chunk's wall)."""
-        e, run, N = self.e, self.run, rs.SD_CHUNK
-        dseed, dsampling, tspec, trows = self._chunk_inputs(draft, drun, spec, rows)
-        saguaro_c = np.float32(drun.saguaro_c)
+        e, call, N = self.e, self.call, rs.SD_CHUNK
+        dseed, dsampling, tspec, trows = self._chunk_inputs(draft, spec, rows)
+        saguaro_c = np.float32(call.saguaro_c)
         fb = to_mesh(from_backup, self.tgt)
-        draft.note_tree_layout(v, spec, fb, drun)  # memory_of: the tree's bytes
+        draft.note_tree_layout(v, spec, fb, call)  # memory_of: the tree's bytes
 
         def dispatch():
             nonlocal tspec, trows, fb
@@ -156,13 +154,13 @@ class RoundChunks:
                 out = rs.ssd_chunk(
                     e.tparams, e.tcfg, e.tcache, draft.params, draft.cfg, draft.cache, self.state,
                     tspec, trows, fb, draft.counters,
-                    draft.history if drun.backup == "ngram" else None, run["seed"], dseed,
-                    self.rids_t, run["sampling"], dsampling, saguaro_c, neural,
+                    draft.history if call.backup == "ngram" else None, self.seed_t, dseed,
+                    self.rids_t, self.sampling_t, dsampling, saguaro_c, neural,
                     vocab_size=e.vocab_size, draft_vocab_size=draft.vocab_size,
-                    row_vocab=draft.row_vocab, k=run["k"], verifier=run["verifier"],
-                    backup="auto" if self.auto is not None else drun.backup,
-                    fanout_hit=drun.fanout_hit, fanout_backup=drun.fanout_backup,
-                    row_dtype=drun.row_dtype, tops=e.tops,
+                    row_vocab=draft.row_vocab, k=call.k, verifier=self.verifier,
+                    backup="auto" if self.auto is not None else call.backup,
+                    fanout_hit=call.fanout_hit, fanout_backup=call.fanout_backup,
+                    row_dtype=call.row_dtype, tops=e.tops,
                     dops=draft.ops, rounds_max=N)
             except Exception:  # noqa: BLE001 - it never ran: its choice is taken back
                 if self.auto is not None:
@@ -175,4 +173,4 @@ class RoundChunks:
             return rep
 
         return self._chunk_loop(dispatch, functools.partial(self._rounds_read, ssd=True),
-                                N * (run["k"] + 1))
+                                N * (call.k + 1))

@@ -145,6 +145,6 @@ class RoundReports:
         r = RoundTimes(**kw)
         r.round_s = time.perf_counter() - t0
         r.tokens = self.last["tokens"]
-        r.compiled = self.e._timer.seconds > c0
+        r.compiled = self.timer.seconds > c0
         self.m.add_round(r)
         return r

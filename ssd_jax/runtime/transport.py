@@ -42,20 +42,6 @@ class TransportWarning(UserWarning):
     """A peer was refused while the target waited for its draft (the wait goes on)."""
 
 
-def run_fields(run) -> dict:
-    """A `DraftRun`'s fields for the wire (JSON scalars and lists; the draft's sampling values one
-    per request: `SamplingParams.per_request`)."""
-    from ssd_jax.algorithm.sampling import SamplingParams  # jax: not at import
-
-    sp = SamplingParams.per_request(run.sampling, len(run.request_ids))
-    return dict(seed=int(run.seed), request_ids=[int(r) for r in run.request_ids],
-                temperature=[float(x) for x in sp.temperature], top_k=[int(x) for x in sp.top_k],
-                top_p=[float(x) for x in sp.top_p], k=int(run.k),
-                fanout_hit=[int(f) for f in run.fanout_hit],
-                fanout_backup=[int(f) for f in run.fanout_backup],
-                saguaro_c=float(run.saguaro_c), backup=str(run.backup), row_dtype=str(run.row_dtype))
-
-
 class _Listener:
     """Where the target waits for its draft: one TCP socket, loopback unless told otherwise."""
 
@@ -306,7 +292,7 @@ class RemoteDraft:
     def _speculation(self, kind: str, packed, run):
         """Request `kind` ("propose", "first") with the packed outcome; its "spec" reply."""
         p = _fetched(packed)
-        spec, rows = self._spec(self._ask(kind, run_fields(run), {"outcome": p}, "spec"),
+        spec, rows = self._spec(self._ask(kind, run.draft_fields(), {"outcome": p}, "spec"),
                                 len(p), run.k)
         return spec, rows, _unpacked(p)
 
@@ -321,7 +307,7 @@ class RemoteDraft:
         `ssd_jax.runtime.warmup.CallPlan`) so that call finds the draft's programs compiled or
         loaded. Returns once the draft process has the request: it warms up while this process
         goes on (loading the target); `warmed()` waits for the end, and so does the next call."""
-        self._ask("warm", dict(run_fields(call.run), cache_len=int(call.cache_len),
+        self._ask("warm", dict(call.call.draft_fields(), cache_len=int(call.cache_len),
                                row_vocab=int(call.row_vocab), mode=str(call.mode)),
                   {"tokens": np.asarray(call.tokens, np.int32),
                    "lens": np.asarray(call.lens, np.int32)}, "ok")
@@ -361,7 +347,7 @@ class RemoteDraft:
 
         p = _fetched(packed)
         t0 = time.perf_counter()  # the round trip, not the wait for the verify before it
-        msg = self._ask("resolve", dict(run_fields(run), neural=neural), {"outcome": p},
+        msg = self._ask("resolve", dict(run.draft_fields(), neural=neural), {"outcome": p},
                         "resolved")
         spec, rows, hit = self._spec(msg, len(p), run.k, hit=True)
         a = msg.arrays

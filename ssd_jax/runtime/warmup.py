@@ -5,7 +5,7 @@ In the two-process layout the draft process loads in half the target's time and 
 a call's first round used to wait while the draft traced and loaded its chain and tree, and the
 target its verify (seconds, with every cache warm). `call_plan` computes, from the target's
 tokenizer and config (no weights), the shapes and statics of the call: the prompt block both
-sides prefill, the cache length, the target's sampling values and the draft's `DraftRun`.
+sides prefill, the cache length and the call's `CallConfig` (samplings, K, fan-out, backup).
 `DraftWorker.warm_up` and `Engine.warm_up` run a throwaway first round of exactly those, the
 draft's in its own process while the target loads (`RemoteDraft.warm`), so the call's rounds
 find every program compiled or loaded.
@@ -18,7 +18,7 @@ find every program compiled or loaded.
     engine.generate(prompts=["def fib(n):"], mode="ssd", k=4)
 
 The request goes through the checks and steps `Engine.generate` runs (`check_request`,
-`chat_prompts`, `encode`, `cache_length`, `SSDConfig.lists`, `check_budget`), so a bad request
+`chat_prompts`, `encode`, `cache_length`, `call_config`: the fan-out and budget), so a bad request
 raises here the ValueError the call would raise, before anything starts.
 """
 from __future__ import annotations
@@ -28,10 +28,8 @@ import dataclasses
 import numpy as np
 
 from ssd_jax.algorithm.sampling import SamplingParams
-from ssd_jax.algorithm.speculation_cache import check_budget
 from ssd_jax.runtime.chat import chat_prompts
-from ssd_jax.runtime.config import SSDConfig, check_request
-from ssd_jax.runtime.draft_worker import DraftRun
+from ssd_jax.runtime.config import CallConfig, SSDConfig, call_config, check_request
 from ssd_jax.runtime.request import cache_length, encode, padded_rows, right_padded
 
 
@@ -43,8 +41,7 @@ class CallPlan:
     lens: np.ndarray  # [B] int32: the prompts' lengths
     cache_len: int  # the KV cache's slots S
     row_vocab: int  # V: the target's embedding rows, the width of the draft's proposal rows
-    sampling: SamplingParams  # the target's, [B] numpy values
-    run: DraftRun  # the draft's view (its sampling, K, fan-out, backup, row dtype)
+    call: CallConfig  # the call's settings (K, samplings, seed, fan-out, backup, row dtype)
     max_new_tokens: int = 64  # the budget and the ids that end a row: the shapes of the call's
     eos_ids: tuple[int, ...] = ()  # state (`decode_state.initial_state`), the target's side
 
@@ -81,15 +78,9 @@ def call_plan(tokenizer, target_cfg, *, max_len: int = 4096, prompts=None, messa
                                                          batch_buckets)
     lens = np.fromiter(map(len, ids), np.int32, len(ids))
     cache_len = cache_length(lens, max_new_tokens, k, max_len, target_cfg.max_position_embeddings)
-    run = dict(seed=int(seed), seed_host=int(seed), k=int(k), draft_sampling=draft_sampling)
-    if mode == "ssd":
-        f_hit, f_backup = ssd.lists(k, vocab)
-        check_budget(len(ids), sum(f_hit), k, target_cfg.vocab_size, ssd.row_dtype,
-                     ssd.cache_budget_bytes, draft_greedy=run["draft_sampling"].greedy)
-        drun = DraftRun.of_ssd_call(rids, dict(run, f_hit=f_hit, f_backup=f_backup), ssd)
-    else:
-        drun = DraftRun.of_call(rids, run)
+    call = call_config(mode, k, seed, rids, sampling, draft_sampling, ssd, vocab,
+                       target_cfg.vocab_size)
     if eos_ids is None:  # the engine's own (`Engine.eos_ids`)
         eos_ids = tokenizer.eos_ids if tokenizer is not None else ()
     return CallPlan(mode, right_padded(ids), lens, int(cache_len), int(target_cfg.vocab_size),
-                    sampling, drun, int(max_new_tokens), tuple(int(e) for e in eos_ids))
+                    call, int(max_new_tokens), tuple(int(e) for e in eos_ids))

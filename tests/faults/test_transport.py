@@ -197,9 +197,8 @@ def test_a_rounds_outcome_crosses_the_wire_and_the_draft_checks_it(link):
     "resolve", backup="auto"'s choice; the draft process refuses an outcome it cannot serve
     (`draft_process.decode_outcome`) with a ValueError naming what is wrong, which it reports as
     its own error (the target falls back)."""
-    from ssd_jax.runtime import transport
+    from ssd_jax.runtime.config import CallConfig
     from ssd_jax.runtime.draft_process import decode_outcome
-    from ssd_jax.runtime.draft_worker import DraftRun
 
     send, recv, _ = link
     K, V = 2, 8
@@ -207,9 +206,9 @@ def test_a_rounds_outcome_crosses_the_wire_and_the_draft_checks_it(link):
     cols = np.array([[0, 1, 3, 2, 1, 1], [2, 5, 7, 4, 5, 0]], np.int32)
     report = np.zeros((2, 4 + 2 * (K + 1)), np.int32)
     good = np.concatenate([cols, report], 1)
-    run = DraftRun(seed=1, request_ids=(4, 5), sampling=SamplingParams(), k=K)
+    run = CallConfig(k=K, seed=1, request_ids=(4, 5), draft_sampling=SamplingParams())
     for neural in (None, True, False):
-        send.send(Message("resolve", dict(transport.run_fields(run), neural=neural),
+        send.send(Message("resolve", dict(run.draft_fields(), neural=neural),
                           {"outcome": good}))
         got = recv.recv(REQUESTS, timeout=5)
         assert got.fields["neural"] is neural

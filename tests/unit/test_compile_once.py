@@ -127,31 +127,41 @@ def test_per_request_sampling_crosses_the_wire():
     draft process rebuilds the same [B] arrays, and the wire refuses what it cannot check."""
     import socket
 
-    from ssd_jax.runtime import draft_process, transport, wire
-    from ssd_jax.runtime.draft_worker import DraftRun
+    from ssd_jax.runtime import wire
+    from ssd_jax.runtime.config import CallConfig
 
     sp = SamplingParams.per_request([SamplingParams(0.7, top_k=3), SamplingParams(0.0),
                                      SamplingParams(1.3, top_p=0.9)], 3)
-    run = DraftRun(seed=4, request_ids=(7, 8, 9), sampling=sp, k=2, fanout_hit=(1, 1, 1),
-                   fanout_backup=(1, 1, 1), saguaro_c=0.5)
+    run = CallConfig(k=2, seed=4, request_ids=(7, 8, 9), draft_sampling=sp, fanout_hit=(1, 1, 1),
+                     fanout_backup=(1, 1, 1), saguaro_c=0.5, backup="ngram",
+                     row_dtype="bfloat16")
     a, b = socket.socketpair()
     try:
         send, recv = wire.Channel(a, max_bytes=1 << 20), wire.Channel(b, max_bytes=1 << 20)
         outcome = {"outcome": np.zeros((3, 12), np.int32)}  # a packed round_steps.Outcome
-        send.send(wire.Message("propose", transport.run_fields(run), outcome))
+        send.send(wire.Message("propose", run.draft_fields(), outcome))
         got = recv.recv(wire.REQUESTS, timeout=5)
-        back = draft_process.decode_run(got.fields, 3)
+        back = CallConfig.of_draft_fields(got.fields, 3)
         for f in ("temperature", "top_k", "top_p"):
-            assert getattr(back.sampling, f).dtype == getattr(sp, f).dtype
-            np.testing.assert_array_equal(getattr(back.sampling, f), getattr(sp, f))
+            assert getattr(back.draft_sampling, f).dtype == getattr(sp, f).dtype
+            np.testing.assert_array_equal(getattr(back.draft_sampling, f), getattr(sp, f))
+        # every other field the draft reads arrives as sent; the target's own do not cross
+        for f in ("k", "seed", "request_ids", "fanout_hit", "fanout_backup", "saguaro_c",
+                  "backup", "row_dtype"):
+            assert getattr(back, f) == getattr(run, f), f
+        assert back.target_sampling is None and back.verifier is None
         # a scalar SamplingParams goes as one value per request
-        fields = transport.run_fields(DraftRun(seed=0, request_ids=(1, 2), sampling=SamplingParams(0.5),
-                                               k=2))
+        fields = CallConfig(k=2, seed=0, request_ids=(1, 2),
+                            draft_sampling=SamplingParams(0.5)).draft_fields()
         assert fields["temperature"] == [0.5, 0.5] and fields["top_k"] == [0, 0]
         with pytest.raises(ValueError, match="sampling values for 3 / 3 / 2 requests"):
-            draft_process.decode_run(dict(transport.run_fields(run), top_p=[1.0, 1.0]), 3)
+            CallConfig.of_draft_fields(dict(run.draft_fields(), top_p=[1.0, 1.0]), 3)
         with pytest.raises(ValueError, match="temperature"):  # checked again on arrival
-            draft_process.decode_run(dict(transport.run_fields(run), temperature=[0.5, -1, 1]), 3)
+            CallConfig.of_draft_fields(dict(run.draft_fields(), temperature=[0.5, -1, 1]), 3)
+        with pytest.raises(ValueError, match="K = 9 outside"):
+            CallConfig.of_draft_fields(dict(run.draft_fields(), k=9), 3)
+        with pytest.raises(ValueError, match="backup 'auto'"):  # the target's choice, not sent
+            CallConfig.of_draft_fields(dict(run.draft_fields(), backup="auto"), 3)
     finally:
         a.close()
         b.close()

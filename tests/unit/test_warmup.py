@@ -64,10 +64,10 @@ def fresh(models) -> Engine:
 
 
 def same_run(a, b) -> bool:
-    """Two DraftRuns equal field by field (their sampling values compared as arrays)."""
+    """Two CallConfigs equal field by field (their sampling values compared as arrays)."""
     for f in dataclasses.fields(a):
         x, y = getattr(a, f.name), getattr(b, f.name)
-        if f.name == "sampling":
+        if f.name in ("draft_sampling", "target_sampling"):
             if not all(np.array_equal(getattr(x, g), getattr(y, g))
                        for g in ("temperature", "top_k", "top_p")):
                 return False
@@ -79,7 +79,7 @@ def same_run(a, b) -> bool:
 @pytest.mark.parametrize("case", sorted(REQUESTS))
 def test_the_plan_is_what_the_call_asks_of_its_draft(models, case, monkeypatch):
     """The engine's own calls to its draft are the plan's: the prefill block, lengths and cache
-    length, and the DraftRun of the first round."""
+    length, and the CallConfig of the first round."""
     request = dict(REQUESTS[case], max_new_tokens=6)
     seen = {}
     start, calls = DraftWorker.start, {m: getattr(DraftWorker, m) for m in ("propose", "backup")}
@@ -106,7 +106,7 @@ def test_the_plan_is_what_the_call_asks_of_its_draft(models, case, monkeypatch):
     np.testing.assert_array_equal(plan.tokens, tokens)
     np.testing.assert_array_equal(plan.lens, lens)
     assert plan.cache_len == cache_len and plan.row_vocab == target.cfg.vocab_size
-    assert same_run(plan.run, seen["run"]), (plan.run, seen["run"])
+    assert same_run(plan.call, seen["run"]), (plan.call, seen["run"])
 
 
 def test_no_plan_without_a_draft_call_and_a_bad_request_is_the_calls_error(models):
