@@ -155,8 +155,8 @@ class CallConfig:
     fanout_hit: tuple[int, ...] = ()  # SSD: F_0..F_K after a hit, and after a backup round
     fanout_backup: tuple[int, ...] = ()
     saguaro_c: float = 1.0
-    # SSD: the draft's speculation for a row that missed (backups.BACKUPS); under
-    # SSDConfig.backup="auto" "neural", and the target's `BackupChooser` switches per round
+    # SSD: the speculation for a row that missed (BACKUPS); "auto": neural or random, as the
+    # target's `BackupChooser` picks each round (round 1's is neural)
     backup: str = "neural"
     row_dtype: str = "float32"  # the proposal rows' dtype
     verifier: Callable | None = None  # the target's; None: `ssd_jax.rejection_sample`
@@ -181,7 +181,7 @@ class CallConfig:
             raise ValueError(f"{len(f['request_ids'])} request ids for a batch of {batch}")
         if not 1 <= f["k"] <= MAX_K:
             raise ValueError(f"K = {f['k']} outside [1, {MAX_K}]")
-        if f["backup"] not in _backups.BACKUPS or f["row_dtype"] not in ROW_DTYPES:
+        if f["backup"] not in BACKUPS or f["row_dtype"] not in ROW_DTYPES:
             raise ValueError(f"backup {f['backup']!r} / row dtype {f['row_dtype']!r} not served")
         if not len(f["temperature"]) == len(f["top_k"]) == len(f["top_p"]) == batch:
             raise ValueError(f"sampling values for {len(f['temperature'])} / {len(f['top_k'])} / "
@@ -221,7 +221,7 @@ def call_config(mode: str, k: int, seed: int, request_ids, sampling: SamplingPar
             raise ValueError(f"{e} (the {rows} requests run as {len(rids)} rows, their batch "
                              f"bucket; Engine(batch_buckets=False) runs {rows})") from None
         kw = dict(fanout_hit=f_hit, fanout_backup=f_backup, saguaro_c=float(ssd.saguaro_c),
-                  backup="neural" if ssd.backup == "auto" else ssd.backup,
+                  backup=ssd.backup,
                   row_dtype=np.dtype(ssd.row_dtype).name)
     return CallConfig(k=int(k), seed=int(seed), request_ids=rids, draft_sampling=draft_sampling,
                       target_sampling=sampling, verifier=verifier, **kw)

@@ -57,14 +57,17 @@ from ssd_jax.algorithm import decode_state as ds
 from ssd_jax.algorithm import round_steps as rs
 from ssd_jax.algorithm import steps
 from ssd_jax.algorithm.verify import rejection_sample
+from ssd_jax.models.protocol import init_cache, is_builtin
 from ssd_jax.runtime.auto_backup import AutoBackup
 from ssd_jax.runtime.config import CallConfig
 from ssd_jax.runtime.draft_worker import DraftWorker, RoundState
 from ssd_jax.runtime.metrics import CompileTimer, Metrics
 from ssd_jax.runtime.placement import move, to_mesh
 from ssd_jax.runtime.proposer import check_rows
+from ssd_jax.runtime.request import prefill_once, right_padded
 from ssd_jax.runtime.round_chunks import RoundChunks
 from ssd_jax.runtime.round_reports import RoundReports
+from ssd_jax.runtime.sharding import init_target_cache
 
 _record_committed = jax.jit(backups.record_committed)  # a proposer's history, each round
 
@@ -90,6 +93,7 @@ class DeviceLoop(RoundChunks, RoundReports):
         self.history = None  # [B, cache_len] int32, a proposer's
         self.prompt_block = None  # [B, T] the prompts as prefilled (host), for the history
         self.tgt = engine.placement.target
+        self.tcache = None  # the target's KV cache, this call's (`_prefill_target`); donated
         # the call's traced values on the target mesh, placed once (the draft places its own)
         self.rids_t = to_mesh(np.asarray(call.request_ids, np.int32), self.tgt)
         self.seed_t = to_mesh(np.int32(call.seed), self.tgt)
@@ -134,14 +138,48 @@ class DeviceLoop(RoundChunks, RoundReports):
         return self._bonus
 
     # ------------------------------------------------------------------ prefill
+    def _prefill_target(self, cache_len: int):
+        """The call's target KV cache (`self.tcache`, `cache_len` slots a row) and its prefill,
+        dispatched, not waited for: returns the first token `[B]` and its log-prob `[B]` on the
+        target mesh, and the prompts right-padded to the prefill bucket `[B, T]` (host), which
+        the draft's prefill takes."""
+        e, b = self.e, self.batch
+        toks = right_padded(b.prompts)  # nothing generated yet: the history's rows
+        lens = b.prompt_lens
+        prefill, rows = steps.prefill, slice(None)
+        if prefill_once(e.tcfg, e.placement.tp, toks, lens):  # one prompt in every row
+            prefill, rows = steps.prefill_shared, slice(0, 1)
+        first, lp, self.tcache = prefill(
+            e.tparams, e.tcfg, self._new_target_cache(b.size, cache_len),
+            to_mesh(toks[rows], self.tgt), to_mesh(lens[rows], self.tgt), self.seed_t,
+            self.rids_t, self.sampling_t, e.vocab_size, ops=e.tops)
+        if self.serial:
+            jax.block_until_ready((first, lp, self.tcache))
+        return first, lp, toks
+
+    def _refill_target(self, rows, cache_len: int):
+        """A fresh target cache holding the KV of `rows` (each row's tokens before its bonus, as
+        after any round): a cache-only prefill, dispatched. For a call whose cache was lost."""
+        e = self.e
+        lens = np.asarray([len(r) for r in rows], np.int32)
+        return steps.prefill_cache(e.tparams, e.tcfg, self._new_target_cache(len(rows), cache_len),
+                                   to_mesh(right_padded(rows, cache_len), self.tgt),
+                                   to_mesh(lens, self.tgt), ops=e.tops)
+
+    def _new_target_cache(self, batch: int, cache_len: int):
+        """An empty KV cache for the target, laid out on its mesh."""
+        cfg, placement = self.e.tcfg, self.e.placement
+        if is_builtin(cfg):
+            return init_target_cache(cfg, batch, cache_len, placement.target_mesh)
+        return init_cache(cfg, batch, cache_len, placement.target)
+
     def prefill(self, cache_len: int, draft) -> None:
         """The target's prefill and its first token committed on the device; the draft's
         prefill dispatched. The first token's report is read by the first round (SD / SSD) or
         here (AR)."""
         e, b = self.e, self.batch
         t0 = time.perf_counter()
-        first, lp, e.tcache, toks = e._prefill_target(b, cache_len, self.seed_t, self.rids_t,
-                                                      self.sampling_t)
+        first, lp, toks = self._prefill_target(cache_len)
         self.prompt_block, self.cache_len = toks, cache_len
         if draft is not None:
             draft.start(toks, b.prompt_lens, cache_len)
@@ -162,8 +200,7 @@ class DeviceLoop(RoundChunks, RoundReports):
         the prefill and the commit of its token, the rows' view, a verify of K zeros and its
         commit (SSD's with from_backup), as this loop runs them."""
         e, B, k = self.e, self.batch.size, self.call.k
-        first, lp, e.tcache, _ = e._prefill_target(self.batch, cache_len, self.seed_t,
-                                                   self.rids_t, self.sampling_t)
+        first, lp, _ = self._prefill_target(cache_len)
         self.state, self.active, self._bonus, report = rs.commit_tokens(self.state, first, lp)
         jax.block_until_ready(rs.round_view(self.state, report))
         V = e.target.cfg.vocab_size
@@ -203,8 +240,8 @@ class DeviceLoop(RoundChunks, RoundReports):
         prev = None  # the report of the chunk dispatched and not read yet
         t0, c0 = time.perf_counter(), self.timer.seconds
         while self.running:
-            e.tcache, self.state, self.active, rep = rs.decode_chunk(
-                e.tparams, e.tcfg, e.tcache, self.state, self.seed_t, self.rids_t,
+            self.tcache, self.state, self.active, rep = rs.decode_chunk(
+                e.tparams, e.tcfg, self.tcache, self.state, self.seed_t, self.rids_t,
                 self.sampling_t, vocab_size=e.vocab_size, steps_max=N, ops=e.tops)
             if prev is not None:
                 self._chunk_read(prev, t0, c0)
@@ -232,8 +269,8 @@ class DeviceLoop(RoundChunks, RoundReports):
         prev = None  # the report of the token dispatched and not read yet
         t0, c0 = time.perf_counter(), self.timer.seconds
         while self.running:
-            tok, lp, e.tcache = steps.decode(
-                e.tparams, e.tcfg, e.tcache, self.bonus, self.active, self.seed_t,
+            tok, lp, self.tcache = steps.decode(
+                e.tparams, e.tcfg, self.tcache, self.bonus, self.active, self.seed_t,
                 self.rids_t, self.sampling_t, e.vocab_size, ops=e.tops)
             if self.serial:
                 jax.block_until_ready(tok)
@@ -293,8 +330,8 @@ class DeviceLoop(RoundChunks, RoundReports):
         e = self.e
         tspec = move(spec, self.tgt)
         trows = move(rows, e.placement.target_rows(rows.shape[-1]))
-        res, lp, e.tcache = steps.verify(
-            e.tparams, e.tcfg, e.tcache, self.bonus, tspec, trows, self.active, self.seed_t,
+        res, lp, self.tcache = steps.verify(
+            e.tparams, e.tcfg, self.tcache, self.bonus, tspec, trows, self.active, self.seed_t,
             self.rids_t, self.sampling_t, e.vocab_size, self.verifier, ops=e.tops)
         if self.serial:
             jax.block_until_ready((res, lp))
@@ -402,7 +439,7 @@ class DeviceLoop(RoundChunks, RoundReports):
         self.count = np.asarray([len(g) for g in b.generated], np.int64)
         self.alive = np.asarray([f == ds.FINISH_NAMES[ds.RUNNING] for f in b.finish])
         self.running = bool(self.alive.any())
-        self.e.tcache = self.e._refill_target([h[:-1] for h in b.history], cache_len)
+        self.tcache = self._refill_target([h[:-1] for h in b.history], cache_len)
         self.active = self.state.active
 
     def sd(self, draft) -> None:
@@ -439,7 +476,7 @@ class DeviceLoop(RoundChunks, RoundReports):
         chooser: backup="auto"'s `BackupChooser` (then each round's or chunk's backup is chosen
         at its dispatch, `AutoBackup`), or None."""
         worker, call = self.e.worker, self.call
-        self.backup = call.backup
+        self.backup = "neural" if call.backup == "auto" else call.backup  # auto's round 1
         self.auto = AutoBackup(chooser) if chooser is not None else None
         # round 1 has no speculation cache yet: a backup (`first` zeroes the lookup counters)
         view = rs.round_view(self.state, self.pending)

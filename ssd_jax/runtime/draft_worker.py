@@ -184,7 +184,8 @@ class DraftWorker:
                             for k in keys], np.int32)
         # a verified round: none accepted, a bonus no branch holds, its (K+1)-token report
         outcome = _packed(z, bonus, lens + 1, prev, bonus, ones, tokens=run.k + 1)
-        jax.block_until_ready(self.resolve_on_device(outcome, run)[1])
+        neural = True if run.backup == "auto" else None  # auto's program takes its choice traced
+        jax.block_until_ready(self.resolve_on_device(outcome, run, neural)[1])
         self._tree = None
 
     def first(self, packed, run: CallConfig):
@@ -234,7 +235,7 @@ class DraftWorker:
         """A speculation from each row's real outcome (ALGORITHM.md §5) for the `draft_rows` [B]
         that need one (default: the active rows). Saguaro scales the top F^b_i + 1 tokens of draft token i+1: the
         candidates the fork after this backup round will cache."""
-        if run.backup == "neural":
+        if run.backup in ("neural", "auto"):  # auto: round 1 (`first`) is neural
             top_n = tuple(f + 1 for f in run.fanout_backup[:-1])
             rows = s.active if draft_rows is None else draft_rows
             return self.propose(s, run, top_n, run.saguaro_c, draft_rows=rows)

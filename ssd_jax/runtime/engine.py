@@ -22,8 +22,7 @@ import numpy as np
 from ssd_jax.models import backends
 from ssd_jax.models.adapters import as_model
 from ssd_jax.models.draft_head import head_width
-from ssd_jax.models.protocol import init_cache, is_builtin
-from ssd_jax.algorithm import steps
+from ssd_jax.models.protocol import is_builtin
 from ssd_jax.runtime.batch import Batch, GenerationResult
 from ssd_jax.runtime.chat import chat_prompts
 from ssd_jax.runtime import stream as streaming
@@ -37,11 +36,10 @@ from ssd_jax.runtime.mappings import watch_mappings
 from ssd_jax.runtime.metrics import CompileTimer, Metrics
 from ssd_jax.algorithm.policy import BackupChooser, plan_from_sd, width_slope_from_times
 from ssd_jax.runtime.proposer import Proposer
-from ssd_jax.runtime.placement import Placement, make_placement, settle, spans_processes, to_mesh
-from ssd_jax.runtime.request import (cache_length, encode, padded_rows, prefill_once,
-                                     right_padded)
+from ssd_jax.runtime.placement import Placement, make_placement, spans_processes, to_mesh
+from ssd_jax.runtime.request import cache_length, encode, padded_rows
 from ssd_jax.algorithm.sampling import SamplingParams
-from ssd_jax.runtime.sharding import init_target_cache, take_target
+from ssd_jax.runtime.sharding import take_target
 
 
 def _one_call_at_a_time(method):
@@ -278,7 +276,7 @@ class Engine:
         if mode == "ssd":
             metrics.init_hist(call.k)
             metrics.fanout = call.fanout_hit
-            chooser = BackupChooser(batch.rows) if ssd.backup == "auto" else None
+            chooser = BackupChooser(batch.rows) if call.backup == "auto" else None
         timer = CompileTimer()
         # its failures: DraftDown (a timed round waits for each draft call; otherwise the loop
         # reads the draft's last array of each round instead, `device_loop`)
@@ -308,6 +306,7 @@ class Engine:
         """The call's prefill and rounds (`ssd_jax.runtime.device_loop`, every mode, draft and
         placement); a draft that fails hands the call to plain decoding from its committed
         tokens. chooser: SSD's `BackupChooser` under backup="auto", else None."""
+        self.tcache = None  # the last call's: released before this call places its own
         loop = DeviceLoop(self, batch, call, m, k=0 if mode == "ar" else call.k, timed=timeline,
                           timer=timer)
         try:
@@ -328,6 +327,8 @@ class Engine:
             fall_back(self, down, batch, m, self.strict)
             loop.recover(cache_len)
             loop.ar(measure=False)
+        finally:
+            self.tcache = loop.tcache  # what `metrics.memory_of` counts after the call
         loop.sync_host()
 
     def stream(self, prompts=None, *, messages=None, **kwargs) -> "streaming.TextStream":
@@ -339,44 +340,6 @@ class Engine:
         there. The returned `TextStream` has `.result` (the GenerationResult) once done and
         `close()` (or a `with` block) to end the call early."""
         return streaming.start(self, prompts, messages, kwargs)
-
-    # ------------------------------------------------------------------ set-up
-    def _prefill_target(self, batch: Batch, cache_len: int, seed, rids, sampling):
-        """The target's cache for this call and its prefill (dispatched, not waited for), keyed
-        by the call's seed, request ids `[B]` and sampling, placed on the target mesh: returns
-        (first token [B], its log-prob [B], the cache) on the target mesh, and the prompts
-        right-padded to the prefill bucket [B, T] (host), which the draft's prefill takes."""
-        B = batch.size
-        toks = right_padded(batch.prompts)  # nothing generated yet: the history's rows
-        tgt = self.placement.target
-        cfg = self.tcfg
-        self.tcache = self._new_target_cache(B, cache_len)
-        lens = batch.prompt_lens
-        prefill, rows = steps.prefill, slice(None)
-        if prefill_once(cfg, self.placement.tp, toks, lens):  # one prompt in every row
-            prefill, rows = steps.prefill_shared, slice(0, 1)
-        first, lp, cache = settle(prefill(
-            self.tparams, cfg, self.tcache, to_mesh(toks[rows], tgt), to_mesh(lens[rows], tgt),
-            seed, rids, sampling, self.vocab_size, ops=self.tops),
-            self._serial)
-        return first, lp, cache, toks
-
-    def _refill_target(self, rows, cache_len: int):
-        """A fresh target cache holding the KV of `rows` (each row's tokens before its bonus, as
-        after any round): a cache-only prefill, dispatched. For a call whose cache was lost."""
-        tgt = self.placement.target
-        lens = np.asarray([len(r) for r in rows], np.int32)
-        return steps.prefill_cache(self.tparams, self.tcfg,
-                                   self._new_target_cache(len(rows), cache_len),
-                                   to_mesh(right_padded(rows, cache_len), tgt),
-                                   to_mesh(lens, tgt), ops=self.tops)
-
-    def _new_target_cache(self, batch: int, cache_len: int):
-        """An empty KV cache for the target, laid out on its mesh."""
-        cfg = self.tcfg
-        if is_builtin(cfg):
-            return init_target_cache(cfg, batch, cache_len, self.placement.target_mesh)
-        return init_cache(cfg, batch, cache_len, self.placement.target)
 
     @_one_call_at_a_time
     def warm_up(self, plan) -> dict:
@@ -398,7 +361,6 @@ class Engine:
         batch = Batch(plan.prompts(), plan.max_new_tokens, plan.eos_ids, ())
         DeviceLoop(self, batch, plan.call, Metrics(mode=plan.mode), k=plan.call.k,
                    timer=CompileTimer()).warm_round(plan.cache_len, ssd=plan.mode == "ssd")
-        self.tcache = None
 
     @_one_call_at_a_time
     def restart_draft(self) -> float:

@@ -106,12 +106,12 @@ class RoundChunks:
         def dispatch():
             nonlocal tspec, trows
             out = rs.sd_chunk(
-                e.tparams, e.tcfg, e.tcache, draft.params, draft.cfg, draft.cache, self.state,
+                e.tparams, e.tcfg, self.tcache, draft.params, draft.cfg, draft.cache, self.state,
                 tspec, trows, self.seed_t, dseed, self.rids_t, self.sampling_t, dsampling,
                 vocab_size=e.vocab_size, draft_vocab_size=draft.vocab_size,
                 row_vocab=draft.row_vocab, k=call.k, verifier=self.verifier,
                 row_dtype=call.row_dtype, tops=e.tops, dops=draft.ops, rounds_max=N)
-            e.tcache, draft.cache, self.state, self.active, tspec, trows, rep = out
+            self.tcache, draft.cache, self.state, self.active, tspec, trows, rep = out
             return rep
 
         return self._chunk_loop(dispatch, functools.partial(self._rounds_read, ssd=False),
@@ -152,13 +152,13 @@ class RoundChunks:
             neural = None if self.auto is None else self.auto.next()
             try:
                 out = rs.ssd_chunk(
-                    e.tparams, e.tcfg, e.tcache, draft.params, draft.cfg, draft.cache, self.state,
+                    e.tparams, e.tcfg, self.tcache, draft.params, draft.cfg, draft.cache, self.state,
                     tspec, trows, fb, draft.counters,
                     draft.history if call.backup == "ngram" else None, self.seed_t, dseed,
                     self.rids_t, self.sampling_t, dsampling, saguaro_c, neural,
                     vocab_size=e.vocab_size, draft_vocab_size=draft.vocab_size,
                     row_vocab=draft.row_vocab, k=call.k, verifier=self.verifier,
-                    backup="auto" if self.auto is not None else call.backup,
+                    backup=call.backup,
                     fanout_hit=call.fanout_hit, fanout_backup=call.fanout_backup,
                     row_dtype=call.row_dtype, tops=e.tops,
                     dops=draft.ops, rounds_max=N)
@@ -166,7 +166,7 @@ class RoundChunks:
                 if self.auto is not None:
                     self.auto.take_back()
                 raise
-            (e.tcache, draft.cache, self.state, self.active, tspec, trows, fb, draft.counters,
+            (self.tcache, draft.cache, self.state, self.active, tspec, trows, fb, draft.counters,
              history, rep) = out
             if history is not None:
                 draft.history = history

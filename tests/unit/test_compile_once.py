@@ -160,8 +160,8 @@ def test_per_request_sampling_crosses_the_wire():
             CallConfig.of_draft_fields(dict(run.draft_fields(), temperature=[0.5, -1, 1]), 3)
         with pytest.raises(ValueError, match="K = 9 outside"):
             CallConfig.of_draft_fields(dict(run.draft_fields(), k=9), 3)
-        with pytest.raises(ValueError, match="backup 'auto'"):  # the target's choice, not sent
-            CallConfig.of_draft_fields(dict(run.draft_fields(), backup="auto"), 3)
+        with pytest.raises(ValueError, match="backup 'nearest'"):
+            CallConfig.of_draft_fields(dict(run.draft_fields(), backup="nearest"), 3)
     finally:
         a.close()
         b.close()

@@ -13,6 +13,7 @@ from ssd_jax.models.model import Model
 from ssd_jax.models.params import perturb, random_params
 from ssd_jax.models.transformer import forward
 from ssd_jax.algorithm import steps
+from ssd_jax.runtime.device_loop import DeviceLoop
 from ssd_jax.runtime.engine import Engine, SSDConfig
 from ssd_jax.algorithm.sampling import SamplingParams
 
@@ -169,7 +170,7 @@ def test_non_integer_ids_are_one_type_error_before_any_work(engine, monkeypatch,
     """Issue 35: float ids were taken silently (int(3.0)), strings named no argument."""
     def never(*a, **k):
         raise AssertionError("work started before the ids were checked")
-    monkeypatch.setattr(Engine, "_prefill_target", never)  # the prefill every call runs first
+    monkeypatch.setattr(DeviceLoop, "_prefill_target", never)  # the prefill every call runs first
     prompts = call.pop("prompts")
     with pytest.raises(TypeError, match=match):
         engine.generate(prompts, mode="ar", max_new_tokens=2, **call)
@@ -219,7 +220,7 @@ def test_no_round_can_write_past_the_cache(engine, monkeypatch):
     assert engine.generate(prompts, **call).token_ids == want
     assert ends and all(end <= size == room for end, size in ends), ends
     monkeypatch.setattr(request_module, "_bucket", lambda n, q: room - 1)
-    monkeypatch.setattr(Engine, "_prefill_target", lambda *a, **k: pytest.fail("work started"))
+    monkeypatch.setattr(DeviceLoop, "_prefill_target", lambda *a, **k: pytest.fail("work started"))
     with pytest.raises(CacheOverflowError, match=f"slot {room - 1} of a KV cache of {room - 1}"):
         engine.generate(prompts, **call)
 

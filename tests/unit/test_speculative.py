@@ -1,12 +1,12 @@
 """Greedy SD and SSD equal greedy plain decoding (ALGORITHM.md §3 near-tie rule), on tiny random pairs that
 make every path run: draft = target, a perturbed copy, an unrelated draft; hits, misses and every
 backup; the Pallas kernels against the references."""
-import contextlib
 import numpy as np
 import pytest
 
 from ssd_jax.models.config import tiny_config
 from ssd_jax.algorithm.sampling import SamplingParams
+from ssd_jax.runtime.device_loop import DeviceLoop
 from ssd_jax.runtime.engine import Engine, SSDConfig
 from ssd_jax.algorithm.near_tie import assert_greedy_agreement
 
@@ -114,7 +114,7 @@ def test_speculation_cache_budget_error(target, drafts, monkeypatch):
     with monkeypatch.context() as m:
         def prefill(*a, **k):
             raise AssertionError("the prefill ran before the budget was checked")
-        m.setattr(Engine, "_prefill_target", prefill)
+        m.setattr(DeviceLoop, "_prefill_target", prefill)
         for timed in (False, True):
             with pytest.raises(ValueError, match="speculation cache needs"):
                 eng.generate(PROMPTS, mode="ssd", k=3, ssd=tight, timeline=timed,

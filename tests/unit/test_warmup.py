@@ -129,20 +129,23 @@ def test_no_plan_without_a_draft_call_and_a_bad_request_is_the_calls_error(model
         assert str(from_plan.value) == str(from_call.value)
 
 
-@pytest.mark.parametrize("mode", ["ssd", "sd"])
-def test_after_the_warm_up_a_call_compiles_nothing(models, mode):
+@pytest.mark.parametrize("mode,backup", [("ssd", "neural"), ("ssd", "auto"), ("sd", "neural")])
+def test_after_the_warm_up_a_call_compiles_nothing(models, mode, backup):
     """A first call at new shapes compiles (the module's own vocabulary: nothing of it is cached
     yet); after `Engine.warm_up` and `DraftWorker.warm_up` of another call's plan, that call
-    compiles nothing, and its tokens are the tokens of the call without a warm-up."""
+    compiles nothing, and its tokens are the tokens of the call without a warm-up. backup="auto"
+    resolves each round under a traced choice (`round_steps.resolve`): its own program, which
+    the warm-up compiles."""
     target, _ = models
     eng = fresh(models)
-    # shapes no other test here runs: K (4, 5 for SSD; 6, 7 for SD), prefill buckets 64 and 32,
-    # caches 256 and 512
-    k_cold, k = (4, 5) if mode == "ssd" else (6, 7)
+    # shapes no other test here runs: K (4, 5 for SSD; 1, 8 for auto; 6, 7 for SD), prefill
+    # buckets 64 and 32, caches 256 and 512
+    k_cold, k = {("ssd", "neural"): (4, 5), ("ssd", "auto"): (1, 8), ("sd", "neural"): (6, 7)}[
+        mode, backup]
     cold = dict(prompts=[list(range(1, 40))], mode=mode, k=k_cold, max_new_tokens=8)
     assert eng.generate(**cold).metrics.compile_s > 0
     request = dict(prompts=[list(range(40, 60))], mode=mode, k=k, max_new_tokens=300,
-                   ssd=SSDConfig(fanout=(2,) + (1,) * k))
+                   ssd=SSDConfig(fanout=(2,) + (1,) * k, backup=backup))
     plan = call_plan(target.tokenizer, target.cfg, max_len=eng.max_len, **request)
     target_side = eng.warm_up(plan)
     eng.worker.warm_up(plan)
