@@ -59,7 +59,7 @@ floor_pass() {
   # the CLI's real-weight tests (pure Python over the engine tested above) run in the main pass
   python -m pytest -n 2 -m "real_weights and not alone and (oracle or not slow)" \
     tests/real_weights/test_loading.py tests/real_weights/test_real_models.py
-  python -m pytest -m alone
+  python -m pytest -m alone tests/real_weights/test_real_models.py  # its one module: no whole-suite collection
   # The portable path and the backend / dtype / draft-format selection: the model and engine tests
   # again with the CPU kernels built for AVX2 only (SSD_JAX_CPU_ISA=avx2 compiles out the AVX-512
   # BF16 / VNNI paths and ssd_jax.runtime.defaults masks those features, so everything is chosen as
