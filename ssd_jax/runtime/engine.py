@@ -175,6 +175,7 @@ class Engine:
         tok = target.tokenizer
         self.vocab_size = tok.vocab_size if tok is not None else target.cfg.vocab_size
         self.eos_ids = tuple(tok.eos_ids) if tok is not None else ()
+        self.tcache = None  # the last call's target KV cache, its DeviceLoop's (memory_of)
         self._t1: float | None = None  # last measured plain decode step (for the §6 prediction)
         self._sd: dict | None = None  # last SD run's verify / draft medians and accept histogram
         self._width_slope: float | None = None  # the local draft's, measured once (plan_fanout)
