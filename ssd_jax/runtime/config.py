@@ -221,8 +221,7 @@ def call_config(mode: str, k: int, seed: int, request_ids, sampling: SamplingPar
             raise ValueError(f"{e} (the {rows} requests run as {len(rids)} rows, their batch "
                              f"bucket; Engine(batch_buckets=False) runs {rows})") from None
         kw = dict(fanout_hit=f_hit, fanout_backup=f_backup, saguaro_c=float(ssd.saguaro_c),
-                  backup=ssd.backup,
-                  row_dtype=np.dtype(ssd.row_dtype).name)
+                  backup=ssd.backup, row_dtype=np.dtype(ssd.row_dtype).name)
     return CallConfig(k=int(k), seed=int(seed), request_ids=rids, draft_sampling=draft_sampling,
                       target_sampling=sampling, verifier=verifier, **kw)
 
