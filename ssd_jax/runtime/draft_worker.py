@@ -321,12 +321,11 @@ class DraftWorker:
         moved here device to device) -> (spec `[B, K]`, rows `[B, K, V]`, missed `[B]`, the
         round's report with its hit column, the outcome unpacked here), all on the draft mesh and
         nothing waited for; the call's counters are updated in place (`self.counters`).
-        neural: backup="auto"'s choice for this round (then `run.backup` is not looked at)."""
+        neural: under backup="auto", this round's choice (traced); None for the other backups."""
         seed, rids = self._call_values(run)
         outcome = self._put_rows(outcome)
-        backup = run.backup if neural is None else "auto"
         kw = dict(vocab_size=self.vocab_size, row_vocab=self.row_vocab, k=run.k,
-                  backup=backup, row_dtype=run.row_dtype, local_rows=self.local_rows,
+                  backup=run.backup, row_dtype=run.row_dtype, local_rows=self.local_rows,
                   saguaro_top_n=tuple(f + 1 for f in run.fanout_backup[:-1]))
 
         def call():
@@ -334,7 +333,7 @@ class DraftWorker:
                                        self.counters, seed, rids,
                                        self._placed_sampling(run.draft_sampling),
                                        np.float32(run.saguaro_c),
-                                       self.history if backup == "ngram" else None, neural,
+                                       self.history if run.backup == "ngram" else None, neural,
                                        ops=self.ops, **kw)
         try:
             spec, rows, missed, self.cache, self.counters, rep, view, history = call()
