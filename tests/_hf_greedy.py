@@ -5,6 +5,7 @@ import sys
 
 import torch
 import transformers
+from _hf_model import empty_model, load_weights
 
 from ssd_jax.models.config import ModelConfig
 from ssd_jax.models.loading.gguf import load_gguf
@@ -13,10 +14,7 @@ path, prompts, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 config, tensors = load_gguf(path)
 cfg = ModelConfig.from_hf(config)
 hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf())
-model = transformers.AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.float32).eval()
-model.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()}, strict=False)
-if cfg.tie_embeddings:
-    model.tie_weights()
+model = load_weights(empty_model(hf_cfg), tensors, cfg.tie_embeddings)
 del tensors
 out = []
 with torch.no_grad():

@@ -453,6 +453,9 @@ _ORACLE = textwrap.dedent(r'''
     import numpy as np
     import torch
 
+    sys.path.insert(0, "tests")  # run from the repository: tests/_hf_model.py
+    from _hf_model import empty_model
+
     from ssd_jax.models.loading.gguf import load_gguf
     from ssd_jax.models.tokenizer import Tokenizer
 
@@ -502,7 +505,7 @@ _ORACLE = textwrap.dedent(r'''
     # Decide the q/k layout by the model itself: next-token loss on real text with our rows, and with
     # the other layout (llama: rows left as in the file; qwen: rows "un-permuted" as if llama).
     hf_config.dtype = torch.float32
-    model = AutoModelForCausalLM.from_config(hf_config).eval()
+    model = empty_model(hf_config)  # `loss` loads every weight (strictly) before each use
     text = ("def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
             "The quick brown fox jumps over the lazy dog. Python is a programming language that lets you "
             "work quickly and integrate systems more effectively.\n")

@@ -6,6 +6,7 @@ import pytest
 
 import jax.numpy as jnp
 
+from _hf_model import empty_model, load_weights
 from ssd_jax.models.config import tiny_config
 from ssd_jax.models.kv_cache import init_cache
 from ssd_jax.models.params import params_from_hf, random_hf_tensors
@@ -16,17 +17,11 @@ TOL = 1e-4  # max |Δ| / max |logit|
 
 
 def hf_model(cfg, tensors):
-    import torch
     import transformers
 
     hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf())
     hf_cfg._attn_implementation = "eager"
-    model = transformers.AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.float32)
-    state = {k: torch.from_numpy(v) for k, v in tensors.items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected, unexpected
-    assert all("lm_head" in m for m in missing), missing  # tied lm_head comes from the embedding
-    return model.eval()
+    return load_weights(empty_model(hf_cfg), tensors, cfg.tie_embeddings)
 
 
 def hf_logits(model, ids):
