@@ -8,6 +8,7 @@
 #          the oracle: every `oracle` test, then the engine, the exactness quick loop, loading,
 #          checkpoints, the golden ids and the real models again on the old JAX, then the model
 #          and engine tests with the CPU kernels built for AVX2 only (on a CPU with AVX-512).
+#          When both passes run, its environment is installed while the main pass's tests run.
 # SSD_JAX_TEST_PASSES="main" (or "floor") runs one; PYTHON312 / PYTHON311 name the interpreters.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,9 +30,41 @@ venv() {  # $1: folder, $2: interpreter; leaves it activated
   python -m pip install -q --upgrade pip
 }
 
-main_pass() {
+floor_env() {  # $1: the Python 3.11 interpreter; the floor pass's environment, made and installed
+  venv .venv-floor "$1"
+  python -m pip install -q -c tests/floor-constraints.txt -e ".[test,oracle]"
+}
+
+# The floor pass's environment is made in the background while the main pass's tests run: its
+# install took ~90 s of wall clock, ~85 s of it one core's work (unpacking, byte-compiling), so
+# beside the tests it costs them about half that. It starts after the main pass's own install (two
+# editable installs of one source tree at once would share its egg-info), and is waited for before
+# any other install and before the floor pass.
+FLOOR_ENV_PID="" FLOOR_ENV_LOG="" FLOOR_ENV_READY=""
+trap 'if [ -n "$FLOOR_ENV_PID" ]; then wait "$FLOOR_ENV_PID" || true; fi' EXIT  # no install left behind
+start_floor_env() {
+  local py
+  py=$(find_python 3.11 "${PYTHON311:-}")  # a missing interpreter fails here, before any test
+  FLOOR_ENV_LOG=$(mktemp)
+  ( floor_env "$py" ) >"$FLOOR_ENV_LOG" 2>&1 &
+  FLOOR_ENV_PID=$!
+}
+wait_floor_env() {  # returns non-zero, with the install's output, if making it failed
+  [ -n "$FLOOR_ENV_PID" ] || return 0
+  local pid=$FLOOR_ENV_PID
+  FLOOR_ENV_PID=""
+  if ! wait "$pid"; then
+    cat "$FLOOR_ENV_LOG" >&2
+    echo "tests/run.sh: making the floor pass's environment (.venv-floor) failed: its output is above" >&2
+    return 1
+  fi
+  FLOOR_ENV_READY=1
+}
+
+main_pass() {  # $1: "floor" if the floor pass follows (its environment is made meanwhile)
   venv .venv "$(find_python 3.12 "${PYTHON312:-}")"
   python -m pip install -q -e ".[test]"
+  if [ "${1:-}" = floor ]; then start_floor_env; fi
   python -c "import jax, jaxlib, flax, orbax.checkpoint as o, sys; print('main pass: Python', sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, 'orbax-checkpoint', o.__version__)"
   ssd-jax fetch qwen2.5-coder-1.5b qwen2.5-coder-0.5b smollm2-135m humaneval sharegpt mt-bench asdiv
   python -m pytest -n 2 -m "not real_weights and not oracle and not gpu_aot"
@@ -39,6 +72,7 @@ main_pass() {
   # then JAX's CUDA plugin and libtpu (the `inspect` extra, ~850 MB) and what compiles for an
   # H100 or a TPU v5e without one; installed last so that the suite above runs as a CPU user's
   # install does
+  wait_floor_env
   python -m pip install -q -e ".[inspect]"
   python -m pytest -n 2 -m gpu_aot
   deactivate
@@ -50,8 +84,12 @@ FLOOR_MODULES=(tests/unit/test_generate.py tests/statistical/test_engine_exactne
                tests/unit/test_model_oracle.py tests/unit/test_api.py)
 
 floor_pass() {
-  venv .venv-floor "$(find_python 3.11 "${PYTHON311:-}")"
-  python -m pip install -q -c tests/floor-constraints.txt -e ".[test,oracle]"
+  wait_floor_env
+  if [ -n "$FLOOR_ENV_READY" ]; then
+    . .venv-floor/bin/activate
+  else
+    floor_env "$(find_python 3.11 "${PYTHON311:-}")"
+  fi
   python -c "import jax, jaxlib, flax, orbax.checkpoint as o, sys; print('floor pass: Python', sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, 'orbax-checkpoint', o.__version__)"
   ssd-jax fetch qwen2.5-coder-1.5b qwen2.5-coder-0.5b smollm2-135m
   python -m pytest -n 2 -m "not real_weights and (oracle or not slow)" "${FLOOR_MODULES[@]}"
@@ -74,9 +112,11 @@ floor_pass() {
   deactivate
 }
 
-for pass in ${SSD_JAX_TEST_PASSES:-main floor}; do
+PASSES=(${SSD_JAX_TEST_PASSES:-main floor})
+for i in "${!PASSES[@]}"; do
+  pass=${PASSES[$i]}
   case "$pass" in
-    main) main_pass ;;
+    main) main_pass "${PASSES[$((i + 1))]:-}" ;;
     floor) floor_pass ;;
     *) echo "tests/run.sh: unknown pass '$pass' (main, floor)" >&2; exit 2 ;;
   esac
