@@ -26,6 +26,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from ssd_jax.models.ops import XLA, Ops
@@ -34,6 +35,14 @@ from ssd_jax.algorithm.aot import inside_step, step_jit, stored_jit
 from ssd_jax.algorithm import decode_state as ds
 from ssd_jax.algorithm.lookup_counters import BACKUP_INDEX, LookupCounters
 from ssd_jax.algorithm.speculation_cache import SpeculationCache, lookup
+
+
+# The packed Outcome's per-row columns, in order; its report's columns follow from REPORT_START.
+# `Outcome.pack` / `unpack` and the host code that builds one (`packed_on_host`, the warm-ups) or
+# checks one (the draft process) all read the order from here.
+OUTCOME_FIELDS = ("num_accepted", "bonus_out", "n", "prev", "bonus", "active")
+OUTCOME_COLUMN = {name: i for i, name in enumerate(OUTCOME_FIELDS)}
+REPORT_START = len(OUTCOME_FIELDS)
 
 
 @struct.dataclass
@@ -53,17 +62,25 @@ class Outcome:
     report: jax.Array
 
     def pack(self) -> jax.Array:
-        """`[B, 6 + R]` int32: the six per-row fields, then the report's columns."""
-        cols = [self.num_accepted, self.bonus_out, self.n, self.prev, self.bonus,
-                self.active.astype(jnp.int32)]
-        return jnp.concatenate([jnp.stack(cols, 1).astype(jnp.int32), self.report], axis=1)
+        """`[B, 6 + R]` int32: the six per-row fields (OUTCOME_FIELDS), then the report's columns."""
+        cols = [getattr(self, name).astype(jnp.int32) for name in OUTCOME_FIELDS]
+        return jnp.concatenate([jnp.stack(cols, 1), self.report], axis=1)
 
     @classmethod
     def unpack(cls, packed: jax.Array) -> "Outcome":
         """The inverse of `pack`."""
-        c = [packed[:, i] for i in range(6)]
-        return cls(num_accepted=c[0], bonus_out=c[1], n=c[2], prev=c[3], bonus=c[4],
-                   active=c[5] > 0, report=packed[:, 6:])
+        c = {name: packed[:, i] for i, name in enumerate(OUTCOME_FIELDS)}
+        return cls(**dict(c, active=c["active"] > 0), report=packed[:, REPORT_START:])
+
+
+def packed_on_host(tokens: int, **fields) -> np.ndarray:
+    """A packed `Outcome` `[B, 6 + R]` of host values (each of OUTCOME_FIELDS a `[B]` array) with
+    an empty report of `tokens` token columns (`decode_state.report`'s width): the shapes a
+    warm-up's steps meet."""
+    cols = np.stack([np.asarray(fields[name]) for name in OUTCOME_FIELDS], 1).astype(np.int32)
+    report = np.zeros((cols.shape[0], ds.R_TOKENS + 2 * tokens), np.int32)
+    report[:, ds.R_HIT] = -1
+    return np.concatenate([cols, report], 1)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -216,7 +233,7 @@ def ssd_chunk(tparams, tcfg, tcache, dparams, dcfg, dcache, state: ds.DecodeStat
                                   fanout_hit, fanout_backup, top_hit, saguaro_c, row_dtype,
                                   ops=dops)
         st, _, _, packed = _commit_verify(st, res.num_accepted, res.bonus, res.tokens, lp, fb)
-        k1 = packed[:, 6 + ds.R_KEPT]
+        k1 = packed[:, REPORT_START + ds.R_KEPT]
         spec, rows, fb, dc, counters, rep, _, history = resolve(
             dparams, dcfg, dc, tree, packed, counters, draft_seed, request_ids, draft_sampling,
             saguaro_c, history, neural, vocab_size=draft_vocab_size, row_vocab=row_vocab, k=k,

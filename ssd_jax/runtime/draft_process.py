@@ -55,15 +55,18 @@ def decode_outcome(a: dict, k: int, row_vocab: int, resolve: bool) -> np.ndarray
     width, a row's position, bonus or accepted count out of range (`resolve`: a verified round's
     outcome, M = K + 1 tokens)."""
     from ssd_jax.algorithm import decode_state as ds
+    from ssd_jax.algorithm.round_steps import OUTCOME_COLUMN, REPORT_START
 
     p = a["outcome"]
-    width = p.shape[1] - 6 - ds.R_TOKENS
+    width = p.shape[1] - REPORT_START - ds.R_TOKENS
     if width < 2 or width % 2 or (resolve and width != 2 * (k + 1)):
-        raise ValueError(f"an outcome of {p.shape[1]} columns: not 6 + {ds.R_TOKENS} + 2 x the "
-                         f"round's tokens{f' (K + 1 = {k + 1})' if resolve else ''}")
-    if p.size and (p[:, 2].min() < 1 or p[:, [1, 3, 4]].min() < 0
-                   or p[:, [1, 3, 4]].max() >= row_vocab or p[:, 0].min() < 0
-                   or p[:, 0].max() > k or not np.isin(p[:, 5], (0, 1)).all()):
+        raise ValueError(f"an outcome of {p.shape[1]} columns: not {REPORT_START} + {ds.R_TOKENS} "
+                         f"+ 2 x the round's tokens{f' (K + 1 = {k + 1})' if resolve else ''}")
+    c = {name: p[:, i] for name, i in OUTCOME_COLUMN.items()}
+    tokens = np.stack([c["bonus_out"], c["prev"], c["bonus"]])
+    if p.size and (c["n"].min() < 1 or tokens.min() < 0 or tokens.max() >= row_vocab
+                   or c["num_accepted"].min() < 0 or c["num_accepted"].max() > k
+                   or not np.isin(c["active"], (0, 1)).all()):
         raise ValueError("an outcome with a position, token, accepted count or active flag out "
                          "of range")
     return p
@@ -210,6 +213,7 @@ class DraftServer:
         import jax
 
         from ssd_jax.algorithm import decode_state as ds
+        from ssd_jax.algorithm.round_steps import OUTCOME_COLUMN
         t0, tree_s = time.perf_counter(), w._tree_s
         spec, rows, missed, rep, v = w.resolve_on_device(packed, run, f["neural"])
         spec_h, rows_h, rep_h, counters = jax.device_get((spec, rows, rep, w.counters))
@@ -221,7 +225,7 @@ class DraftServer:
                         {"spec": spec_h, "rows": rows_h, "hit": rep_h[:, ds.R_HIT] > 0,
                          **{name: getattr(c, name).astype(np.int32) for name in
                             ("lookups_by_accept", "hits_by_accept", "backups")}})
-        if not (packed[:, 5] > 0).any():
+        if not (packed[:, OUTCOME_COLUMN["active"]] > 0).any():
             return reply, None
         return reply, lambda: w.dispatch_tree(RoundState.of_outcome(v), spec, missed, run, wait=True)
 

@@ -18,7 +18,6 @@ import numpy as np
 from ssd_jax.models import backends
 from ssd_jax.models.protocol import forward, init_cache, is_builtin, with_lengths
 from ssd_jax.algorithm import backups, round_steps, steps
-from ssd_jax.algorithm import decode_state as ds
 from ssd_jax.algorithm.aot import step_jit
 from ssd_jax.runtime.config import CallConfig
 from ssd_jax.runtime.metrics import layout_bytes
@@ -169,9 +168,12 @@ class DraftWorker:
         z, ones = np.zeros(B, np.int32), np.ones(B, np.int32)
         prev = np.asarray(call.tokens, np.int32)[np.arange(B), lens - 1]
         # the rows after the prefill and its one-token report (`round_steps.round_view`)
-        view = _packed(z, z, lens, prev, z, ones, tokens=1)
+        view = round_steps.packed_on_host(1, num_accepted=z, bonus_out=z, n=lens, prev=prev,
+                                            bonus=z, active=ones)
         if call.mode == "sd":  # round 1's proposal, then one from a verified round's outcome
-            for packed in (view, _packed(z, z, lens + 1, prev, z, ones, tokens=run.k + 1)):
+            after = round_steps.packed_on_host(run.k + 1, num_accepted=z, bonus_out=z, n=lens + 1,
+                                               prev=prev, bonus=z, active=ones)
+            for packed in (view, after):
                 spec, _, v = self.propose_from(packed, run)
                 jax.block_until_ready(round_steps.pass_report(v.report, spec))
             return
@@ -183,7 +185,8 @@ class DraftWorker:
         bonus = np.asarray([min(set(range(len(k) + 1)) - set(k[k[:, 0] == 0, 1].tolist()))
                             for k in keys], np.int32)
         # a verified round: none accepted, a bonus no branch holds, its (K+1)-token report
-        outcome = _packed(z, bonus, lens + 1, prev, bonus, ones, tokens=run.k + 1)
+        outcome = round_steps.packed_on_host(run.k + 1, num_accepted=z, bonus_out=bonus, n=lens + 1,
+                                             prev=prev, bonus=bonus, active=ones)
         neural = True if run.backup == "auto" else None  # auto's program takes its choice traced
         jax.block_until_ready(self.resolve_on_device(outcome, run, neural)[1])
         self._tree = None
@@ -379,11 +382,3 @@ def _batch_sharding(sharding, batch: int):
     return sharding
 
 
-def _packed(num_accepted, bonus_out, n, prev, bonus, active, tokens: int) -> np.ndarray:
-    """A packed `Outcome` `[B, 6 + R]` of host values with an empty report of `tokens` token
-    columns (`decode_state.report`'s width): the shapes a warm-up's steps meet."""
-    B = len(n)
-    report = np.zeros((B, ds.R_TOKENS + 2 * tokens), np.int32)
-    report[:, ds.R_HIT] = -1
-    cols = np.stack([num_accepted, bonus_out, n, prev, bonus, active], 1).astype(np.int32)
-    return np.concatenate([cols, report], 1)

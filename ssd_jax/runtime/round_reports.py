@@ -50,7 +50,7 @@ class RoundReports:
         """The unread report: SD and SSD keep the round's packed `Outcome` (its report after the
         six outcome columns), AR and the prefill the report itself."""
         p = self.pending
-        return p[:, 6:] if self.pending_packed else p
+        return p[:, rs.REPORT_START:] if self.pending_packed else p
 
     def _uncount(self, rows, kept, hit) -> None:
         """Take back the lookups of `rows` [B] bool (their accepted count is kept - 1: the device
