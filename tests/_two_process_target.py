@@ -3,9 +3,9 @@ pins it; the draft process on core 1, connected over the authenticated socket).
 
 argv: draft HF folder, target HF folder, signal file (or "-"), optionally the draft's quantization
 ("int8") and the width of its cut head (models/draft_head.py). Prints one JSON line: tokens of SSD
-(two backups, the neural one timed too) and SD, hit counts, the T = 1 runs of `T1` (a batch of 16 with its own seed and
-request ids), and — with a signal file — whether every verify saw the draft's tree run while it
-was executing (the overlap proof)."""
+(two backups, the neural one timed too) and SD, hit counts, and — with a signal file — whether
+every verify saw the draft's tree run while it was executing (the overlap proof), SSD with
+backup="auto", and the T = 1 runs of `T1` (a batch of 16 with its own seed and request ids)."""
 import json
 import os
 import sys
@@ -85,6 +85,12 @@ out["sd"] = dict(tokens=r.token_ids, accept_hist=list(r.metrics.accept_hist))
 out["saw_tree"] = saw_tree
 if signal != "-":
     os.remove(signal + ".armed")
+    # backup="auto" with the draft in its own process: the choice crosses the wire each round and
+    # the draft process resolves with auto's program (after the overlap proof: it compiles here)
+    r = eng.generate(PROMPTS, mode="ssd", max_new_tokens=20, k=3,
+                     ssd=SSDConfig(fanout=(2, 2, 1, 1), backup="auto"))
+    out["auto"] = dict(tokens=r.token_ids, hits=r.metrics.hits, lookups=r.metrics.lookups,
+                       backups=r.metrics.backups, fallback=r.metrics.fallback)
 # timed rounds (timeline=True): each round's phases as the draft process timed them
 r = eng.generate(PROMPTS, mode="ssd", max_new_tokens=20, k=3, ssd=SSDConfig(fanout=(2, 2, 1, 1)),
                  timeline=True)

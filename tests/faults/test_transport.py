@@ -83,6 +83,12 @@ def test_two_process_equals_in_process_and_overlaps(pair):
     assert_same_as_in_process(got, eng)
     for backup in ("neural", "random"):
         assert 0 < got[backup]["hits"] < got[backup]["lookups"]
+    # backup="auto" in the draft process: at T = 0 whichever backup served a miss, the tokens are
+    # plain decoding's; every miss was served, by a kind auto chooses from
+    auto = got["auto"]
+    assert auto["fallback"] is None and auto["tokens"] == got["neural"]["tokens"], auto
+    assert 0 < auto["hits"] < auto["lookups"], auto
+    assert sum(auto["backups"].values()) > 0 and set(auto["backups"]) <= {"neural", "random"}, auto
     # the overlap proof: every verify saw a tree step run while it was executing
     assert len(got["saw_tree"]) >= 4 and all(got["saw_tree"]), got["saw_tree"]
     # timed rounds: the same tokens; each round has its verify, the draft process's tree and
