@@ -1,8 +1,9 @@
 """The HF transformers oracle's model (torch, fp32) on given weights, for the tests that compare
-against it (tests/_hf_greedy.py, tests/unit/test_model_oracle.py, tests/real_weights/test_loading.py).
+against it (tests/_hf_greedy.py, tests/unit/test_model_oracle.py,
+tests/real_weights/test_loading.py).
 
-Built without its random initialisation: every weight is loaded right after, and drawing 1.5B
-random numbers first was ~60 s of the 1.5B oracle's ~150 s on this CPU (the `alone` test). A
+Built without its random initialisation: every weight is loaded right after, and drawing the
+1.5B model's random weights first was a large share of its oracle's time (the `alone` test). A
 weight the given tensors lack would then hold whatever the memory held, so the load is strict:
 nothing unexpected, nothing missing but a tied lm_head (which `tie` takes from the embedding)."""
 from __future__ import annotations
@@ -33,8 +34,8 @@ def load_weights(model, tensors, tie: bool):
     """Load `tensors` (HF names -> numpy) into `model`, strictly but for a tied lm_head."""
     import torch
 
-    missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()},
-                                                strict=False)
+    state = {k: torch.from_numpy(v) for k, v in tensors.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected, unexpected
     assert set(missing) <= ({"lm_head.weight"} if tie else set()), missing
     if tie:

@@ -62,7 +62,8 @@ class Outcome:
     report: jax.Array
 
     def pack(self) -> jax.Array:
-        """`[B, 6 + R]` int32: the six per-row fields (OUTCOME_FIELDS), then the report's columns."""
+        """`[B, 6 + R]` int32: the six per-row fields (OUTCOME_FIELDS), then the report's
+        columns."""
         cols = [getattr(self, name).astype(jnp.int32) for name in OUTCOME_FIELDS]
         return jnp.concatenate([jnp.stack(cols, 1), self.report], axis=1)
 
