@@ -454,7 +454,7 @@ _ORACLE = textwrap.dedent(r'''
     import torch
 
     sys.path.insert(0, "tests")  # run from the repository: tests/_hf_model.py
-    from _hf_model import empty_model
+    from _hf_model import empty_model, load_weights
 
     from ssd_jax.models.loading.gguf import load_gguf
     from ssd_jax.models.tokenizer import Tokenizer
@@ -505,17 +505,14 @@ _ORACLE = textwrap.dedent(r'''
     # Decide the q/k layout by the model itself: next-token loss on real text with our rows, and with
     # the other layout (llama: rows left as in the file; qwen: rows "un-permuted" as if llama).
     hf_config.dtype = torch.float32
-    model = empty_model(hf_config)  # `loss` loads every weight (strictly) before each use
+    model = empty_model(hf_config)  # `loss` loads every weight (`load_weights`: strictly) first
     text = ("def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
             "The quick brown fox jumps over the lazy dog. Python is a programming language that lets you "
             "work quickly and integrate systems more effectively.\n")
     ids = torch.tensor([Tokenizer.from_gguf(path).encode(text)])
 
     def loss(tensors):
-        missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()}, strict=False)
-        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-        if config["tie_word_embeddings"]:
-            model.lm_head.weight = model.model.embed_tokens.weight
+        load_weights(model, tensors, config["tie_word_embeddings"])
         with torch.no_grad():
             return float(model(ids, labels=ids).loss)
 
